@@ -1,0 +1,47 @@
+"""The error contract (DESIGN.md "Errors"): every bad input gets one clear message that names
+the field and the accepted values."""
+
+from __future__ import annotations
+
+MIB = 1024 * 1024
+
+
+class HBPError(Exception):
+    """Base class of every error hbp raises on purpose."""
+
+
+class ConfigError(HBPError, ValueError):
+    """A configuration field has a value hbp does not accept.
+
+    The message names the field, the value given and the accepted values.
+    """
+
+    def __init__(self, field: str, value, accepted: str):
+        self.field = field
+        self.value = value
+        self.accepted = accepted
+        super().__init__(f"{field}={value!r} is not accepted: expected {accepted}")
+
+
+class BudgetError(HBPError, ValueError):
+    """No plan fits the memory budget.
+
+    Attributes:
+        budget: the budget that was asked for, in bytes.
+        minimum: the smallest budget, in bytes, for which a plan exists.
+    """
+
+    def __init__(self, budget: int, minimum: int, detail: str = ""):
+        self.budget = int(budget)
+        self.minimum = int(minimum)
+        msg = (
+            f"no plan fits a budget of {self.budget / MIB:.2f} MiB; "
+            f"the smallest feasible budget is {self.minimum / MIB:.2f} MiB ({self.minimum} bytes)"
+        )
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+
+class CaptureWarning(UserWarning):
+    """Op-level graph capture failed; hbp fell back to module-level cut points."""

@@ -1,0 +1,58 @@
+"""Making recomputation invisible: what a recomputed forward must not do twice.
+
+Recomputing a segment in backward runs its forward again. Dropout must draw the same masks
+(torch.utils.checkpoint replays the RNG state: `preserve_rng_state=True`), and normalisation
+layers that track running statistics (BatchNorm, SyncBatchNorm, InstanceNorm with
+`track_running_stats=True`) must not update them a second time (pytorch#96136): in training
+mode their output depends only on the batch statistics, so during the recompute each such
+layer's statistic buffers (running_mean, running_var, num_batches_tracked) are swapped for
+throw-away copies: the output is bit-identical, the real buffers are untouched, and the op
+saves the same number of tensors as in the original forward (turning `track_running_stats`
+off instead would change that count, and non-reentrant checkpoint matches saved tensors by
+position).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+
+def stat_tracking_norms(module: nn.Module) -> list[_NormBase]:
+    """Normalisation layers under `module` that would update running statistics in training."""
+    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+
+
+@contextlib.contextmanager
+def frozen_running_stats(norms: list[_NormBase]) -> Iterator[None]:
+    """Inside: the given training-mode norm layers update throw-away copies of their running
+    statistics, not the real buffers. Puts the real buffers back on exit, also on error."""
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    saved = []
+    for m in norms:
+        if not (m.training and m.track_running_stats):
+            continue
+        real = {n: getattr(m, n) for n in names if getattr(m, n, None) is not None}
+        saved.append((m, real))
+        for n, buf in real.items():
+            setattr(m, n, buf.clone())
+    try:
+        yield
+    finally:
+        for m, real in saved:
+            for n, buf in real.items():
+                setattr(m, n, buf)
+
+
+def checkpoint_context_fn(module: nn.Module):
+    """A `context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
+    the original forward runs as is, the recompute runs with `module`'s norm layers frozen."""
+    norms = stat_tracking_norms(module)
+
+    def context_fn():
+        return contextlib.nullcontext(), frozen_running_stats(norms)
+
+    return context_fn
