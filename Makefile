@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/python -m hbp.benchmarks all
+	$(BIN)/python experiments/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis build *.egg-info

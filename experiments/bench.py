@@ -1,0 +1,87 @@
+"""`make bench`: every benchmark behind the README's tables, results under outputs/bench/.
+
+    python experiments/bench.py                 # everything (about an hour on 2 cores)
+    python experiments/bench.py --only matrix   # one part: matrix | chunked_ce | medium | jax
+    python experiments/bench.py --quick         # fewer steps and budgets (a smoke run)
+
+Parts:
+- matrix: profile small, every workload x {naive, checkpoint, tiny at budgets 1.0 ... 0.1,
+  sac, compile_budget}, with verify=true; then the Pareto report (pareto.md/.csv/.png).
+- chunked_ce: the chunked LM head + cross-entropy against F.cross_entropy at GPT-2 vocab.
+- medium: GPT-2 124M shape (profile medium): naive, checkpoint, tiny at the budget equal to
+  checkpoint's measured peak, tiny at 0.25 (experiments/gpt2_medium.py).
+- jax: naive jax.grad against hbp.jax.height_compressed_grad.
+Every run is a `run.py` process (Hydra multirun), so one crash leaves the others intact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "outputs" / "bench"
+WORKLOADS = "gpt2,resnet,unet,synthetic_dag"
+BUDGETS = "1.0,0.5,0.3,0.2,0.1"
+
+
+def sweep(name: str, *overrides: str, steps: int = 5) -> None:
+    """One Hydra multirun into outputs/bench/matrix/<name>; failures are reported, not fatal."""
+    cmd = [
+        sys.executable, "run.py", "-m", f"workload={WORKLOADS}", "profile=small", "logger=table",
+        "verify=true", f"steps={steps}", "warmup=1", f"hydra.sweep.dir={OUT / 'matrix' / name}",
+        *overrides,
+    ]  # fmt: skip
+    print("+", " ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, cwd=ROOT)
+    if done.returncode:
+        print(f"sweep {name} exited {done.returncode}; continuing", file=sys.stderr)
+
+
+def matrix(quick: bool) -> None:
+    steps = 2 if quick else 5
+    sweep("naive", "mode=naive", steps=steps)
+    sweep("checkpoint", "mode=checkpoint", steps=steps)
+    sweep("tiny", "mode=tiny", f"mode.budget={'0.5,0.2' if quick else BUDGETS}", steps=steps)
+    sweep("sac", "mode=sac", steps=steps)
+    sweep("compile_budget", "mode=compile_budget", "mode.budget=0.5,0.1", steps=steps)
+    from hbp.analysis.pareto import write_report
+
+    table = write_report(OUT / "matrix", OUT)
+    print(f"wrote {OUT / 'pareto.md'} ({len(table)} runs)")
+
+
+def script(name: str, *args: str) -> None:
+    cmd = [sys.executable, str(ROOT / "experiments" / name), *args]
+    print("+", " ".join(cmd[1:]), flush=True)
+    done = subprocess.run(cmd, cwd=ROOT)
+    if done.returncode:
+        print(f"{name} exited {done.returncode}; continuing", file=sys.stderr)
+
+
+PARTS = {
+    "matrix": matrix,
+    "chunked_ce": lambda quick: script("bench_chunked_ce.py", *(["--quick"] if quick else [])),
+    "medium": lambda quick: script("gpt2_medium.py", *(["--quick"] if quick else [])),
+    "jax": lambda quick: script("bench_jax.py", *(["--quick"] if quick else [])),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(PARTS), action="append", help="run only these")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and budgets")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    OUT.mkdir(parents=True, exist_ok=True)
+    for part in args.only or list(PARTS):
+        print(f"== {part}", flush=True)
+        PARTS[part](args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Liveness facts of a graph that every memory computation shares.
+
+`GraphInfo` turns a `Graph` into index-based arrays once (users, storage roots of aliases,
+who receives a gradient, what each node's backward saves), checking the IR's invariants on
+the way. The simulator, the frontier analysis and the planners all read these arrays, so the
+rules below hold everywhere:
+
+- A value's *storage root* is the first value in its `alias_of` chain; views and in-place
+  results share their root's storage and cost nothing themselves. Graph inputs (`is_input`)
+  exist before the step: their storage costs nothing and is never freed or recomputed.
+- A node *receives a gradient* when it requires grad and is a graph output or an input of a
+  node that receives one; a non-input node that receives a gradient *has a backward*. Only
+  nodes with a backward save anything (`saved_inputs`, `saves_output`, `saved_extra_bytes`)
+  or create parameter gradients: a node whose output never reaches a graph output is dead for
+  autograd, as in a traced joint graph.
+- A node is a *save event* when it has a backward and saves something: that is what
+  torch.utils.checkpoint's non-reentrant early stop counts (see `hbp.analysis.simulate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hbp.graph.ir import Graph
+
+
+@dataclass
+class GraphInfo:
+    """Index-based view of a graph (node i = graph.nodes[i]); sizes in bytes, costs in FLOPs.
+
+    Attributes:
+        n: number of nodes.
+        names: node names.
+        inputs: per node, the distinct indices of the values it reads, in order.
+        users: per node, the distinct indices of the nodes that read it, ascending.
+        last_user: per node, the largest user index, or -1.
+        root: per node, the index of its storage root (itself unless it is an alias).
+        storage_bytes: per node, bytes of new storage it allocates (0 for aliases and inputs).
+        is_input / is_output: graph inputs / graph outputs.
+        receives_grad / has_backward: see the module docstring.
+        grad_bytes: per node, bytes of its output gradient (0 unless it receives one).
+        saved: per node, the indices of the inputs its backward keeps (empty without backward).
+        saves_output: per node, whether its backward keeps its own output.
+        extra_bytes: per node, fresh bytes saved only for its backward.
+        param_grad_bytes: per node, parameter-gradient bytes its backward creates.
+        save_event: per node, has a backward and saves something.
+        flops / backward_flops: forward and backward FLOPs (backward defaults to 2x forward).
+    """
+
+    n: int
+    names: list[str]
+    inputs: list[tuple[int, ...]]
+    users: list[tuple[int, ...]]
+    last_user: np.ndarray
+    root: np.ndarray
+    storage_bytes: np.ndarray
+    is_input: np.ndarray
+    is_output: np.ndarray
+    receives_grad: np.ndarray
+    has_backward: np.ndarray
+    grad_bytes: np.ndarray
+    saved: list[tuple[int, ...]]
+    saves_output: np.ndarray
+    extra_bytes: np.ndarray
+    param_grad_bytes: np.ndarray
+    save_event: np.ndarray
+    flops: np.ndarray
+    backward_flops: np.ndarray
+
+    @classmethod
+    def of(cls, graph: Graph) -> GraphInfo:
+        """Check `graph` against the IR's invariants and index it.
+
+        Raises:
+            ValueError: duplicate names, an input that is not an earlier node, an `alias_of`
+                or `saved_inputs` entry that is not among the node's inputs, negative sizes,
+                or an unknown output name.
+        """
+        nodes = graph.nodes
+        n = len(nodes)
+        index: dict[str, int] = {}
+        for i, node in enumerate(nodes):
+            if node.name in index:
+                raise ValueError(f"graph: duplicate node name {node.name!r}")
+            index[node.name] = i
+        inputs: list[tuple[int, ...]] = []
+        users: list[list[int]] = [[] for _ in range(n)]
+        saved: list[tuple[int, ...]] = []
+        root = np.arange(n)
+        for i, node in enumerate(nodes):
+            ins: list[int] = []
+            for name in node.inputs:
+                j = index.get(name)
+                if j is None or j >= i:
+                    raise ValueError(
+                        f"graph: node {node.name!r} reads {name!r}, which is not an earlier node "
+                        "(nodes must be in topological order)"
+                    )
+                if j not in ins:
+                    ins.append(j)
+            inputs.append(tuple(ins))
+            for j in ins:
+                users[j].append(i)
+            if node.alias_of is not None:
+                if node.alias_of not in node.inputs:
+                    raise ValueError(
+                        f"graph: node {node.name!r} has alias_of={node.alias_of!r}, "
+                        "which is not one of its inputs"
+                    )
+                root[i] = root[index[node.alias_of]]
+            for name in node.saved_inputs:
+                if name not in node.inputs:
+                    raise ValueError(
+                        f"graph: node {node.name!r} saves {name!r}, which is not one of its inputs"
+                    )
+            if min(node.output_bytes, node.saved_extra_bytes, node.param_grad_bytes) < 0:
+                raise ValueError(f"graph: node {node.name!r} has a negative byte count")
+            saved.append(tuple(dict.fromkeys(index[s] for s in node.saved_inputs)))
+        is_output = np.zeros(n, dtype=bool)
+        for name in graph.outputs:
+            if name not in index:
+                raise ValueError(f"graph: output {name!r} is not a node")
+            is_output[index[name]] = True
+
+        is_input = np.array([nd.is_input for nd in nodes], dtype=bool)
+        requires_grad = np.array([nd.requires_grad for nd in nodes], dtype=bool)
+        receives_grad = np.zeros(n, dtype=bool)
+        has_backward = np.zeros(n, dtype=bool)
+        for i in range(n - 1, -1, -1):
+            if requires_grad[i] and (is_output[i] or any(has_backward[u] for u in users[i])):
+                receives_grad[i] = True
+                has_backward[i] = not is_input[i]
+        for i in range(n):
+            if not has_backward[i]:
+                saved[i] = ()
+        saves_output = np.array([nd.saves_output for nd in nodes], dtype=bool) & has_backward
+        extra = np.array([nd.saved_extra_bytes for nd in nodes], dtype=np.int64) * has_backward
+        storage = np.array(
+            [0 if (nd.alias_of is not None or nd.is_input) else nd.output_bytes for nd in nodes],
+            dtype=np.int64,
+        )
+        grad_bytes = np.array([nd.grad_bytes for nd in nodes], dtype=np.int64) * receives_grad
+        param_grad = np.array([nd.param_grad_bytes for nd in nodes], dtype=np.int64)
+        flops = np.array([0.0 if nd.is_input else nd.flops for nd in nodes], dtype=float)
+        bwd = np.array([nd.backward_flops or 2.0 * nd.flops for nd in nodes], dtype=float)
+        save_event = has_backward & (
+            np.array([len(s) > 0 for s in saved], dtype=bool) | saves_output | (extra > 0)
+        )
+        last_user = np.array([u[-1] if u else -1 for u in users], dtype=np.int64)
+        return cls(
+            n=n,
+            names=[nd.name for nd in nodes],
+            inputs=inputs,
+            users=[tuple(u) for u in users],
+            last_user=last_user,
+            root=root,
+            storage_bytes=storage,
+            is_input=is_input,
+            is_output=is_output,
+            receives_grad=receives_grad,
+            has_backward=has_backward,
+            grad_bytes=grad_bytes,
+            saved=saved,
+            saves_output=saves_output,
+            extra_bytes=extra,
+            param_grad_bytes=param_grad * has_backward,
+            save_event=save_event,
+            flops=flops,
+            backward_flops=bwd * has_backward,
+        )
+
+    def segment_inputs(self, start: int, stop: int) -> list[int]:
+        """Values a segment [start, stop) reads that it does not produce itself: values made
+        before `start` and graph inputs (which are never recomputed), ascending."""
+        seen: set[int] = set()
+        for j in range(start, stop):
+            if self.is_input[j]:
+                continue
+            for v in self.inputs[j]:
+                if v < start or self.is_input[v]:
+                    seen.add(v)
+        return sorted(seen)

@@ -1,0 +1,287 @@
+"""The memory simulator: what one training step of a graph under a plan allocates, and when.
+
+This is the ground truth the planners are tested against. It interprets a `Plan` over a
+`Graph` event by event, with the execution semantics stated in `hbp.graph.ir` and made
+precise here the way nested `torch.utils.checkpoint(use_reentrant=False)` runs them:
+
+Forward (the original pass) runs every node once. Each run of a node is one event: its new
+storage is allocated (nothing for aliases and graph inputs), then, if it runs with saving
+on and has a backward, its saved inputs, its output (`saves_output`) and `saved_extra_bytes`
+are held until its backward. The live bytes are recorded, then the node's inputs whose last
+use in the pass this was are released. Storage is freed when nothing holds it any more:
+pending forward uses in the current pass, a backward that saved it, a recomputed segment that
+holds it as an input, or being a graph output (held for the whole step). Aliases share their
+root's storage, so any hold on an alias holds the root.
+
+Plain segments run with saving on. Entering a recomputed segment holds its inputs (values made
+before it, and graph inputs, that its nodes read) until its backward is done; its nodes run
+with saving off, and nested children change nothing in that pass.
+
+Backward processes the top-level segments in reverse. A plain segment backpropagates its
+nodes in reverse. A recomputed segment first runs a recompute pass over its children (a plain
+child saves; a recomputed child is entered and runs with saving off), whose values are new
+storage; then it processes its children in reverse the same way (recursively); then it
+releases its inputs. A recompute pass follows torch's non-reentrant *early stop*: it ends right
+after the pass's last save event (a node of a plain child that saves something, or entering a
+recomputed child that has inputs); the nodes after it do not run, and values the pass made
+that are not held are freed when it stops. A pass without save events does not run at all.
+
+At node j's backward (only nodes with a backward, see `hbp.analysis.liveness`): the gradient
+of j's output is live; j allocates the gradients of its inputs that receive one and do not
+have one yet (accumulating is free) and its parameter gradients (kept to the end of the
+step); the event is recorded; then j releases what it saved and frees its output gradient.
+Gradients of graph inputs are kept to the end of the step. Graph outputs' gradients are
+allocated when backward starts.
+
+The peak is the largest recorded live-byte count, above the level before the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.graph.ir import Graph
+from hbp.planner.plan import Plan, Segment
+
+FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+
+
+@dataclass
+class Simulation:
+    """What one simulated training step does.
+
+    Attributes:
+        peak_bytes: the most bytes live at any event, above the level before the step.
+        peak_phase: "forward", "recompute" or "backward": the phase of the peak event.
+        peak_at: name of the node whose event holds the peak ("" for the backward start).
+        recompute_flops: FLOPs of the nodes run again in recompute passes.
+        total_flops: forward + backward + recompute FLOPs of the whole step.
+        timeline: (event, live bytes) for every event, "phase:node" in execution order.
+        forward_end_bytes: bytes live when the forward pass ends (outputs and what is kept).
+    """
+
+    peak_bytes: int
+    peak_phase: str
+    peak_at: str
+    recompute_flops: float
+    total_flops: float
+    timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    forward_end_bytes: int = 0
+
+
+def naive_peak(graph: Graph) -> int:
+    """Peak bytes of plain autograd (no recomputation) on `graph`."""
+    return simulate(graph).peak_bytes
+
+
+def simulate(
+    graph: Graph, plan: Plan | list[Segment] | None = None, *, info: GraphInfo | None = None
+) -> Simulation:
+    """Simulate one training step of `graph` under `plan` (None: plain autograd).
+
+    `plan` may also be a bare list of top-level segments. `info` is `GraphInfo.of(graph)`, for
+    callers that simulate the same graph many times.
+
+    Raises:
+        ValueError: the graph breaks the IR's invariants or the segments do not tile it.
+    """
+    info = info or GraphInfo.of(graph)
+    if plan is None:
+        segments = [Segment(0, info.n)] if info.n else []
+    else:
+        segments = plan.segments if isinstance(plan, Plan) else list(plan)
+    check_tiling(segments, 0, info.n)
+    return _Run(info).step(segments)
+
+
+def check_tiling(segments: list[Segment], start: int, stop: int, where: str = "plan") -> None:
+    """Raise ValueError unless `segments` tile [start, stop) in order, recursively."""
+    pos = start
+    for k, seg in enumerate(segments):
+        if seg.start != pos or seg.stop <= seg.start:
+            raise ValueError(
+                f"{where}: segment {k} is [{seg.start}, {seg.stop}) but must start at {pos} "
+                f"and be non-empty (segments must tile [{start}, {stop}) in order)"
+            )
+        pos = seg.stop
+        if seg.children:
+            if not seg.recompute:
+                raise ValueError(
+                    f"{where}: segment {k} [{seg.start}, {seg.stop}) has children but is not "
+                    "recomputed (only recomputed segments are re-run with a nested plan)"
+                )
+            check_tiling(seg.children, seg.start, seg.stop, f"{where}.segments[{k}].children")
+    if pos != stop:
+        raise ValueError(f"{where}: segments end at {pos}, expected {stop}")
+
+
+class _Run:
+    """One simulated step: reference-counted storage instances and recorded events."""
+
+    def __init__(self, info: GraphInfo):
+        self.info = info
+        self.size: list[int] = []  # bytes per storage instance
+        self.refs: list[int] = []  # holds per storage instance
+        self.live = 0
+        self.timeline: list[tuple[str, int]] = []
+        self.peak = (0, FORWARD, "")
+        self.recompute_flops = 0.0
+        self.current = [-1] * info.n  # value -> its current storage instance
+        self.saved_holds: list[list[int]] = [[] for _ in range(info.n)]
+        self.segment_holds: dict[int, list[int]] = {}  # id(segment) -> held instances
+        self.grad: list[int] = [-1] * info.n  # value -> gradient instance (or -1)
+        for i in range(info.n):
+            if info.is_input[i]:
+                self.current[i] = self._new(0)
+
+    # storage -------------------------------------------------------------------------------
+    def _new(self, nbytes: int) -> int:
+        """A new storage instance held once (by its creator, who must release it)."""
+        self.size.append(int(nbytes))
+        self.refs.append(1)
+        self.live += int(nbytes)
+        return len(self.size) - 1
+
+    def _hold(self, inst: int) -> None:
+        self.refs[inst] += 1
+
+    def _release(self, inst: int) -> None:
+        self.refs[inst] -= 1
+        if self.refs[inst] == 0:
+            self.live -= self.size[inst]
+
+    def _record(self, phase: str, j: int | None) -> None:
+        name = self.info.names[j] if j is not None else ""
+        self.timeline.append((f"{phase}:{name}" if name else phase, self.live))
+        if self.live > self.peak[0]:
+            self.peak = (self.live, phase, name)
+
+    # passes --------------------------------------------------------------------------------
+    def _items(self, children: list[Segment], early_stop: bool) -> list[tuple]:
+        """The run items of a pass over `children`: ("node", j, save) and ("enter", segment),
+        cut after the last save event when `early_stop`."""
+        info = self.info
+        items: list[tuple] = []
+        last_event = -1
+        for seg in children:
+            if seg.recompute:
+                items.append(("enter", seg))
+                if info.segment_inputs(seg.start, seg.stop):
+                    last_event = len(items) - 1
+                items.extend(("node", j, False) for j in range(seg.start, seg.stop))
+            else:
+                for j in range(seg.start, seg.stop):
+                    items.append(("node", j, True))
+                    if info.save_event[j]:
+                        last_event = len(items) - 1
+        return items[: last_event + 1] if early_stop else items
+
+    def _pass(self, children: list[Segment], scope: tuple[int, int] | None) -> None:
+        """Run a forward pass over `children`. scope=None: the original pass (all users
+        count, outputs are held for the step); else a recompute pass of [start, stop)."""
+        info = self.info
+        phase = FORWARD if scope is None else RECOMPUTE
+        items = self._items(children, early_stop=scope is not None)
+        pending: dict[int, int] = {}  # value made in this pass -> its uses left
+        for item in items:
+            if item[0] == "enter":
+                seg = item[1]
+                holds = [self.current[v] for v in info.segment_inputs(seg.start, seg.stop)]
+                for inst in holds:
+                    self._hold(inst)
+                self.segment_holds[id(seg)] = holds
+                continue
+            _, j, save = item
+            if info.is_input[j]:
+                continue
+            alias = info.root[j] != j
+            inst = self.current[info.root[j]] if alias else self._new(info.storage_bytes[j])
+            if alias:
+                self._hold(inst)  # the creator's hold, released at the end of the event
+            self.current[j] = inst
+            uses = len(info.users[j]) if scope is None else _count_in(info.users[j], scope)
+            if uses:
+                pending[j] = uses
+                self._hold(inst)
+            if scope is None and info.is_output[j]:
+                self._hold(inst)
+            if save and info.has_backward[j]:
+                held = [self.current[v] for v in info.saved[j]]
+                if info.saves_output[j]:
+                    held.append(inst)
+                for h in held:
+                    self._hold(h)
+                if info.extra_bytes[j]:
+                    held.append(self._new(info.extra_bytes[j]))
+                self.saved_holds[j] = held
+            if scope is not None:
+                self.recompute_flops += info.flops[j]
+            self._record(phase, j)
+            for v in info.inputs[j]:
+                left = pending.get(v)
+                if left is not None:
+                    if left == 1:
+                        del pending[v]
+                        self._release(self.current[v])
+                    else:
+                        pending[v] = left - 1
+            self._release(inst)
+        for v in pending:  # early stop: the pass's remaining references go
+            self._release(self.current[v])
+
+    # backward ------------------------------------------------------------------------------
+    def _backward_node(self, j: int) -> None:
+        info = self.info
+        if not info.has_backward[j]:
+            return
+        for v in info.inputs[j]:
+            if info.receives_grad[v] and self.grad[v] < 0:
+                self.grad[v] = self._new(info.grad_bytes[v])
+        if info.param_grad_bytes[j]:
+            self._new(info.param_grad_bytes[j])  # kept to the end of the step
+        self._record(BACKWARD, j)
+        for inst in self.saved_holds[j]:
+            self._release(inst)
+        self.saved_holds[j] = []
+        if self.grad[j] >= 0:
+            self._release(self.grad[j])
+            self.grad[j] = -1
+
+    def _backward(self, segments: list[Segment]) -> None:
+        for seg in reversed(segments):
+            if not seg.recompute:
+                for j in range(seg.stop - 1, seg.start - 1, -1):
+                    self._backward_node(j)
+                continue
+            children = seg.children or [Segment(seg.start, seg.stop)]
+            self._pass(children, (seg.start, seg.stop))
+            self._backward(children)
+            for inst in self.segment_holds.pop(id(seg), []):
+                self._release(inst)
+
+    def step(self, segments: list[Segment]) -> Simulation:
+        info = self.info
+        self._pass(segments, None)
+        forward_end = self.live
+        for j in range(info.n):
+            if info.is_output[j] and info.receives_grad[j]:
+                self.grad[j] = self._new(info.grad_bytes[j])
+        self._record(BACKWARD, None)
+        self._backward(segments)
+        fwd = float(info.flops.sum())
+        bwd = float(info.backward_flops.sum())
+        return Simulation(
+            peak_bytes=int(self.peak[0]),
+            peak_phase=self.peak[1],
+            peak_at=self.peak[2],
+            recompute_flops=float(self.recompute_flops),
+            total_flops=fwd + bwd + float(self.recompute_flops),
+            timeline=self.timeline,
+            forward_end_bytes=int(forward_end),
+        )
+
+
+def _count_in(users: tuple[int, ...], scope: tuple[int, int]) -> int:
+    start, stop = scope
+    return sum(1 for u in users if start <= u < stop)

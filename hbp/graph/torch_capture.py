@@ -1,0 +1,961 @@
+"""Capture a PyTorch module's training step into hbp's IR (`hbp.graph.ir.Graph`).
+
+Why torch.fx symbolic tracing (and not torch.export, make_fx or an AOTAutograd joint graph):
+the executor must run the *user's own modules and parameters* eagerly, so that a recomputed
+segment re-runs exactly the code the plain model runs (same kernels, same dropout draws, same
+BatchNorm buffers, same tied `Parameter` objects receiving `.grad`), with no functionalisation
+and no decomposition of the backward. `torch.fx` gives that: nn.Module leaves (Linear, Conv2d,
+BatchNorm2d, Dropout, ...) stay `call_module` nodes that call the real submodule, and the
+`GraphModule` holds the very same parameter objects. torch.export / make_fx / AOTAutograd work
+at aten level on a functionalised copy: finer cut points, but every leaf is decomposed (the
+executor would no longer run the module's own forward, BatchNorm/dropout state handling would
+have to be re-implemented, and RNG replay on CPU needs extra care); their extra granularity
+buys little, because the memory that matters is at module boundaries anyway.
+
+Two refinements over plain `torch.fx.symbolic_trace`:
+- Shape specialisation. Capture is per input signature (HCModule caches per signature), so
+  every proxy carries the fake value of its node, and `x.size()`, `x.shape`, `x.dim()`,
+  `x.dtype`, `x.device`, `len(x)` return concrete values. Shape asserts and shape-dependent
+  Python (`b, t = idx.size(); assert t <= block_size`) trace; data-dependent control flow
+  (`if x.sum() > 0`) still fails, as it must. Tensor factories (`torch.arange`, `torch.rand`,
+  `torch.zeros`, ...) are recorded as graph nodes even when all their arguments are concrete,
+  so random draws are not baked into the graph as constants.
+- None-valued and scalar (bool/int/float/str) keyword arguments are `concrete_args`.
+
+Sizes come from running every node on fake tensors (`FakeTensorMode`: real shapes, dtypes
+and devices, no memory; the device is kept, so device-dependent kernels and decompositions
+are the same as in the real run, e.g. CPU flash attention and CPU dropout's float mask). For
+each node, on fake inputs whose `requires_grad` follows the real run:
+- `output_bytes`: bytes of new storage (0 when the output shares an input's storage: views,
+  in-place results; `alias_of` names that input);
+- `flops`: `torch.utils.flop_counter.FlopCounterMode` (plus CPU flash-attention formulas);
+- what backward keeps: the node runs under `torch.autograd.graph.saved_tensors_hooks` and
+  each saved tensor is classified by storage identity: an input's storage -> `saved_inputs`,
+  the node's own output -> `saves_output`, a parameter/buffer/constant -> nothing (they are
+  not activations), anything else -> `saved_extra_bytes` (dropout masks, norm statistics,
+  attention logsumexp, ...);
+- `param_grad_bytes`: each trainable parameter charged to its last forward user.
+
+Where op-level capture fails (data-dependent control flow, ops without fake support), hbp
+falls back to module-level cut points: the sequence of (top-level) child module calls,
+recorded with forward hooks during a fake run (a real `no_grad` run if the fake run fails
+too), as a chain of IR nodes, with a `hbp.errors.CaptureWarning` that says why.
+
+Capturing does not change the module: parameters and buffers are only read (fake copies are
+updated instead), train/eval flags are untouched, and the RNG state is restored.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import inspect
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves, tree_map
+
+from hbp.errors import CaptureWarning
+from hbp.graph.ir import Graph, Node
+from hbp.runtime.recompute import frozen_running_stats, stat_tracking_norms
+
+OP = "op"
+MODULE = "module"
+
+_aten = torch.ops.aten
+
+def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_flash_backward_flops(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    return flop_counter.sdpa_backward_flop_count(
+        grad_out_shape, query_shape, key_shape, value_shape
+    )
+
+
+#: FLOP formulas `FlopCounterMode` lacks: CPU flash attention (the kernel SDPA picks on CPU).
+CPU_FLOP_FORMULAS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
+}
+
+
+def flop_counter_mode() -> flop_counter.FlopCounterMode:
+    """A silent `FlopCounterMode` that also counts CPU flash attention (FLOPs, 2 per MAC)."""
+    return flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS)
+
+
+# Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
+_FACTORIES = (
+    "arange empty empty_strided eye full linspace logspace normal ones rand randint randn "
+    "randperm scalar_tensor tensor tril_indices triu_indices zeros"
+).split()
+
+
+@dataclass
+class CapturedGraph:
+    """A captured module: hbp's IR plus what the executor needs to run it.
+
+    Attributes:
+        graph: the IR (one node per value-producing fx node, in fx order; at module
+            granularity an input node followed by one node per child module call).
+        gm: the traced `torch.fx.GraphModule` (op granularity; None at module granularity).
+            Its parameters and submodules are the module's own objects.
+        granularity: "op" (fx graph) or "module" (fallback: child module calls).
+        fx_nodes: at op granularity, `fx_nodes[i]` is the fx node of IR node i.
+        input_names: forward parameter bound to each placeholder, in placeholder order.
+        signature: `inspect.signature(module.forward)`.
+        mutated_inputs: IR node name -> names of its input nodes it mutates in place.
+        mutated_attrs: IR node name -> `get_attr` targets (buffers) it mutates in place.
+        module_calls: at module granularity, (module path, occurrence) of IR node i + 1.
+        fallback_reason: why op-level capture failed ("" at op granularity).
+        capture_time_s: wall time of the capture in seconds.
+    """
+
+    graph: Graph
+    gm: fx.GraphModule | None
+    granularity: str
+    fx_nodes: list[fx.Node] = field(default_factory=list)
+    input_names: list[str] = field(default_factory=list)
+    signature: inspect.Signature | None = None
+    mutated_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    mutated_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    module_calls: list[tuple[str, int]] = field(default_factory=list)
+    fallback_reason: str = ""
+    capture_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._fx_index = {n: i for i, n in enumerate(self.fx_nodes)}
+
+    def fx_node(self, name: str) -> fx.Node:
+        """The fx node of the IR node called `name` (op granularity)."""
+        return self.fx_nodes[self.graph.index(name)]
+
+    def ir_index(self, node: fx.Node) -> int:
+        """Position in the IR's topological order of the IR node made from fx `node`."""
+        return self._fx_index[node]
+
+    def ir_node(self, node: fx.Node) -> Node:
+        return self.graph.nodes[self._fx_index[node]]
+
+
+def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> CapturedGraph:
+    """Capture `module(*args, **kwargs)` (training step: grad enabled, current train/eval
+    flags) into hbp's IR. Falls back to module-level cut points, with a `CaptureWarning`,
+    where op-level capture fails. The module's state (parameters, buffers, train flags, RNG)
+    is unchanged afterwards."""
+    start = time.perf_counter()
+    kwargs = dict(kwargs or {})
+    signature = inspect.signature(module.forward)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    with _rng_preserved(module, bound.arguments), torch.enable_grad():
+        try:
+            captured = _capture_ops(module, bound.arguments, signature)
+        except Exception as err:  # noqa: BLE001 - any tracing failure means "fall back"
+            reason = f"{type(err).__name__}: {err}".strip().splitlines()[0][:300]
+            warnings.warn(
+                f"hbp could not capture {type(module).__name__} at operator level ({reason}); "
+                "falling back to module-level cut points (child module calls): the plan is "
+                "coarser and its memory prediction approximate.",
+                CaptureWarning,
+                stacklevel=3,
+            )
+            captured = _capture_modules(module, bound, signature, reason)
+    captured.capture_time_s = time.perf_counter() - start
+    captured.graph.meta["capture_time_s"] = captured.capture_time_s
+    return captured
+
+
+# ---------------------------------------------------------------------------------------
+# Fake values
+# ---------------------------------------------------------------------------------------
+
+
+class _Faker:
+    """Converts real tensors to fake ones: same shape, dtype, device and requires_grad, and
+    one fake storage per real storage (so storage identity, hence aliasing, carries over)."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake of a persistent tensor (parameter, buffer, constant): one per tensor."""
+        if isinstance(t, FakeTensor):
+            return t
+        hit = self._memo.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        fake = self.mode.from_tensor(t, static_shapes=True)
+        self._memo[id(t)] = (t, fake)
+        return fake
+
+    def fresh(self, t: torch.Tensor) -> torch.Tensor:
+        """A new fake leaf for an input tensor (requires_grad as `t`)."""
+        if isinstance(t, FakeTensor):
+            return t
+        fake = self.mode.from_tensor(t.detach(), static_shapes=True)
+        return fake.requires_grad_(True) if t.requires_grad else fake
+
+    def tree(self, value: Any, *, fresh: bool = False) -> Any:
+        convert = self.fresh if fresh else self.tensor
+        return tree_map(lambda x: convert(x) if isinstance(x, torch.Tensor) else x, value)
+
+    def state_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Fake parameters and buffers of `module`, by name (tied names share one fake)."""
+        state = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        return {k: self.tensor(v) for k, v in state.items() if v is not None}
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _requires_grad(value: Any) -> bool:
+    return any(t.requires_grad for t in _tensors(value))
+
+
+def _call_module(faker: _Faker | None, module: nn.Module, args, kwargs):
+    """Run `module.forward` (no hooks) with fake state, or real state if `faker` is None."""
+    if faker is None:
+        return module.forward(*args, **kwargs)
+    with _reparametrize_module(module, faker.state_of(module)):
+        return module.forward(*args, **kwargs)
+
+
+def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        obj, *rest = args
+        return getattr(obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        return _call_module(faker, root.get_submodule(node.target), args, kwargs)
+    raise AssertionError(f"cannot run fx node {node.op}")
+
+
+def _fetch_attr(root: nn.Module, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------
+# Shape-specialising tracer
+# ---------------------------------------------------------------------------------------
+
+_MISSING = object()
+_CONCRETE_TYPES = (bool, int, float, str, torch.Size, torch.dtype, torch.device, torch.layout)
+
+
+class _ValueProxy(fx.Proxy):
+    """An fx Proxy that knows its node's fake value: shape queries return concrete values."""
+
+    def _value(self) -> Any:
+        return self.tracer.values.get(self.node, _MISSING)
+
+    def _tensor(self) -> torch.Tensor | None:
+        v = self._value()
+        return v if isinstance(v, torch.Tensor) else None
+
+    def _symbolic(self, method: str, *args):
+        return self.tracer.create_proxy("call_method", method, (self, *args), {})
+
+    def size(self, dim=None):
+        t = self._tensor()
+        if t is None:
+            return self._symbolic("size") if dim is None else self._symbolic("size", dim)
+        return t.size() if dim is None else t.size(dim)
+
+    def dim(self):
+        t = self._tensor()
+        return self._symbolic("dim") if t is None else t.dim()
+
+    def numel(self):
+        t = self._tensor()
+        return self._symbolic("numel") if t is None else t.numel()
+
+    @property
+    def shape(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "shape") if t is None else t.shape
+
+    @property
+    def ndim(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "ndim") if t is None else t.ndim
+
+    @property
+    def dtype(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "dtype") if t is None else t.dtype
+
+    @property
+    def device(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "device") if t is None else t.device
+
+    @property
+    def is_cuda(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "is_cuda") if t is None else t.is_cuda
+
+    def __len__(self):
+        v = self._value()
+        if v is _MISSING or not hasattr(v, "__len__"):
+            return super().__len__()
+        return len(v)
+
+    def __iter__(self):
+        v = self._value()
+        if isinstance(v, (tuple, list)):
+            return iter([self[i] for i in range(len(v))])
+        return super().__iter__()
+
+    def keys(self):
+        v = self._value()
+        return v.keys() if isinstance(v, dict) else super().keys()
+
+    def __bool__(self):
+        v = self._value()
+        if isinstance(v, (bool, int, float)):  # a specialised Python value, not a tensor
+            return bool(v)
+        return super().__bool__()
+
+    def __getattr__(self, k: str):
+        # Tensor methods stay lazy (`x.view(...)` becomes one call_method node). Plain
+        # attributes specialise: Python values (`x.requires_grad`, `x.is_leaf`) are returned
+        # as they are, tensors (`x.T`, `x.mT`) become getattr nodes that carry their value.
+        if k.startswith("__") or callable(getattr(torch.Tensor, k, None)):
+            return super().__getattr__(k)
+        v = self._value()
+        if isinstance(v, torch.Tensor):
+            try:
+                attr = getattr(v, k)
+            except Exception:  # noqa: BLE001
+                attr = _MISSING
+            if attr is None or isinstance(attr, _CONCRETE_TYPES):
+                return attr
+        return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
+
+
+class _Tracer(fx.Tracer):
+    """`torch.fx.Tracer` whose proxies carry fake values (see the module docstring)."""
+
+    def __init__(self, faker: _Faker, inputs: dict[str, Any]):
+        super().__init__(autowrap_modules=(math,))
+        self.faker = faker
+        self.inputs = inputs  # placeholder target -> fake value
+        self.values: dict[fx.Node, Any] = {}
+        self.computing = False
+        self.value_errors: list[str] = []
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ValueProxy(node, self)
+
+    # fx patches nn.Module.__call__ / __getattr__ while tracing; computing a value runs real
+    # module code on fake tensors, which must not be traced.
+    def call_module(self, m, forward, args, kwargs):
+        if self.computing:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.computing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, *rest, **kw):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest, **kw)
+        node = proxy.node
+        if kind == "placeholder":
+            key = target if target in self.inputs else target.rsplit("_", 1)[0]
+            self.values[node] = self.inputs.get(key, _MISSING)
+        else:
+            self.values[node] = self._compute(node)
+        return proxy
+
+    def _value(self, node: fx.Node) -> Any:
+        if node not in self.values and node.op == "get_attr":
+            self.computing = True  # a real attribute, not the parameter proxy fx would give
+            try:
+                self.values[node] = self.faker.tree(_fetch_attr(self.root, node.target))
+            finally:
+                self.computing = False
+        return self.values.get(node, _MISSING)
+
+    def _compute(self, node: fx.Node) -> Any:
+        if node.op == "get_attr":
+            return self._value(node)
+        missing = []
+        args, kwargs = fx.node.map_aggregate(
+            (node.args, node.kwargs),
+            lambda a: self._lookup(a, missing) if isinstance(a, fx.Node) else a,
+        )
+        if missing:
+            return _MISSING
+        args, kwargs = self.faker.tree((args, kwargs))  # real tensor constants -> fake
+        self.computing = True
+        try:
+            with self.faker.mode:
+                return _run_fx_node(node, self.root, self.faker, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
+            self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
+            return _MISSING
+        finally:
+            self.computing = False
+
+    def _lookup(self, node: fx.Node, missing: list) -> Any:
+        v = self._value(node)
+        if v is _MISSING:
+            missing.append(node)
+        return v
+
+    @contextlib.contextmanager
+    def recording_factories(self) -> Iterator[None]:
+        """Within: `torch.<factory>(...)` calls made by traced code become graph nodes."""
+        originals = {name: getattr(torch, name) for name in _FACTORIES}
+
+        def wrap(fn: Callable) -> Callable:
+            @functools.wraps(fn)
+            def factory(*args, **kwargs):
+                if self.computing:
+                    return fn(*args, **kwargs)
+                return self.create_proxy("call_function", fn, args, kwargs)
+
+            return factory
+
+        for name, fn in originals.items():
+            setattr(torch, name, wrap(fn))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(torch, name, fn)
+
+
+def _trace(
+    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: _Faker
+) -> tuple[fx.GraphModule, list[str]]:
+    """Trace `module` specialised to `arguments` (forward parameter -> real value)."""
+    concrete, inputs = {}, {}
+    for name, value in arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            inputs["*" + name] = faker.tree(value, fresh=True)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            inputs["**" + name] = faker.tree(value, fresh=True)
+        elif value is None or type(value) in (bool, int, float, str):
+            concrete[name] = value
+            inputs[name] = value
+        else:
+            inputs[name] = faker.tree(value, fresh=True)
+    for t in (*module.parameters(), *module.buffers()):
+        faker.tensor(t)  # convert now: fx's patching during tracing makes it ~10x slower
+    tracer = _Tracer(faker, inputs)
+    attrs_before = set(module.__dict__)
+    try:
+        with tracer.recording_factories():
+            graph = tracer.trace(module, concrete_args=concrete or None)
+        gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
+    finally:  # fx stores tensor constants on the traced module: take them off again
+        for attr in set(module.__dict__) - attrs_before:
+            delattr(module, attr)
+    _drop_concrete_arg_asserts(gm, concrete)
+    input_names = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            target = node.target.lstrip("*")
+            input_names.append(target if target in arguments else target.rsplit("_", 1)[0])
+    return gm, input_names
+
+
+def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
+    """fx adds `assert arg is None` / `assert arg == value` nodes for concrete args; the
+    cache key already guarantees them, and they would only clutter the IR."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    concrete_targets = {f"{name}_1" for name in concrete}
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node.target in concrete_targets:
+            stack = list(node.users)
+            doomed: list[fx.Node] = []
+            while stack:
+                user = stack.pop()
+                if user not in doomed:
+                    doomed.append(user)
+                    stack.extend(user.users)
+            for user in sorted(doomed, key=lambda n: -position[n]):
+                gm.graph.erase_node(user)
+    gm.recompile()
+
+
+# ---------------------------------------------------------------------------------------
+# Profiling: what each node allocates, saves and costs
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Profile:
+    output: Any
+    output_bytes: int
+    alias_of: str | None
+    requires_grad: bool
+    saved_inputs: tuple[str, ...]
+    saves_output: bool
+    saved_extra_bytes: int
+    flops: float
+    mutated_inputs: tuple[str, ...]
+
+
+def _profile_call(
+    fn: Callable[[], Any],
+    inputs: list[tuple[str, Any]],
+    persistent_keys: set[int],
+    owners: dict[int, str],
+    name: str = "",
+) -> _Profile:
+    """Run `fn()` (its inputs are `inputs`: (IR name, value)) and classify its memory.
+
+    persistent_keys: storages of parameters, buffers and constants (never charged).
+    owners: storage key -> IR name of the node that created it; new storages are added
+        under `name`.
+    """
+    input_keys: dict[int, str] = {}
+    versions = []
+    for name, value in inputs:
+        for t in _tensors(value):
+            key = _storage_key(t)
+            if key is not None:
+                input_keys.setdefault(key, name)
+            versions.append((name, t, t._version))
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter_mode() as fc:
+        output = fn()
+    mutated = tuple(dict.fromkeys(n for n, t, v in versions if t._version != v))
+
+    output_bytes, alias_of, output_keys = 0, None, set()
+    for t in _tensors(output):
+        key = _storage_key(t)
+        if key is None:
+            continue
+        output_keys.add(key)
+        if key in input_keys:
+            alias_of = alias_of or input_keys[key]
+        elif key not in persistent_keys and key not in owners:
+            output_bytes += t.untyped_storage().nbytes()
+            owners[key] = name
+    saved_inputs: list[str] = []
+    saves_output = False
+    extra: dict[int, int] = {}
+    for t in saved:
+        key = _storage_key(t)
+        if key is None or key in persistent_keys:
+            continue
+        if key in input_keys:
+            if input_keys[key] not in saved_inputs:
+                saved_inputs.append(input_keys[key])
+        elif key in output_keys:
+            saves_output = True
+        else:
+            extra[key] = t.untyped_storage().nbytes()
+    return _Profile(
+        output=output,
+        output_bytes=output_bytes,
+        alias_of=alias_of,
+        requires_grad=_requires_grad(output),
+        saved_inputs=tuple(saved_inputs),
+        saves_output=saves_output,
+        saved_extra_bytes=sum(extra.values()),
+        flops=float(fc.get_total_flops()),
+        mutated_inputs=mutated,
+    )
+
+
+def _charge_param_grads(nodes: list[Node], params_used: list[list[nn.Parameter]]) -> None:
+    """Each trainable parameter's gradient is charged to its last forward user."""
+    last_user: dict[int, tuple[int, nn.Parameter]] = {}
+    for i, params in enumerate(params_used):
+        for p in params:
+            if p.requires_grad:
+                last_user[id(p)] = (i, p)
+    for i, p in last_user.values():
+        nodes[i].param_grad_bytes += p.numel() * p.element_size()
+
+
+def _module_label(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return node.target
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return next(reversed(stack.values()))[0]
+    return ""
+
+
+def _op_label(node: fx.Node, root: nn.Module) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "call_module":
+        return type(root.get_submodule(node.target)).__name__
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _capture_ops(
+    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature
+) -> CapturedGraph:
+    faker = _Faker()
+    gm, input_names = _trace(module, arguments, signature, faker)
+    persistent = [faker.tensor(t) for t in (*module.parameters(), *module.buffers())]
+    persistent += [faker.tensor(t) for t in (*gm.parameters(), *gm.buffers())]
+    persistent_keys = {k for k in map(_storage_key, persistent) if k is not None}
+
+    values: dict[fx.Node, Any] = {}
+    owners: dict[int, str] = {}
+    nodes: list[Node] = []
+    fx_nodes: list[fx.Node] = []
+    params_used: list[list[nn.Parameter]] = []
+    mutated_inputs: dict[str, tuple[str, ...]] = {}
+    mutated_attrs: dict[str, tuple[str, ...]] = {}
+    placeholders = iter(input_names)
+    outputs: list[str] = []
+
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs = list(
+                dict.fromkeys(n.name for n in node.all_input_nodes if n.op != "get_attr")
+            )
+        elif node.op == "get_attr":
+            values[node] = faker.tree(_fetch_attr(gm, node.target))
+        elif node.op == "placeholder":
+            name = next(placeholders)
+            values[node] = faker.tree(arguments[name], fresh=True)
+            nodes.append(_input_node(node.name, values[node], owners, persistent_keys))
+            fx_nodes.append(node)
+            params_used.append([])
+        else:
+            ir_node, params, mutated, attrs = _profile_fx_node(
+                node, gm, faker, values, owners, persistent_keys
+            )
+            if mutated:
+                mutated_inputs[node.name] = mutated
+            if attrs:
+                mutated_attrs[node.name] = attrs
+            nodes.append(ir_node)
+            fx_nodes.append(node)
+            params_used.append(params)
+
+    _charge_param_grads(nodes, params_used)
+    graph = Graph(
+        nodes,
+        outputs,
+        meta={"framework": "torch", "granularity": OP, "fx_nodes": len(gm.graph.nodes)},
+    )
+    return CapturedGraph(
+        graph=graph,
+        gm=gm,
+        granularity=OP,
+        fx_nodes=fx_nodes,
+        input_names=input_names,
+        signature=signature,
+        mutated_inputs=mutated_inputs,
+        mutated_attrs=mutated_attrs,
+    )
+
+
+def _input_node(name: str, value: Any, owners: dict[int, str], persistent_keys: set[int]) -> Node:
+    """The IR node of a graph input: its tensors' storages are allocated before the step."""
+    nbytes = 0
+    for t in _tensors(value):
+        key = _storage_key(t)
+        if key is not None and key not in owners and key not in persistent_keys:
+            owners[key] = name
+            nbytes += t.untyped_storage().nbytes()
+    return Node(
+        name=name,
+        op="input",
+        output_bytes=nbytes,
+        requires_grad=_requires_grad(value),
+        is_input=True,
+    )
+
+
+def _profile_fx_node(
+    node: fx.Node,
+    gm: fx.GraphModule,
+    faker: _Faker,
+    values: dict[fx.Node, Any],
+    owners: dict[int, str],
+    persistent_keys: set[int],
+) -> tuple[Node, list[nn.Parameter], tuple[str, ...], tuple[str, ...]]:
+    """Run one fx node on fake values; return its IR node, the parameters it uses, the
+    inputs it mutates in place and the attributes (buffers) it mutates in place."""
+    ir_inputs = [n for n in node.all_input_nodes if n.op != "get_attr"]
+    attr_inputs = [n for n in node.all_input_nodes if n.op == "get_attr"]
+    state: list[tuple[str, torch.Tensor]] = [
+        (n.target, t) for n in attr_inputs for t in _tensors(_fetch_attr(gm, n.target))
+    ]
+    guarded: set[int] = set()
+    if node.op == "call_module":
+        sub = gm.get_submodule(node.target)
+        state += [(f"{node.target}.{k}", v) for k, v in sub.named_parameters()]
+        state += [(f"{node.target}.{k}", v) for k, v in sub.named_buffers()]
+        guarded = {id(b) for m in stat_tracking_norms(sub) for b in m.buffers()}
+    params = list({id(p): p for _, p in state if isinstance(p, nn.Parameter)}.values())
+    buffer_versions = [
+        (k, b, faker.tensor(b)._version) for k, b in state if not isinstance(b, nn.Parameter)
+    ]
+    args, kwargs = fx.node.map_aggregate(
+        (node.args, node.kwargs), lambda a: values[a] if isinstance(a, fx.Node) else a
+    )
+    with faker.mode:
+        prof = _profile_call(
+            lambda: _run_fx_node(node, gm, faker, args, kwargs),
+            [(n.name, values[n]) for n in ir_inputs],
+            persistent_keys,
+            owners,
+            node.name,
+        )
+    values[node] = prof.output
+    mutated_attrs = tuple(
+        dict.fromkeys(
+            k
+            for k, b, v in buffer_versions
+            if faker.tensor(b)._version != v and id(b) not in guarded
+        )
+    )
+    ir_node = Node(
+        name=node.name,
+        op=_op_label(node, gm),
+        inputs=tuple(n.name for n in ir_inputs),
+        output_bytes=prof.output_bytes,
+        flops=prof.flops,
+        requires_grad=prof.requires_grad,
+        saved_inputs=prof.saved_inputs,
+        saves_output=prof.saves_output,
+        saved_extra_bytes=prof.saved_extra_bytes,
+        alias_of=prof.alias_of,
+        module=_module_label(node),
+    )
+    return ir_node, params, prof.mutated_inputs, mutated_attrs
+
+
+# ---------------------------------------------------------------------------------------
+# Fallback: module-level cut points
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    path: str
+    occurrence: int
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    output: Any
+
+
+def _record_calls(
+    module: nn.Module, bound: inspect.BoundArguments, faker: _Faker | None
+) -> list[_Call]:
+    """The top-level child module calls of one forward (nn.Sequential calls expanded into
+    their children's calls), with their inputs and outputs."""
+    paths = {m: p for p, m in module.named_modules() if p}
+    depth = [0]
+    calls: list[tuple[int, _Call]] = []
+    counts: dict[str, int] = {}
+
+    def pre_hook(mod, args, kwargs):
+        depth[0] += 1
+
+    def post_hook(mod, args, kwargs, output):
+        depth[0] -= 1
+        path = paths[mod]
+        counts[path] = counts.get(path, 0) + 1
+        calls.append((depth[0], _Call(path, counts[path] - 1, mod, args, kwargs, output)))
+
+    handles = []
+    for mod in paths:
+        handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post_hook, with_kwargs=True))
+    try:
+        if faker is None:
+            module.forward(*bound.args, **bound.kwargs)
+        else:
+            with faker.mode:
+                _call_module(
+                    faker,
+                    module,
+                    faker.tree(bound.args, fresh=True),
+                    faker.tree(bound.kwargs, fresh=True),
+                )
+    finally:
+        for h in handles:
+            h.remove()
+    # `calls` is in completion order (children before their parent).
+    return _expand_sequential(calls, 0)
+
+
+def _expand_sequential(calls: list[tuple[int, _Call]], level: int) -> list[_Call]:
+    out: list[_Call] = []
+    pending: list[tuple[int, _Call]] = []
+    for d, call in calls:
+        if d > level:
+            pending.append((d, call))
+            continue
+        if d == level:
+            if type(call.module).forward is nn.Sequential.forward and pending:
+                out.extend(_expand_sequential(pending, level + 1))
+            else:
+                out.append(call)
+            pending = []
+    return out
+
+
+def _capture_modules(
+    module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, reason: str
+) -> CapturedGraph:
+    norms = stat_tracking_norms(module)
+    faker = _Faker()
+    try:
+        calls = _record_calls(module, bound, faker)
+        recorded_fake = True
+    except Exception:  # noqa: BLE001 - data-dependent Python: record a real no-grad run
+        with torch.no_grad(), frozen_running_stats(norms):
+            calls = _record_calls(module, bound, None)
+        recorded_fake = False
+    if not calls:
+        raise RuntimeError(
+            f"hbp cannot capture {type(module).__name__}: op-level capture failed ({reason}) "
+            "and its forward calls no child modules to cut at"
+        )
+    real_inputs = _tensors((bound.args, bound.kwargs))
+    input_requires_grad = any(t.requires_grad for t in real_inputs)
+    nodes = [
+        Node(
+            name="input",
+            op="input",
+            output_bytes=sum(t.untyped_storage().nbytes() for t in real_inputs),
+            requires_grad=input_requires_grad,
+            is_input=True,
+        )
+    ]
+    params_used: list[list[nn.Parameter]] = [[]]
+    upstream_requires_grad = input_requires_grad
+    prev = "input"
+    for call in calls:
+        prof = _profile_module_call(call, faker, recorded_fake, norms, upstream_requires_grad)
+        upstream_requires_grad = upstream_requires_grad or any(
+            p.requires_grad for p in call.module.parameters()
+        )
+        name = f"{call.path.replace('.', '_')}_{call.occurrence}"
+        nodes.append(
+            Node(
+                name=name,
+                op=type(call.module).__name__,
+                inputs=(prev,),
+                output_bytes=prof.output_bytes,
+                flops=prof.flops,
+                requires_grad=prof.requires_grad,
+                saved_inputs=(prev,) if prof.saved_inputs else (),
+                saves_output=prof.saves_output,
+                saved_extra_bytes=prof.saved_extra_bytes,
+                alias_of=prev if prof.alias_of else None,
+                module=call.path,
+            )
+        )
+        params_used.append(list(call.module.parameters()))
+        prev = name
+    _charge_param_grads(nodes, params_used)
+    graph = Graph(
+        nodes,
+        [prev],
+        meta={"framework": "torch", "granularity": MODULE, "fallback_reason": reason},
+    )
+    return CapturedGraph(
+        graph=graph,
+        gm=None,
+        granularity=MODULE,
+        input_names=list(bound.arguments),
+        signature=signature,
+        module_calls=[(c.path, c.occurrence) for c in calls],
+        fallback_reason=reason,
+    )
+
+
+def _profile_module_call(
+    call: _Call, faker: _Faker, recorded_fake: bool, norms, upstream_requires_grad: bool
+) -> _Profile:
+    """Profile one recorded child call in isolation on fake copies of its recorded inputs
+    (real ones if the child itself cannot run on fake tensors)."""
+
+    def leaf_inputs(convert):
+        def leaf(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            y = convert(x.detach())
+            if y.is_floating_point() and (x.requires_grad or upstream_requires_grad):
+                y = y.requires_grad_(True)
+            return y
+
+        return tree_map(leaf, (call.args, call.kwargs))
+
+    state = (*call.module.parameters(), *call.module.buffers())
+    try:
+        with faker.mode:
+            args, kwargs = leaf_inputs(faker.fresh)
+            return _profile_call(
+                lambda: _call_module(faker, call.module, args, kwargs),
+                [("in", (args, kwargs))],
+                {_storage_key(faker.tensor(t)) for t in state},
+                {},
+            )
+    except Exception:  # noqa: BLE001 - a data-dependent child: profile it for real
+        if recorded_fake:
+            raise
+        with frozen_running_stats(norms), _rng_preserved(call.module, {}):
+            args, kwargs = leaf_inputs(lambda x: x.clone())
+            return _profile_call(
+                lambda: call.module.forward(*args, **kwargs),
+                [("in", (args, kwargs))],
+                {_storage_key(t) for t in state},
+                {},
+            )
+
+
+@contextlib.contextmanager
+def _rng_preserved(module: nn.Module, arguments: dict) -> Iterator[None]:
+    """Restore the CPU RNG (and that of every CUDA device in use) on exit."""
+    tensors = _tensors(arguments) + list(module.parameters())
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        yield

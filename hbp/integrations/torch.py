@@ -1,0 +1,264 @@
+"""`hbp.HCModule`: a drop-in wrapper that makes a module's training step fit a memory budget.
+
+    model = hbp.HCModule(model, budget=0.3)      # 30% of the naive step's peak
+    loss = loss_fn(model(x), y); loss.backward()  # same outputs and gradients as before
+    print(model.plan)                              # what is kept, what is recomputed
+
+On the first call for an input signature (shapes, dtypes, devices, requires_grad, None-ness
+and values of non-tensor arguments, train/eval flags, grad mode, the parameters' identity and
+requires_grad) the module is captured (`hbp.graph.torch_capture.capture`), the least-recompute
+plan that fits the budget is made (`hbp.planner.plan`), and an executor is built
+(`hbp.runtime.executor`); all three are cached per signature. In eval mode, under
+`torch.no_grad()`, or when nothing requires grad, the wrapped module just runs.
+
+Budget: float in (0, 1] = fraction of the step's naive peak, as simulated on the captured
+graph (activations, saved tensors, activation and parameter gradients; not the parameters
+themselves nor the inputs); int = bytes; str such as "64MiB". No plan fits ->
+`hbp.BudgetError` with `.minimum` (bytes).
+
+Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
+hooks of submodules fire again, Python side effects in forward happen again, and the RNG state
+is replayed (dropout masks are those of the original forward). Global state read in forward
+must not change between forward and backward.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from hbp.analysis.simulate import simulate
+from hbp.graph.torch_capture import MODULE, CapturedGraph, capture
+from hbp.planner.budget import parse_budget
+from hbp.planner.plan import MIB, Plan
+from hbp.runtime.executor import make_executor, per_call_plan
+
+#: Distinct input signatures after which HCModule warns that it keeps re-planning.
+MANY_SIGNATURES = 8
+
+
+@dataclass
+class Compiled:
+    """What HCModule caches per input signature."""
+
+    captured: CapturedGraph
+    plan: Plan
+    executor: Any
+    naive_peak_bytes: int
+    capture_time_s: float
+    plan_time_s: float
+
+
+class HCModule(nn.Module):
+    """Wraps `module` so its training step stays within `budget` with the least recompute.
+
+    Args:
+        module: any nn.Module; it becomes the submodule `.module` (so `.parameters()`,
+            `.state_dict()` (keys prefixed "module."), `.train()`, `.to()` pass through).
+        budget: float in (0, 1] (fraction of the naive step peak), int bytes, or a size
+            string ("64MiB").
+        block_size: granularity of the interval tree's leaves, in graph nodes (planner).
+        planner: planner name, see `hbp.planner.plan` ("optimal", ...).
+        verbose: print the plan summary whenever a new signature is planned.
+
+    Attributes:
+        plan: the plan of the most recent training call (None before the first).
+        captured: its captured graph (`CapturedGraph`, `.graph` is hbp's IR).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        budget: float | int | str = 0.3,
+        *,
+        block_size: int = 1,
+        planner: str = "optimal",
+        verbose: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"HCModule wraps an nn.Module, got {type(module).__name__}")
+        parse_budget(budget, 2**62)  # reject malformed budgets now, not at the first step
+        self.module = module
+        self.budget = budget
+        self.block_size = block_size
+        self.planner = planner
+        self.verbose = verbose
+        self._compiled: dict[tuple, Compiled] = {}
+        self._current: Compiled | None = None
+        self._warned: set[str] = set()
+
+    # -- public -----------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._current.plan if self._current else None
+
+    @property
+    def captured(self) -> CapturedGraph | None:
+        return self._current.captured if self._current else None
+
+    @property
+    def compiled(self) -> Compiled | None:
+        """Capture, plan, executor and timings of the most recent training call."""
+        return self._current
+
+    def forward(self, *args, **kwargs):
+        if not self._plans_for(args, kwargs):
+            return self.module(*args, **kwargs)
+        return self._prepare(args, kwargs).executor(*args, **kwargs)
+
+    def prepare(self, *args, **kwargs) -> Plan:
+        """Capture and plan for these inputs as a training step (grad enabled, current
+        train/eval flags) without running the step; return the plan. Later calls with the
+        same signature reuse it."""
+        with torch.enable_grad():
+            return self._prepare(args, kwargs).plan
+
+    def summary(self) -> str:
+        """The current plan in words (segments, kept bytes, predicted peak and recompute)."""
+        if self._current is None:
+            return "HCModule: not planned yet (call it, or .prepare(*inputs), in training mode)"
+        return plan_summary(self._current)
+
+    def extra_repr(self) -> str:
+        return f"budget={self.budget!r}, block_size={self.block_size}, planner={self.planner!r}"
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_compiled"], state["_current"] = {}, None  # rebuilt on the next call
+        return state
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def _plans_for(self, args, kwargs) -> bool:
+        if not (self.training and torch.is_grad_enabled()):
+            return False
+        if any(p.requires_grad for p in self.module.parameters()):
+            return True
+        leaves, _ = tree_flatten((args, kwargs))
+        return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+
+    def _prepare(self, args, kwargs) -> Compiled:
+        key = self._signature(args, kwargs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compile(args, kwargs)
+            self._compiled[key] = compiled
+            if len(self._compiled) == MANY_SIGNATURES + 1:
+                self._warn_once(
+                    "signatures",
+                    f"HCModule has planned for {len(self._compiled)} different input signatures: "
+                    "every new shape/dtype/requires_grad pattern is captured and planned again. "
+                    "Pad or bucket inputs to a few shapes.",
+                )
+        self._current = compiled
+        return compiled
+
+    def _signature(self, args, kwargs) -> tuple:
+        leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
+        parts: list[Any] = [str(spec), self.training, torch.is_grad_enabled()]
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                parts.append(
+                    (tuple(x.shape), x.dtype, x.device, x.requires_grad, x.is_contiguous())
+                )
+            elif x is None or isinstance(x, (bool, int, float, str)):
+                parts.append((type(x).__name__, x))
+            else:
+                parts.append((type(x).__name__, id(x)))
+        parts.append(tuple((id(p), p.requires_grad) for p in self.module.parameters()))
+        parts.append(tuple(id(b) for b in self.module.buffers()))
+        parts.append(tuple(m.training for m in self.module.modules()))
+        return tuple(parts)
+
+    def _compile(self, args, kwargs) -> Compiled:
+        from hbp.planner import plan as make_plan  # the planner is pure: import on use
+
+        captured = capture(self.module, args, kwargs)
+        graph = captured.graph
+        naive = simulate(graph).peak_bytes
+        start = time.perf_counter()
+        plan = make_plan(graph, self.budget, block_size=self.block_size, planner=self.planner)
+        plan_time_s = time.perf_counter() - start
+        if captured.granularity == MODULE:
+            plan = self._module_level_plan(plan, captured, naive)
+        executor = make_executor(captured, plan, self.module)
+        self._warn_about(captured, executor)
+        compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
+        if self.verbose:
+            print(plan_summary(compiled))
+        return compiled
+
+    def _module_level_plan(self, plan: Plan, captured: CapturedGraph, naive: int) -> Plan:
+        """The module-level executor checkpoints child calls one by one: predict that."""
+        executed = per_call_plan(plan, len(captured.graph))
+        sim = simulate(captured.graph, executed)
+        executed.predicted_peak_bytes = sim.peak_bytes
+        executed.predicted_recompute_flops = sim.recompute_flops
+        executed.naive_peak_bytes = naive
+        executed.naive_flops = plan.naive_flops or captured.graph.total_flops
+        executed.kept_bytes = plan.kept_bytes
+        if sim.peak_bytes > plan.budget_bytes:
+            self._warn_once(
+                "module-budget",
+                f"module-level fallback: checkpointing child calls one by one is predicted to "
+                f"peak at {sim.peak_bytes / MIB:.1f} MiB, above the budget of "
+                f"{plan.budget_bytes / MIB:.1f} MiB",
+            )
+        return executed
+
+    def _warn_about(self, captured: CapturedGraph, executor) -> None:
+        hooked = [
+            name
+            for name, m in self.module.named_modules()
+            if name and (m._forward_hooks or m._forward_pre_hooks)
+        ]
+        if hooked and any(s.recompute for s in executor.plan.segments):
+            self._warn_once(
+                "hooks",
+                f"forward hooks on {', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''} "
+                "run again when HCModule recomputes their modules during backward",
+            )
+        placeholders = {n.name for n in captured.graph.nodes if n.is_input}
+        for block in getattr(executor, "blocks", []):
+            if any(block.inputs[i].name in placeholders for i in block.cloned):
+                self._warn_once(
+                    "input-mutation",
+                    "the module mutates one of its inputs in place inside a recomputed segment; "
+                    "HCModule works on a copy there, so the caller's tensor is left unchanged",
+                )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def plan_summary(compiled: Compiled) -> str:
+    """A readable summary of a compiled plan: one line per top-level segment."""
+    plan, graph = compiled.plan, compiled.captured.graph
+    lines = [
+        f"hbp plan ({compiled.captured.granularity} granularity, {len(graph)} nodes, "
+        f"planner {plan.meta.get('planner', '?')}): budget {plan.budget_bytes / MIB:.2f} MiB, "
+        f"predicted peak {plan.predicted_peak_bytes / MIB:.2f} MiB "
+        f"(naive {compiled.naive_peak_bytes / MIB:.2f} MiB), "
+        f"recompute {plan.predicted_recompute_ratio:.1%} of the forward FLOPs, "
+        f"kept at cuts {plan.kept_bytes / MIB:.2f} MiB",
+    ]
+    for seg in plan.segments:
+        first, last = graph.nodes[seg.start], graph.nodes[seg.stop - 1]
+        kind = "recompute" if seg.recompute else "keep     "
+        nested = f", nested depth {seg.depth() - 1}" if seg.children else ""
+        where = first.module or first.name
+        lines.append(
+            f"  [{seg.start:4d}, {seg.stop:4d}) {kind} {where} .. {last.module or last.name}"
+            f"{nested}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Mode "tiny": hbp's planner. The workload's model is wrapped in `hbp.HCModule`, which
+captures the training step's graph, plans the least recompute whose simulated peak fits
+`budget` (nested checkpoints where one level is not enough) and executes that plan exactly
+(same outputs, gradients, dropout masks and BatchNorm statistics as the plain model)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hbp.errors import ConfigError
+from hbp.integrations.torch import HCModule
+from hbp.workloads.base import Batch, Workload
+
+
+class TinyMode:
+    """`HCModule(model, budget, block_size=..., planner=...)`, planned on the bench's batch.
+
+    `chunked_loss` is recorded; the bench builds the workload with it where the workload
+    takes that option."""
+
+    name = "tiny"
+
+    def __init__(
+        self,
+        budget: float | int | str = 0.3,
+        block_size: int = 1,
+        planner: str = "optimal",
+        chunked_loss: bool = True,
+    ):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError("mode.block_size", block_size, "an integer >= 1")
+        if not isinstance(planner, str) or not planner:
+            raise ConfigError("mode.planner", planner, "a planner name such as 'optimal'")
+        self.budget = budget
+        self.block_size = block_size
+        self.planner = planner
+        self.chunked_loss = bool(chunked_loss)
+        self.module: HCModule | None = None
+
+    def apply(self, workload: Workload, batch: Batch) -> nn.Module:
+        """Wrap the model in HCModule and plan for the batch's training signature (raises
+        `hbp.BudgetError` when no plan fits)."""
+        workload.model.train()
+        self.module = HCModule(
+            workload.model, self.budget, block_size=self.block_size, planner=self.planner
+        )
+        self.module.prepare(*batch.args, **batch.kwargs)
+        return self.module
+
+    def describe(self) -> dict:
+        out = {
+            "name": self.name,
+            "budget": self.budget,
+            "block_size": self.block_size,
+            "planner": self.planner,
+            "chunked_loss": self.chunked_loss,
+        }
+        compiled = self.module.compiled if self.module is not None else None
+        if compiled is None:
+            return out
+        plan = compiled.plan
+        out.update(
+            {
+                "plan_segments": len(plan.segments),
+                "plan_recomputed_segments": sum(s.recompute for s in plan.segments),
+                "plan_depth": max((s.depth() for s in plan.segments), default=0),
+                "budget_bytes": plan.budget_bytes,
+                "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "predicted_recompute_flops": plan.predicted_recompute_flops,
+                "predicted_recompute_ratio": plan.predicted_recompute_ratio,
+                "naive_predicted_peak_bytes": compiled.naive_peak_bytes,
+                "plan_time_s": compiled.plan_time_s,
+                "capture_time_s": compiled.capture_time_s,
+                "capture_granularity": compiled.captured.granularity,
+                "graph_nodes": len(compiled.captured.graph),
+            }
+        )
+        return out
+
+    def artifacts(self) -> dict[str, str]:
+        """plan.json for the run directory (empty before `apply`)."""
+        if self.module is None or self.module.plan is None:
+            return {}
+        return {"plan.json": self.module.plan.to_json()}

@@ -1,0 +1,888 @@
+"""The optimal planner: a dynamic programme over cut points, nested (a tree of intervals).
+
+Problem. Given a graph and a budget, find the plan (a tiling of the topological order into
+plain and recomputed segments, recomputed segments again tiled by children, recursively)
+with the least recompute FLOPs whose simulated peak (`hbp.analysis.simulate`) fits. Cuts
+are restricted to a candidate set (`candidate_cuts`); over that set the DP is exact for the
+simulator's memory accounting, which decomposes over segments as follows (proved by the
+brute-force tests in tests/test_planner.py).
+
+Decomposition. Work on storage groups (a storage root and its aliases). Within a *level*
+(the top-level tiling, or the children of a recomputed segment [c, d) during its recompute)
+every event's live bytes are
+
+    outer + K(e) + local(X, H, event) + pos(event)
+
+where X = [e, f) is the child the event belongs to, K(e) the bytes the children before e
+hold until their backward (groups a plain child's node saves, extras, groups a recomputed
+child reads from before it), H the crossing groups at e (made before e, used at or after e
+within the level) that are already held, `local` what X's own events add (computable from
+e, f, H, the mode of X and the level's end d alone), `pos` the plan-independent part
+(activation and parameter gradients, and graph outputs, which live for the whole step), and
+`outer` what the enclosing levels hold (constant during the level). A recomputed child's
+backward is a level of its own whose memory needs depend only on its interval and the memory
+left, so it is a table T(e, f, m) shared by every parent. Early stop (the recompute pass
+ends at its last save event) is handled with a flag: whether the rest of the level has a
+save event.
+
+The DP runs right to left over (cut, H, flag) with memory discretised into slots of the
+budget (exact when every byte count is a multiple of the slot: the slot is the gcd of the
+graph's byte counts when that gives at most `mem_slots` slots; otherwise rounding is
+conservative: a plan the DP accepts always fits). A separate min-max DP without
+discretisation gives the smallest peak reachable with the candidate cuts (BudgetError's
+minimum) and a fallback plan when rounding rejects a budget that is in fact feasible.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from functools import reduce
+
+import numpy as np
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.simulate import simulate
+from hbp.errors import BudgetError
+from hbp.graph.ir import Graph
+from hbp.planner.plan import Plan, Segment
+
+INF = math.inf
+PLAIN, REC = 0, 1
+FULL, UNTIL_SAVE, NOT_RUN = 0, 1, 2  # how much of a child a recompute pass runs
+
+
+class CostModel:
+    """The simulator's accounting, decomposed over segments (see the module docstring)."""
+
+    def __init__(self, info: GraphInfo, cuts: list[int]):
+        self.info = info
+        self.cuts = cuts
+        n = self.n = info.n
+        root = info.root
+        gid = -np.ones(n, dtype=np.int64)
+        roots = [j for j in range(n) if root[j] == j and info.storage_bytes[j] > 0]
+        for g, j in enumerate(roots):
+            gid[j] = g
+        self.node_group = np.where(gid[root] >= 0, gid[root], -1)
+        G = len(roots)
+        self.g_root = np.array(roots, dtype=np.int64)
+        self.g_size = info.storage_bytes[self.g_root].astype(np.int64) if G else np.zeros(0, int)
+        forced = np.zeros(G, dtype=bool)
+        touches: list[list[int]] = [[] for _ in range(G)]
+        holders: list[list[int]] = [[] for _ in range(G)]
+        readers: list[list[int]] = [[] for _ in range(G)]
+        for j in range(n):
+            g = self.node_group[j]
+            if g >= 0:
+                touches[g].append(j)
+                if info.is_output[j]:
+                    forced[g] = True
+                if info.saves_output[j]:
+                    holders[g].append(j)
+            if info.is_input[j]:
+                continue
+            for v in info.inputs[j]:
+                gv = self.node_group[v]
+                if gv >= 0:
+                    touches[gv].append(j)
+                    readers[gv].append(j)
+            for v in info.saved[j]:
+                gv = self.node_group[v]
+                if gv >= 0:
+                    holders[gv].append(j)
+        self.g_forced = forced
+        self.g_touch = [sorted(set(t)) for t in touches]
+        self.g_hold = [sorted(set(h)) for h in holders]
+        self.g_read = [sorted(set(r)) for r in readers]
+        self.g_lu = np.array([t[-1] for t in self.g_touch], dtype=np.int64)
+        self.g_hmin = np.array([h[0] if h else n for h in self.g_hold], dtype=np.int64)
+
+        # prefix sums over positions (index t+1 = sum over nodes <= t)
+        self.flops_pre = np.concatenate([[0.0], np.cumsum(info.flops)])
+        self.extra_pre = np.concatenate([[0], np.cumsum(info.extra_bytes)])
+        self.root_pre = {}  # top flag -> prefix of sizes by root position
+        self.end_pre = {}  # (top, mode) -> prefix of sizes by finite end position
+        self.hold_pre = {}  # top -> prefix of sizes by first-holder position
+        for top in (False, True):
+            keep = ~forced if top else np.ones(G, dtype=bool)
+            self.root_pre[top] = _prefix(self.g_root[keep], self.g_size[keep], n)
+            self.hold_pre[top] = _prefix(self.g_hmin[keep], self.g_size[keep], n)
+            for mode in (PLAIN, REC):
+                finite = keep & ((self.g_hmin >= n) if mode == PLAIN else True)
+                self.end_pre[top, mode] = _prefix(self.g_lu[finite], self.g_size[finite], n)
+        # outputs live from their creation to the end of the step (top level only)
+        self.out_pre = _prefix(self.g_root[forced], self.g_size[forced], n)
+        self.out_total = int(self.g_size[forced].sum())
+        self._positional()
+        # save events: last save event before position f; first node reading from before e
+        last = -1
+        self.last_save = np.full(n + 1, -1, dtype=np.int64)
+        for j in range(n):
+            if info.save_event[j]:
+                last = j
+            self.last_save[j + 1] = last
+        self.min_input = np.array(
+            [
+                min((-1 if info.is_input[v] else v) for v in info.inputs[j])
+                if info.inputs[j] and not info.is_input[j]
+                else n
+                for j in range(n)
+            ],
+            dtype=np.int64,
+        )
+        self.node_event = ~info.is_input
+        self._crossing_sets()
+        self._profiles: dict = {}
+
+    # -- plan-independent parts ---------------------------------------------------------------
+    def _positional(self) -> None:
+        """Gradients, parameter gradients and outputs live at each backward event (pos_bwd)
+        and when the backward of nodes >= d is done (pos_after[d], the recompute pass of a
+        segment ending at d runs then)."""
+        info, n = self.info, self.n
+        live = int(sum(info.grad_bytes[j] for j in range(n) if info.is_output[j]))
+        live += self.out_total
+        has = np.zeros(n, dtype=bool)
+        has[info.is_output & info.receives_grad] = True
+        self.pos_bwd = np.zeros(n, dtype=np.int64)
+        self.pos_after = np.zeros(n + 1, dtype=np.int64)
+        self.pos_after[n] = live
+        for j in range(n - 1, -1, -1):
+            if info.has_backward[j]:
+                for v in info.inputs[j]:
+                    if info.receives_grad[v] and not has[v]:
+                        has[v] = True
+                        live += int(info.grad_bytes[v])
+                live += int(info.param_grad_bytes[j])
+                self.pos_bwd[j] = live
+                if has[j]:
+                    live -= int(info.grad_bytes[j])
+                    has[j] = False
+            self.pos_after[j] = live
+
+    def _crossing_sets(self) -> None:
+        """F(c): groups made before c and touched at or after c, for every candidate cut c."""
+        self.crossing: dict[int, list[int]] = {}
+        order = np.argsort(self.g_root, kind="stable")
+        active: set[int] = set()
+        k = 0
+        for c in range(self.n + 1):
+            while k < len(order) and self.g_root[order[k]] < c:
+                active.add(int(order[k]))
+                k += 1
+            active = {g for g in active if self.g_lu[g] >= c}
+            if c in self._cut_set:
+                self.crossing[c] = sorted(active)
+
+    @property
+    def _cut_set(self) -> set[int]:
+        s = getattr(self, "_cs", None)
+        if s is None:
+            s = self._cs = set(self.cuts)
+        return s
+
+    def lu_in(self, g: int, d: int) -> int:
+        """Last touch of group g before position d (-1 if none)."""
+        t = self.g_touch[g]
+        k = bisect_left(t, d)
+        return t[k - 1] if k else -1
+
+    def touched_in(self, g: int, lo: int, hi: int) -> bool:
+        t = self.g_touch[g]
+        k = bisect_left(t, lo)
+        return k < len(t) and t[k] < hi
+
+    def first_at_or_after(self, seq: list[int], lo: int) -> int:
+        k = bisect_left(seq, lo)
+        return seq[k] if k < len(seq) else self.n
+
+    def crossing_in(self, c: int, d: int, top: bool) -> frozenset[int]:
+        """Crossing groups at c within a level ending at d (outputs excluded at the top)."""
+        return frozenset(
+            g
+            for g in self.crossing[c]
+            if not (top and self.g_forced[g]) and self.touched_in(g, c, d)
+        )
+
+    # -- one child's needs --------------------------------------------------------------------
+    def profile(self, e: int, H: frozenset[int], mode: int, top: bool) -> _Profile:
+        key = (e, H, mode, top)
+        p = self._profiles.get(key)
+        if p is None:
+            p = self._profiles[key] = _Profile(self, e, H, mode, top)
+        return p
+
+
+def _prefix(pos: np.ndarray, size: np.ndarray, n: int) -> np.ndarray:
+    """out[t + 1] = sum of size where pos <= t, for t in [-1, n)."""
+    acc = np.zeros(n + 2, dtype=np.int64)
+    ok = pos < n
+    np.add.at(acc, pos[ok] + 1, size[ok])
+    return np.cumsum(acc)[: n + 1]
+
+
+class _Profile:
+    """Needs of a child X = [e, f) with a given mode, state H and level kind, for every f.
+
+    Arrays are indexed by position t in [e, n) (offset e); `at(d)` specialises them to a
+    level ending at d and samples them at the candidate cuts f in (e, d].
+    """
+
+    def __init__(self, m: CostModel, e: int, H: frozenset[int], mode: int, top: bool):
+        self.m, self.e, self.H, self.mode, self.top = m, e, H, mode, top
+        n = m.n
+        info = m.info
+        t = np.arange(e, n)
+        cross = [g for g in m.crossing[e] if not (top and m.g_forced[g])]
+        self.local_cross = [g for g in cross if g not in H]
+        # forward: live local bytes at the event of node t, over the whole graph scope
+        rp, ep = m.root_pre[top], m.end_pre[top, mode]
+        live = (rp[t + 1] - rp[e]) - (ep[t] - ep[e])
+        for g in cross:  # groups made before e whose finite end lies in [e, t)
+            end = m.g_lu[g]
+            if (mode == REC or m.g_hmin[g] >= n) and end < n:
+                live[end - e + 1 :] += m.g_size[g]
+        self.first_hold = {}
+        self.first_read = {}
+        for g in self.local_cross:
+            self.first_hold[g] = m.first_at_or_after(m.g_hold[g], e)
+            self.first_read[g] = m.first_at_or_after(m.g_read[g], e)
+            held = self.first_hold[g] < n if mode == PLAIN else True
+            end = n if held else m.g_lu[g]
+            live[: end - e + 1] += m.g_size[g]
+        if mode == PLAIN:
+            live += m.extra_pre[t + 1] - m.extra_pre[e]
+        if top:
+            live += m.out_pre[t + 1]
+        self.live = live.astype(float)
+        self.live[~m.node_event[e:]] = -INF
+        # kept bytes after [e, f) for f in (e, n]: index f - e - 1
+        if mode == PLAIN:
+            hp = m.hold_pre[top]
+            held = (hp[t + 1] - hp[e]) + (m.extra_pre[t + 1] - m.extra_pre[e])
+            for g in cross:  # made before e, first held at or after e: not new
+                h = m.g_hmin[g]
+                if e <= h < n:
+                    held[h - e :] -= m.g_size[g]
+            for g in self.local_cross:
+                h = self.first_hold[g]
+                if h < n:
+                    held[h - e :] += m.g_size[g]
+            self.kept = held
+            bwd = (held + m.pos_bwd[e:]).astype(float)
+            bwd[~info.has_backward[e:]] = -INF
+            self.bwd_max = np.maximum.accumulate(bwd) if len(bwd) else bwd
+        else:
+            kept = np.zeros(n - e, dtype=np.int64)
+            for g in self.local_cross:
+                r = self.first_read[g]
+                if r < n:
+                    kept[r - e :] += m.g_size[g]
+            self.kept = kept
+            fr = np.flatnonzero((m.min_input[e:] < e) & m.node_event[e:])
+            self.first_input_reader = e + int(fr[0]) if len(fr) else n
+        self._at: dict[int, dict] = {}
+
+    def at(self, d: int) -> dict:
+        """Per candidate f in (e, d]: arrays f, need (bytes, by variant), kept, H_out, flops."""
+        r = self._at.get(d)
+        if r is not None:
+            return r
+        m, e, mode, top = self.m, self.e, self.mode, self.top
+        fs = np.array([f for f in m.cuts if e < f <= d], dtype=np.int64)
+        live = self.live[: d - e].copy()
+        if not top:  # groups that the level does not use after their last touch before d
+            for g in m.crossing[d]:
+                rg = m.g_root[g]
+                if rg >= e:
+                    held = m.g_hmin[g] < d if mode == PLAIN else False
+                    start = rg
+                elif g in self.first_hold:  # a local crossing group at e
+                    start = e
+                    if mode == PLAIN:
+                        held = self.first_hold[g] < d
+                    else:
+                        held = self.first_read[g] < d
+                else:
+                    continue
+                if not held:
+                    lo = max(m.lu_in(g, d), start - 1) + 1
+                    live[lo - e :] -= m.g_size[g]
+        fwd_max = np.maximum.accumulate(live) if len(live) else live
+        idx = fs - e - 1
+        out = {"f": fs, "kept": self.kept[idx].astype(np.int64)}
+        pos_pass = 0 if top else int(m.pos_after[d])
+        full = fwd_max[idx] + pos_pass
+        if mode == PLAIN:
+            bwd = self.bwd_max[idx]
+            out["need_full"] = np.maximum(np.maximum(full, bwd), 0)
+            ls = m.last_save[fs]
+            has_save = ls >= e
+            ls_need = np.where(has_save, fwd_max[np.maximum(ls, e) - e] + pos_pass, -INF)
+            out["need_until"] = np.maximum(np.maximum(ls_need, bwd), 0)
+            out["need_none"] = np.maximum(bwd, 0)
+            out["flops_full"] = m.flops_pre[fs] - m.flops_pre[e]
+            out["flops_until"] = np.where(has_save, m.flops_pre[ls + 1] - m.flops_pre[e], 0.0)
+        else:
+            out["need_full"] = np.maximum(full, 0)
+            out["need_until"] = np.zeros(len(fs))
+            out["need_none"] = np.zeros(len(fs))
+            out["flops_full"] = m.flops_pre[fs] - m.flops_pre[e]
+            out["flops_until"] = np.zeros(len(fs))
+            has_save = self.first_input_reader < fs
+        out["has_save"] = has_save
+        out["H"] = [self._held_after(int(f), d) for f in fs]
+        self._at[d] = out
+        return out
+
+    def _held_after(self, f: int, d: int) -> frozenset[int]:
+        m, e = self.m, self.e
+        held = []
+        for g in m.crossing_in(f, d, self.top):
+            if g in self.H:
+                held.append(g)
+            elif m.g_root[g] < e:
+                if g in self.first_hold:
+                    first = self.first_hold[g] if self.mode == PLAIN else self.first_read[g]
+                    if first < f:
+                        held.append(g)
+                # else: made before the level and not held: impossible for a real state
+            elif self.mode == PLAIN and m.g_hmin[g] < f:
+                held.append(g)
+        return frozenset(held)
+
+
+# ---------------------------------------------------------------------------------------------
+# the solver
+
+
+@dataclass
+class _Choice:
+    f: int
+    mode: int
+    variant: int  # FULL / UNTIL_SAVE / NOT_RUN (top level: FULL)
+    H: frozenset
+    sub_flag: int  # flag of the tail after f (nested levels)
+
+
+class Solver:
+    """Memoised DP tables over a cost model.
+
+    Nested tables: tail(d, e, H, flag) -> cost array over memory slots for the children
+    [e, d) of a level ending at d; flag 1 = the tail has a save event, 0 = it has none.
+    Top table: top(e, H) -> cost array. `rec(e, f)` = T(e, f): cost array of recomputing
+    [e, f) (its recompute pass plus its children) within the slots given.
+    """
+
+    def __init__(self, model: CostModel, slots: int, slot_bytes: float, nested: bool = True):
+        self.m = model
+        self.M = slots
+        self.slot = slot_bytes
+        self.nested = nested
+        self.mi = np.arange(slots + 1)
+        self._tail: dict = {}
+        self._top: dict = {}
+        self._rec: dict = {}
+
+    def sl(self, x):
+        """Bytes -> slots, rounded up (conservative)."""
+        return np.ceil(np.asarray(x, dtype=float) / self.slot - 1e-9)
+
+    # T(e, f) ---------------------------------------------------------------------------------
+    def rec(self, e: int, f: int) -> np.ndarray:
+        key = (e, f)
+        r = self._rec.get(key)
+        if r is None:
+            H = self.m.crossing_in(e, f, False)
+            if self.nested:
+                r = np.minimum(self.tail(f, e, H, 1), self.tail(f, e, H, 0))
+            else:  # one level: a recomputed segment's children are one plain child
+                r = self._evaluate(f, e, H, None, only=(f, PLAIN))
+            self._rec[key] = r
+        return r
+
+    def tail(self, d: int, e: int, H: frozenset, flag: int) -> np.ndarray:
+        key = (d, e, H, flag)
+        r = self._tail.get(key)
+        if r is None:
+            if e == d:
+                r = np.zeros(self.M + 1) if flag == 0 else np.full(self.M + 1, INF)
+            else:
+                r = self._evaluate(d, e, H, flag)
+            self._tail[key] = r
+        return r
+
+    def top(self, e: int, H: frozenset) -> np.ndarray:
+        key = (e, H)
+        r = self._top.get(key)
+        if r is None:
+            if e == self.m.n:
+                r = np.where(self.mi >= self.sl(self.m.pos_after[self.m.n]), 0.0, INF)
+            else:
+                r = self._evaluate(self.m.n, e, H, None, top=True)
+            self._top[key] = r
+        return r
+
+    def _options(self, d, e, H, flag, top, only=None):
+        """Yield (choice, need slots, kept slots, cost array builder inputs) per option group:
+        per (mode, variant) a vector over f."""
+        m = self.m
+        for mode in (PLAIN, REC):
+            if only is not None and mode != only[1]:
+                continue
+            if mode == REC and only is None and not self.nested and not top:
+                continue
+            p = m.profile(e, H, mode, top).at(d)
+            if len(p["f"]) == 0:
+                continue
+            sel = np.ones(len(p["f"]), dtype=bool)
+            if only is not None:
+                sel = p["f"] == only[0]
+            if top:
+                yield mode, FULL, None, p, sel
+                continue
+            hs = p["has_save"]
+            if flag == 1:
+                yield mode, FULL, 1, p, sel
+                yield mode, UNTIL_SAVE, 0, p, sel & hs
+            elif flag == 0:
+                yield mode, NOT_RUN, 0, p, sel & ~hs
+            else:  # one-level segment: its children are a single plain child
+                yield mode, FULL, 1, p, sel & hs
+                yield mode, UNTIL_SAVE, 0, p, sel & hs
+                yield mode, NOT_RUN, 0, p, sel & ~hs
+
+    def _sub(self, d, top, f, H, sub_flag):
+        return self.top(f, H) if top else self.tail(d, f, H, sub_flag)
+
+    def _option_costs(self, d, e, top, mode, variant, sub_flag, p, sel):
+        """Cost over slots for each selected f: array (k, M+1), and the f indices."""
+        idx = np.flatnonzero(sel)
+        if len(idx) == 0:
+            return idx, None
+        M = self.M
+        need = self.sl(p[("need_full", "need_until", "need_none")[variant]][idx])
+        kept = self.sl(p["kept"][idx]).astype(np.int64)
+        subs = np.stack([self._sub(d, top, int(p["f"][i]), p["H"][i], sub_flag) for i in idx])
+        cols = self.mi[None, :] - kept[:, None]
+        ok = (cols >= 0) & (self.mi[None, :] >= need[:, None])
+        cost = np.where(ok, np.take_along_axis(subs, np.clip(cols, 0, M), axis=1), INF)
+        if not top:
+            flops = p[("flops_full", "flops_until", "flops_until")[variant]][idx]
+            if variant == NOT_RUN:
+                flops = np.zeros(len(idx))
+            cost = cost + flops[:, None]
+        if mode == REC:
+            recs = np.stack([self.rec(e, int(p["f"][i])) for i in idx])
+            cost = cost + np.where(
+                cols >= 0, np.take_along_axis(recs, np.clip(cols, 0, M), axis=1), INF
+            )
+        return idx, cost
+
+    def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
+        best = np.full(self.M + 1, INF)
+        for mode, variant, sub_flag, p, sel in self._options(d, e, H, flag, top, only):
+            idx, cost = self._option_costs(d, e, top, mode, variant, sub_flag, p, sel)
+            if cost is not None:
+                np.minimum(best, cost.min(axis=0), out=best)
+        return best
+
+    # reconstruction ---------------------------------------------------------------------------
+    def _pick(self, d, e, H, flag, top, slots) -> tuple[_Choice, int]:
+        """The option that achieves the table's value at `slots`, and its kept slots."""
+        target = (self.top(e, H) if top else self.tail(d, e, H, flag))[slots]
+        for mode, variant, sub_flag, p, sel in self._options(d, e, H, flag, top):
+            idx, cost = self._option_costs(d, e, top, mode, variant, sub_flag, p, sel)
+            if cost is None:
+                continue
+            col = cost[:, slots]
+            k = int(np.argmin(col))
+            if col[k] <= target + 1e-9 * max(1.0, abs(target)):
+                i = idx[k]
+                kept = int(self.sl(p["kept"][i]))
+                return _Choice(int(p["f"][i]), mode, variant, p["H"][i], sub_flag), kept
+        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
+
+    def top_plan(self, slots: int) -> list[Segment]:
+        segs: list[Segment] = []
+        e, H = 0, frozenset()
+        while e < self.m.n:
+            c, kept = self._pick(self.m.n, e, H, None, True, slots)
+            seg = Segment(e, c.f, c.mode == REC)
+            if c.mode == REC:
+                seg.children = self.rec_plan(e, c.f, slots - kept)
+            segs.append(seg)
+            slots -= kept
+            e, H = c.f, c.H
+        return segs
+
+    def rec_plan(self, e: int, f: int, slots: int) -> list[Segment]:
+        """Children of the recomputed segment [e, f) given `slots` for its backward."""
+        if not self.nested:
+            return []
+        H = self.m.crossing_in(e, f, False)
+        t1, t0 = self.tail(f, e, H, 1)[slots], self.tail(f, e, H, 0)[slots]
+        flag = 1 if t1 <= t0 else 0
+        kids: list[Segment] = []
+        d = f
+        while e < d:
+            c, kept = self._pick(d, e, H, flag, False, slots)
+            seg = Segment(e, c.f, c.mode == REC)
+            if c.mode == REC:
+                seg.children = self.rec_plan(e, c.f, slots - kept)
+            kids.append(seg)
+            slots -= kept
+            e, H, flag = c.f, c.H, c.sub_flag
+        return simplify(kids)
+
+
+class PeakSolver:
+    """The same recursion minimising the peak (exact bytes), recompute FLOPs as tie-break.
+
+    Values are (peak bytes above the level's kept bytes, recompute FLOPs, choice)."""
+
+    def __init__(self, model: CostModel, nested: bool = True):
+        self.m = model
+        self.nested = nested
+        self._memo: dict = {}
+
+    def rec(self, e: int, f: int):
+        key = ("rec", e, f)
+        if key not in self._memo:
+            H = self.m.crossing_in(e, f, False)
+            if self.nested:
+                a, b = self.tail(f, e, H, 1), self.tail(f, e, H, 0)
+                self._memo[key] = min(a, b, key=_order) + ((1 if _order(a) <= _order(b) else 0),)
+            else:
+                self._memo[key] = self._evaluate(f, e, H, None, False, only=f) + (None,)
+        return self._memo[key]
+
+    def tail(self, d, e, H, flag):
+        key = (d, e, H, flag)
+        if key not in self._memo:
+            if e == d:
+                self._memo[key] = (0.0, 0.0, None) if flag == 0 else (INF, INF, None)
+            else:
+                self._memo[key] = self._evaluate(d, e, H, flag, False)
+        return self._memo[key]
+
+    def top(self, e, H):
+        key = ("top", e, H)
+        if key not in self._memo:
+            if e == self.m.n:
+                self._memo[key] = (float(self.m.pos_after[self.m.n]), 0.0, None)
+            else:
+                self._memo[key] = self._evaluate(self.m.n, e, H, None, True)
+        return self._memo[key]
+
+    def _evaluate(self, d, e, H, flag, top, only=None):
+        m = self.m
+        best = (INF, INF, None)
+        for mode in (PLAIN, REC):
+            if mode == REC and not self.nested and not top and only is None:
+                continue
+            if only is not None and mode != PLAIN:
+                continue
+            p = m.profile(e, H, mode, top).at(d)
+            for i, f in enumerate(p["f"]):
+                f = int(f)
+                if only is not None and f != only:
+                    continue
+                if top:
+                    variants = [(FULL, None)]
+                elif flag == 1:
+                    variants = [(FULL, 1)] + ([(UNTIL_SAVE, 0)] if p["has_save"][i] else [])
+                elif flag == 0:
+                    variants = [] if p["has_save"][i] else [(NOT_RUN, 0)]
+                else:
+                    variants = (
+                        [(FULL, 1), (UNTIL_SAVE, 0)] if p["has_save"][i] else [(NOT_RUN, 0)]
+                    )
+                for variant, sub_flag in variants:
+                    need = float(p[("need_full", "need_until", "need_none")[variant]][i])
+                    kept = float(p["kept"][i])
+                    sub = self.top(f, p["H"][i]) if top else self.tail(d, f, p["H"][i], sub_flag)
+                    peak = max(need, kept + sub[0])
+                    cost = sub[1]
+                    if not top and variant != NOT_RUN:
+                        key = "flops_full" if variant == FULL else "flops_until"
+                        cost += float(p[key][i])
+                    if mode == REC:
+                        r = self.rec(e, f)
+                        peak = max(peak, kept + r[0])
+                        cost += r[1]
+                    cand = (peak, cost, _Choice(f, mode, variant, p["H"][i], sub_flag))
+                    if _order(cand) < _order(best):
+                        best = cand
+        return best
+
+    def top_plan(self) -> list[Segment]:
+        segs, e, H = [], 0, frozenset()
+        while e < self.m.n:
+            c = self.top(e, H)[2]
+            seg = Segment(e, c.f, c.mode == REC)
+            if c.mode == REC:
+                seg.children = self.rec_plan(e, c.f)
+            segs.append(seg)
+            e, H = c.f, c.H
+        return segs
+
+    def rec_plan(self, e, f):
+        if not self.nested:
+            return []
+        flag = self.rec(e, f)[3]
+        H = self.m.crossing_in(e, f, False)
+        kids, d = [], f
+        while e < d:
+            c = self.tail(d, e, H, flag)[2]
+            seg = Segment(e, c.f, c.mode == REC)
+            if c.mode == REC:
+                seg.children = self.rec_plan(e, c.f)
+            kids.append(seg)
+            e, H, flag = c.f, c.H, c.sub_flag
+        return simplify(kids)
+
+
+def _order(v):
+    return (v[0], v[1])
+
+
+def simplify(segments: list[Segment]) -> list[Segment]:
+    """Merge adjacent plain segments (same semantics) and drop children that are a single
+    plain child (a recomputed segment without children recomputes as plain autograd)."""
+    out: list[Segment] = []
+    for s in segments:
+        if s.recompute and len(s.children) == 1 and not s.children[0].recompute:
+            s = Segment(s.start, s.stop, True)
+        if out and not s.recompute and not out[-1].recompute:
+            out[-1] = Segment(out[-1].start, s.stop, False)
+        else:
+            out.append(s)
+    if len(out) == 1 and not out[0].recompute:
+        return []
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# candidate cuts
+
+
+def frontier_bytes(info: GraphInfo) -> np.ndarray:
+    """w[c] for c in [0, n]: bytes of storage made before c and touched at or after c
+    (forward users, aliases), outputs included."""
+    n = info.n
+    w = np.zeros(n + 2, dtype=np.int64)
+    root = info.root
+    lu = np.full(n, -1, dtype=np.int64)
+    for j in range(n):
+        r = root[j]
+        lu[r] = max(lu[r], j, info.last_user[j])
+    for r in range(n):
+        if root[r] == r and info.storage_bytes[r] > 0 and lu[r] > r:
+            w[r + 1] += info.storage_bytes[r]
+            w[lu[r] + 1] -= info.storage_bytes[r]
+    return np.cumsum(w)[: n + 1]
+
+
+def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> list[int]:
+    """Positions c (cut before node c) the planner may use, plus 0 and n.
+
+    Positions inside the leading run of graph inputs are never useful. With block_size k,
+    the positions are grouped into windows of k consecutive positions and only the one with
+    the smallest frontier (bytes crossing it) is kept per window: a leaf of the interval tree
+    is then about k nodes, cut where it is cheapest. If more than `max_cuts` remain, only
+    the local minima of the frontier are kept, and if still too many, the `max_cuts` with the
+    smallest frontier (ties: evenly spread). Chains and small graphs (positions <= max_cuts,
+    block_size 1) keep every position, so the DP is exact over all cut subsets there.
+    """
+    n = info.n
+    if n == 0:
+        return [0]
+    first = 0
+    while first < n and info.is_input[first]:
+        first += 1
+    pos = list(range(max(first, 1), n))
+    if not pos:
+        return [0, n]
+    w = frontier_bytes(info)
+    if block_size > 1:
+        pos = [
+            min(pos[i : i + block_size], key=lambda c: (w[c], -c))
+            for i in range(0, len(pos), block_size)
+        ]
+    if len(pos) > max_cuts:
+        wp = [w[c] for c in pos]
+        minima = [
+            c
+            for k, c in enumerate(pos)
+            if (k == 0 or wp[k] <= wp[k - 1]) and (k == len(pos) - 1 or wp[k] < wp[k + 1])
+        ]
+        pos = minima or pos
+    if len(pos) > max_cuts:
+        ranked = sorted(range(len(pos)), key=lambda k: (w[pos[k]], _spread(k, len(pos))))
+        pos = sorted(pos[k] for k in ranked[:max_cuts])
+    return sorted(set([0, *pos, n]))
+
+
+def _spread(k: int, n: int) -> int:
+    """Bit-reversed rank: a tie-break that spreads equal-frontier cuts evenly."""
+    bits = max(1, (n - 1).bit_length())
+    return int(f"{k:0{bits}b}"[::-1], 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
+    sizes = [
+        int(x)
+        for arr in (
+            info.storage_bytes,
+            info.extra_bytes,
+            info.grad_bytes,
+            info.param_grad_bytes,
+        )
+        for x in arr
+        if x
+    ]
+    g = reduce(math.gcd, sizes, 0) or 1
+    if budget // g <= max(mem_slots, 4096):
+        return int(budget // g), float(g)
+    return mem_slots, budget / mem_slots
+
+
+def optimal_plan(
+    graph: Graph,
+    budget_bytes: int,
+    *,
+    block_size: int = 1,
+    max_cuts: int = 64,
+    mem_slots: int = 256,
+    nested: bool = True,
+    info: GraphInfo | None = None,
+) -> Plan:
+    """The plan with the least recompute FLOPs whose simulated peak fits `budget_bytes`.
+
+    Exact over trees of intervals whose cuts are in `candidate_cuts(info, block_size,
+    max_cuts)` (one level only if `nested=False`), up to memory discretisation into at most
+    max(mem_slots, 4096) slots of the gcd of the graph's byte counts (exact when the budget
+    spans at most that many) or `mem_slots` equal slots of the budget (conservative).
+
+    Raises:
+        BudgetError: no plan over the candidate cuts fits; `.minimum` is the smallest peak
+            any such plan reaches (bytes).
+    """
+    t0 = time.perf_counter()
+    info = info or GraphInfo.of(graph)
+    budget_bytes = int(budget_bytes)
+    naive = simulate(graph, info=info)
+    cuts = candidate_cuts(info, block_size, max_cuts)
+    model = CostModel(info, cuts)
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 20 * len(cuts) + 1000))
+    try:
+        slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
+        solver = Solver(model, slots, slot_bytes, nested)
+        best = solver.top(0, frozenset())[slots]
+        if best < INF:
+            segments = solver.top_plan(slots)
+            how = "dp"
+        else:
+            peak_solver = PeakSolver(model, nested)
+            minimum = int(peak_solver.top(0, frozenset())[0])
+            if minimum > budget_bytes:
+                raise BudgetError(
+                    budget_bytes,
+                    minimum,
+                    f"{'nested' if nested else 'one-level'} plans over {len(cuts) - 2} "
+                    f"candidate cuts of {info.n} nodes",
+                )
+            segments = peak_solver.top_plan()
+            how = "min-peak"  # the slot rounding rejected it: the least-peak plan fits
+    finally:
+        sys.setrecursionlimit(old)
+    segments = simplify(segments) or [Segment(0, info.n)]
+    plan = finish_plan(
+        graph,
+        segments,
+        budget_bytes,
+        info=info,
+        naive=naive,
+        meta={
+            "planner": "optimal",
+            "nested": nested,
+            "block_size": block_size,
+            "candidate_cuts": len(cuts) - 2,
+            "mem_slots": slots,
+            "slot_bytes": slot_bytes,
+            "solved_by": how,
+        },
+    )
+    plan.meta["solve_time_s"] = time.perf_counter() - t0
+    return plan
+
+
+def min_feasible_peak(
+    graph: Graph,
+    *,
+    block_size: int = 1,
+    max_cuts: int = 64,
+    nested: bool = True,
+    info: GraphInfo | None = None,
+) -> tuple[int, list[Segment]]:
+    """The smallest simulated peak over the planner's plan space, and a plan reaching it."""
+    info = info or GraphInfo.of(graph)
+    model = CostModel(info, candidate_cuts(info, block_size, max_cuts))
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 20 * len(model.cuts) + 1000))
+    try:
+        solver = PeakSolver(model, nested)
+        peak = int(solver.top(0, frozenset())[0])
+        segments = simplify(solver.top_plan()) or [Segment(0, info.n)]
+    finally:
+        sys.setrecursionlimit(old)
+    return peak, segments
+
+
+def finish_plan(
+    graph: Graph,
+    segments: list[Segment],
+    budget_bytes: int,
+    *,
+    info: GraphInfo | None = None,
+    naive=None,
+    meta: dict | None = None,
+) -> Plan:
+    """A Plan for `segments` with its predictions filled in from the simulator."""
+    info = info or GraphInfo.of(graph)
+    naive = naive or simulate(graph, info=info)
+    sim = simulate(graph, segments, info=info)
+    kept = kept_bytes(info, segments)
+    meta = dict(meta or {})
+    meta["cuts"] = [info.names[s.start] for s in segments[1:]]
+    meta["predicted_peak_phase"] = sim.peak_phase
+    meta["predicted_peak_at"] = sim.peak_at
+    return Plan(
+        segments=segments,
+        budget_bytes=int(budget_bytes),
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_recompute_flops=sim.recompute_flops,
+        naive_peak_bytes=naive.peak_bytes,
+        naive_flops=naive.total_flops,
+        kept_bytes=kept,
+        meta=meta,
+    )
+
+
+def kept_bytes(info: GraphInfo, segments: list[Segment]) -> int:
+    """Bytes of distinct storage the top-level recomputed segments hold as inputs."""
+    roots = set()
+    for s in segments:
+        if s.recompute:
+            roots.update(int(info.root[v]) for v in info.segment_inputs(s.start, s.stop))
+    return int(sum(info.storage_bytes[r] for r in roots))

@@ -1,0 +1,217 @@
+"""measure_step, FLOP counting and timers: exact FLOPs and bytes, consistent fields."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hbp.errors import ConfigError
+from hbp.runtime import (
+    Timer,
+    count_flops,
+    count_flops_breakdown,
+    measure_callable_peak,
+    measure_step,
+    phase,
+    summarize_times,
+)
+
+F32 = 4
+
+
+def linear_step(layer, x):
+    def step():
+        loss = layer(x).sum()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def test_linear_forward_backward_flops_are_three_matmuls():
+    B, n_in, n_out = 16, 32, 8
+    layer = nn.Linear(n_in, n_out)
+    x = torch.randn(B, n_in, requires_grad=True)  # input grad too: 3 matmuls
+    loss, flops = count_flops(linear_step(layer, x))
+    assert flops == 3 * 2 * B * n_in * n_out
+    assert loss.ndim == 0
+
+    _, total, frame = count_flops_breakdown(linear_step(layer, x))
+    assert total == flops
+    assert list(frame.columns) == ["module", "op", "flops"]
+    global_rows = frame[frame["module"] == "Global"]
+    assert global_rows["flops"].sum() == flops
+    assert set(global_rows["op"]) == {"aten.addmm", "aten.mm"}
+
+
+def test_measure_step_fields_flops_and_grad_reset():
+    B, n_in, n_out = 16, 32, 8
+    layer = nn.Linear(n_in, n_out)
+    x = torch.randn(B, n_in, requires_grad=True)
+    grads_none_at_start = []
+
+    def step():
+        grads_none_at_start.append(all(p.grad is None for p in layer.parameters()))
+        grads_none_at_start.append(x.grad is None)
+        return linear_step(layer, x)()
+
+    m = measure_step(step, params=[*layer.parameters(), x], warmup=2, repeats=3)
+    assert grads_none_at_start == [True] * 2 * (2 + 3 + 1)  # warmup + timed + measured
+    assert m.flops == 3 * 2 * B * n_in * n_out
+    assert m.device == "cpu"
+    assert len(m.step_times) == 3 and all(t > 0 for t in m.step_times)
+    assert m.step_time_p10 <= m.step_time_s <= m.step_time_p90
+    assert m.time_summary["n"] == 3
+    # Peak at the end of backward: the loss and its seed grad (4 bytes each) and the grads
+    # of x, weight and bias, created inside the step because they were reset to None. (The
+    # (B, n_out) output is saved by nothing: it died right after the sum.)
+    grads = (B * n_in + n_out * n_in + n_out) * F32
+    assert m.peak_bytes == m.tracker_peak_bytes == 2 * F32 + grads
+    assert m.peak_bytes == m.timeline["live_bytes"].max()
+    assert m.timeline["phase"].iloc[0] == "forward"
+    assert m.timeline["phase"].iloc[-1] == "backward"
+    assert m.peak_by_phase["backward"] == m.peak_bytes
+    assert isinstance(m.last_output, torch.Tensor) and not m.last_output.requires_grad
+    torch.testing.assert_close(m.last_output, layer(x).sum().detach())
+
+
+def test_stacked_flop_counter_does_not_change_the_checkpointed_peak():
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(4)
+    )
+    x = torch.randn(256, 16)
+
+    def step():
+        out = x
+        for block in blocks:
+            out = checkpoint(block, out, use_reentrant=False)
+        out.sum().backward()
+
+    m = measure_step(step, params=blocks, warmup=0, repeats=1)
+    blocks.zero_grad(set_to_none=True)
+    _, alone_peak = measure_callable_peak(step)
+    blocks.zero_grad(set_to_none=True)
+    _, alone_flops = count_flops(step)
+    assert m.peak_bytes == alone_peak
+    assert m.flops == alone_flops
+    # 8 Linears forward; backward: 8 weight grads + 7 input grads (x needs none); recompute:
+    # only each block's first Linear, because checkpoint stops recomputing once the last
+    # saved tensor is back, and the second Linear saves its input before its matmul runs.
+    linear_flops = 2 * 256 * 16 * 64
+    assert alone_flops == (8 + 15 + 4) * linear_flops
+
+
+def test_measure_step_options_and_optimizer_phase():
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def step():
+        loss = layer(x).square().mean()
+        loss.backward()
+        with phase("optimizer"):
+            optimizer.step()
+        return {"loss": loss, "tag": "ok"}
+
+    m = measure_step(step, params=layer, warmup=0, repeats=0, count_flops=False)
+    assert m.flops is None
+    assert math.isnan(m.step_time_s) and m.step_times == []
+    assert m.last_output["tag"] == "ok" and not m.last_output["loss"].requires_grad
+    assert set(m.peak_by_phase) == {"forward", "backward", "optimizer"}
+    assert m.timeline["phase"].iloc[-1] == "optimizer"
+
+    m = measure_step(step, params=layer, warmup=0, repeats=1, track_memory=False)
+    assert m.peak_bytes is None and m.timeline is None and m.peak_by_phase == {}
+    assert m.flops > 0
+
+    m = measure_step(step, warmup=0, repeats=1, record_timeline=False)
+    assert m.timeline is None and m.peak_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(repeats=-1), "repeats"),
+        (dict(warmup=1.5), "warmup"),
+        (dict(params=3), "params"),
+    ],
+)
+def test_measure_step_rejects_bad_arguments(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        measure_step(lambda: None, **kwargs)
+    with pytest.raises(ConfigError, match="step_fn"):
+        measure_step(None)
+
+
+def test_summarize_times_exact():
+    summary = summarize_times([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert summary["median"] == 3.0
+    assert summary["p10"] == pytest.approx(1.4)
+    assert summary["p90"] == pytest.approx(4.6)
+    assert summary["mean"] == 3.0
+    assert summary["std"] == pytest.approx(math.sqrt(2.5))
+    assert summary["n"] == 5
+    assert summarize_times([2.0])["std"] == 0.0
+    empty = summarize_times([])
+    assert empty["n"] == 0 and math.isnan(empty["median"])
+
+
+def test_timer_measures_elapsed_seconds():
+    with Timer("cpu") as timer:
+        sum(range(1000))
+    assert 0 < timer.elapsed < 60
+
+
+def test_cuda_control_flow_allocator_step_runs_without_dispatch_modes(monkeypatch):
+    """The CUDA branch, run on CPU with the allocator statistics faked: the allocator-measured
+    step must run with no dispatch mode active (a mode changes what autograd allocates), and
+    FLOPs and the timeline come from one extra instrumented step."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    allocated = {"now": 1000, "peak": 1000}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+    layer = nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    modes = []
+
+    def step():
+        modes.append(_get_current_dispatch_mode())
+        allocated["peak"] = allocated["now"] + 5000
+        return linear_step(layer, x)()
+
+    m = measure_step(step, params=layer, device="cuda", warmup=1, repeats=2)
+    assert m.device == "cuda"
+    assert m.peak_bytes == 5000
+    assert modes[:4] == [None] * 4  # warmup, timed, allocator-measured
+    assert len(modes) == 5 and modes[4] is not None  # the instrumented step
+    assert m.flops == 2 * (2 * 2 * 8 * 4)  # forward and weight grad (x needs no grad)
+    assert m.tracker_peak_bytes == m.timeline["live_bytes"].max() > 0
+
+    modes.clear()
+    m = measure_step(step, params=layer, device="cuda", warmup=0, repeats=0,
+                     count_flops=False, record_timeline=False)  # fmt: skip
+    assert modes == [None] and m.peak_bytes == 5000 and m.flops is None and m.timeline is None
+
+
+@pytest.mark.gpu
+def test_measure_step_on_cuda_uses_allocator_peak():
+    layer = nn.Linear(1024, 1024, device="cuda")
+    x = torch.randn(256, 1024, device="cuda")
+    target = torch.randn(256, 1024, device="cuda")
+
+    def step():
+        loss = nn.functional.mse_loss(layer(x), target)  # a dense output grad: no scratch copy
+        loss.backward()
+        return loss
+
+    m = measure_step(step, params=layer, warmup=1, repeats=2)
+    assert m.device.startswith("cuda")
+    # The allocator rounds each block up to 512 bytes (the scalars); every other tensor here
+    # is a multiple of 512 bytes, so the allocator's peak is the tracker's plus rounding.
+    assert m.tracker_peak_bytes <= m.peak_bytes <= m.tracker_peak_bytes + 64 * 1024
+    assert m.flops == 2 * 2 * 256 * 1024 * 1024

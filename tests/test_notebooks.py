@@ -1,0 +1,76 @@
+"""notebooks/analysis.ipynb runs top to bottom (nbclient) on an outputs dir made here.
+
+The kernel is this interpreter (a kernelspec written to a temporary JUPYTER_PATH), so the
+notebook sees the same hbp, torch and pandas as the tests, whatever kernels the machine has.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from hydra import compose, initialize_config_dir
+from nbclient import NotebookClient
+
+from hbp import bench
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
+KERNEL = "hbp-tests"
+
+
+@pytest.fixture
+def outputs(tmp_path):
+    """Four small real runs (two workloads x naive/checkpoint) with tables."""
+    root = tmp_path / "outputs"
+    for workload in ("synthetic_dag", "gpt2"):
+        for mode in ("naive", "checkpoint"):
+            with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+                cfg = compose("config", [f"workload={workload}", f"mode={mode}", "steps=1",
+                                         "warmup=0", "logger=table", f"output_root={root}"])  # fmt: skip
+            bench.run(cfg, root / "runs" / f"{workload}_{mode}")
+    return root
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "hbp tests",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    return KERNEL
+
+
+@pytest.mark.slow
+def test_analysis_notebook_executes(outputs, kernel, tmp_path, monkeypatch):
+    figure = tmp_path / "figures" / "peak_vs_step_time.png"
+    monkeypatch.setenv("HBP_OUTPUTS", str(outputs))
+    monkeypatch.setenv("HBP_FIGURE", str(figure))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(
+        notebook, kernel_name=kernel, timeout=180, resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    )
+    client.execute()
+
+    def text(cell) -> str:
+        parts = []
+        for out in cell.get("outputs", []):
+            parts.append(out.get("text", ""))
+            parts.append(out.get("data", {}).get("text/plain", ""))
+        return "".join(parts)
+
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    assert f"4 runs under {outputs}" in text(code[0])
+    assert "checkpoint" in text(code[1]) and "synthetic_dag" in text(code[1])
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (figure.parent / "memory_timeline.png").exists()
+    markdown = text(code[-1])
+    assert "| gpt2 | checkpoint |" in markdown and "| synthetic_dag | naive |" in markdown

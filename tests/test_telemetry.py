@@ -1,0 +1,184 @@
+"""Telemetry: run-dir files, samplers, environment capture, logger selection."""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from hbp.errors import ConfigError
+from hbp.telemetry import make_loggers
+from hbp.telemetry.environment import capture_environment, git_revision
+from hbp.telemetry.samplers import GpuSampler, RssSampler
+from hbp.telemetry.tables import (
+    TableLogger,
+    jsonable,
+    read_json,
+    write_artifacts,
+    write_config,
+    write_error,
+    write_metrics,
+)
+from hbp.telemetry.wandb_logger import WandbLogger, resolve_wandb_mode
+
+MIB = 1024 * 1024
+
+
+def test_jsonable_converts_numbers_paths_and_non_finite():
+    value = {
+        "i": np.int64(3),
+        "f": np.float32(0.5),
+        "t": torch.tensor(2.0),
+        "nan": float("nan"),
+        "inf": math.inf,
+        "path": Path("/x/y"),
+        "nested": [(1, 2), {"dtype": torch.float32}],
+        "flag": True,
+    }
+    out = jsonable(value)
+    assert out == {
+        "i": 3,
+        "f": 0.5,
+        "t": 2.0,
+        "nan": None,
+        "inf": None,
+        "path": "/x/y",
+        "nested": [[1, 2], {"dtype": "torch.float32"}],
+        "flag": True,
+    }
+    json.dumps(out, allow_nan=False)
+
+
+def test_metrics_roundtrip_leaves_no_temporary_files(tmp_path):
+    row = {"workload": "gpt2", "peak_bytes": np.int64(123), "config": {"mode": {"name": "naive"}}}
+    path = write_metrics(tmp_path, row)
+    assert path == tmp_path / "metrics.json"
+    assert read_json(path) == {
+        "workload": "gpt2",
+        "peak_bytes": 123,
+        "config": {"mode": {"name": "naive"}},
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    write_metrics(tmp_path, {"a": 1})
+
+    def crash(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("hbp.telemetry.tables.os.replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write_metrics(tmp_path, {"a": 2})
+    assert read_json(tmp_path / "metrics.json") == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+
+
+def test_error_record_has_type_message_traceback_and_context(tmp_path):
+    try:
+        raise ValueError("bad thing")
+    except ValueError as error:
+        write_error(tmp_path, error, {"workload": "unet"})
+    record = read_json(tmp_path / "error.json")
+    assert record["status"] == "error"
+    assert record["workload"] == "unet"
+    assert record["error_type"] == "ValueError"
+    assert record["error"] == "bad thing"
+    assert "raise ValueError" in record["traceback"]
+
+
+def test_config_and_artifacts(tmp_path):
+    write_config(tmp_path, {"mode": {"name": "tiny", "budget": 0.3}, "steps": 2})
+    assert "budget: 0.3" in (tmp_path / "config.yaml").read_text()
+    frame = pd.DataFrame({"a": [1, 2]})
+    write_artifacts(tmp_path, {"plan.json": {"cuts": [1, 3]}, "plan.txt": "cut at 1",
+                               "nodes.parquet": frame})  # fmt: skip
+    assert read_json(tmp_path / "plan.json") == {"cuts": [1, 3]}
+    assert (tmp_path / "plan.txt").read_text() == "cut at 1"
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "nodes.parquet"), frame)
+    with pytest.raises(ValueError):
+        write_artifacts(tmp_path, {"../escape.json": {}})
+
+
+def test_table_logger_writes_parquet(tmp_path):
+    steps = pd.DataFrame({"step": [0, 1], "phase": ["timed", "measured"], "step_time_s": [0.1, 0.2]})
+    timeline = pd.DataFrame({"op_index": [0], "live_bytes": [64], "phase": ["forward"], "op": ["mm"]})
+    TableLogger(tmp_path).log_run({}, steps, timeline)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "steps.parquet"), steps)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "memory_timeline.parquet"), timeline)
+
+
+def test_rss_sampler_sees_a_64_mib_allocation():
+    with RssSampler(interval_s=0.005) as sampler:
+        baseline = sampler.peak_bytes
+        block = np.ones(64 * MIB // 8)  # touched pages: resident
+        time.sleep(0.05)
+        del block
+    assert sampler.samples >= 3
+    assert sampler.peak_bytes - baseline >= 60 * MIB
+    assert sampler.results()["rss_peak_mb"] == sampler.peak_bytes / MIB
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_sampler_records_nothing_without_a_gpu():
+    with GpuSampler(0, interval_s=0.005) as sampler:
+        time.sleep(0.02)
+    assert sampler.results() == {}
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_reads_memory_and_utilisation():
+    with GpuSampler(torch.cuda.current_device(), interval_s=0.005) as sampler:
+        x = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            x = x @ x.T / 4096
+        torch.cuda.synchronize()
+    results = sampler.results()
+    assert results["gpu_mem_peak_mb"] > 64
+    assert 0 <= results["gpu_util_pct"] <= 100
+
+
+def test_environment_names_versions_device_and_commit():
+    env = capture_environment("cpu")
+    assert env["torch_version"] == torch.__version__
+    assert env["device"] == "cpu"
+    assert env["threads"] == torch.get_num_threads()
+    assert env["hostname"]
+    sha, _ = git_revision()
+    assert env["git_sha"] == sha
+    assert sha is None or len(sha) == 40
+
+
+def test_environment_without_git(tmp_path):
+    assert git_revision(tmp_path) == (None, None)
+
+
+def test_make_loggers(tmp_path):
+    assert make_loggers({"name": "none"}, tmp_path) == []
+    (table,) = make_loggers({"name": "table"}, tmp_path)
+    assert isinstance(table, TableLogger)
+    loggers = make_loggers({"name": "wandb", "wandb": {"mode": "offline"}}, tmp_path)
+    assert [type(lg) for lg in loggers] == [TableLogger, WandbLogger]
+    with pytest.raises(ConfigError, match="none, table, wandb"):
+        make_loggers({"name": "csv"}, tmp_path)
+
+
+def test_wandb_mode_environment_wins(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert resolve_wandb_mode(None) == "offline"
+    assert resolve_wandb_mode("online") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_wandb_mode("online") == "disabled"
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    with pytest.raises(ConfigError, match="logger.wandb.mode"):
+        resolve_wandb_mode(None)
+
+
+def test_wandb_disabled_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    WandbLogger(tmp_path, {"mode": "offline"}).log_run({"a": 1}, pd.DataFrame(), pd.DataFrame())
+    assert list(tmp_path.iterdir()) == []
