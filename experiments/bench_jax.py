@@ -6,9 +6,12 @@
 Workloads: a deep tanh MLP (a chain) and a small pre-LN transformer (attention + GELU MLP
 blocks with residual connections). Modes:
 - naive: `jax.jit(jax.grad(loss))`, one XLA program;
-- hbp: `height_compressed_grad(loss, budget)` called eagerly: separately compiled pieces;
-- hbp-jit: `jax.jit(height_compressed_grad(loss, budget))`: one program with
-  `jax.checkpoint` segments (what XLA:CPU makes of remat).
+- pieces: `height_compressed_grad(loss, budget)` called eagerly (the default "auto"
+  strategy): every segment a separately compiled program;
+- remat: `height_compressed_grad(loss, budget, strategy="remat")` called eagerly: one
+  program with `jax.checkpoint` segments, compiled with `hbp.jax.compiler_options()`;
+- remat-plain-jit: `jax.jit(height_compressed_grad(loss, budget))`: the same program
+  compiled with XLA:CPU's default passes (which undo the recomputation).
 
 Every row runs in a fresh Python process (so the RSS high-water mark belongs to that run) with
 `MALLOC_MMAP_THRESHOLD_` fixed, so freed buffers go back to the OS and RSS tracks live memory.
@@ -42,7 +45,7 @@ def build(workload: str, quick: bool):
 
     key = jax.random.PRNGKey(0)
     if workload == "mlp":
-        depth, batch, width = (16, 512, 128) if quick else (32, 2048, 256)
+        depth, batch, width = (16, 2048, 64) if quick else (32, 2048, 256)
         keys = jax.random.split(key, depth + 1)
         params = [jax.random.normal(k, (width, width)) / width**0.5 for k in keys[:-1]]
         x = jax.random.normal(keys[-1], (batch, width))
@@ -103,6 +106,7 @@ def worker(workload: str, mode: str, budget: float, steps: int, quick: bool) -> 
     """One row, in this (fresh) process."""
     import jax
 
+    import hbp
     import hbp.jax as hj
 
     loss, params, x = build(workload, quick)
@@ -111,11 +115,15 @@ def worker(workload: str, mode: str, budget: float, steps: int, quick: bool) -> 
     if mode == "naive":
         fn = jax.jit(jax.grad(loss))
     else:
-        grad_fn = hj.height_compressed_grad(loss, budget=budget)
+        strategy = "remat" if mode == "remat" else "auto"
+        grad_fn = hj.height_compressed_grad(loss, budget=budget, strategy=strategy)
         plan_start = time.perf_counter()
-        plan = grad_fn.get_plan(params, x)
+        try:
+            plan = grad_fn.get_plan(params, x)
+        except hbp.BudgetError as e:
+            return {**row, "error": f"infeasible: minimum {e.minimum / MIB:.2f} MiB"}
         row["plan_s"] = time.perf_counter() - plan_start
-        fn = jax.jit(grad_fn) if mode == "hbp-jit" else grad_fn
+        fn = jax.jit(grad_fn) if mode == "remat-plain-jit" else grad_fn
     report = hj.measure(fn, params, x)
     times = []
     for _ in range(steps):
@@ -157,7 +165,8 @@ def run_row(workload: str, mode: str, budget: float, steps: int, quick: bool) ->
         cmd.append("--quick")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        return {"workload": workload, "mode": mode, "budget": budget, "error": out.stderr[-500:]}
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"workload": workload, "mode": mode, "budget": budget, "error": last[:200]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -177,7 +186,7 @@ def to_markdown(table) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", nargs=3, metavar=("WORKLOAD", "MODE", "BUDGET"))
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workloads", default="mlp,transformer")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench"))
@@ -192,7 +201,8 @@ def main() -> None:
     rows = []
     for workload in args.workloads.split(","):
         configs = [("naive", 1.0)]
-        configs += [("hbp", b) for b in BUDGETS] + [("hbp-jit", b) for b in BUDGETS]
+        for mode in ("pieces", "remat", "remat-plain-jit"):
+            configs += [(mode, b) for b in BUDGETS]
         for mode, budget in configs:
             row = run_row(workload, mode, budget, args.steps, args.quick)
             print(json.dumps(row), flush=True)
@@ -202,9 +212,23 @@ def main() -> None:
     table["peak_vs_naive"] = table["peak_mib"] / table["workload"].map(naive["peak_mib"])
     table["time_vs_naive"] = table["step_s"] / table["workload"].map(naive["step_s"])
     columns = [
-        "workload", "mode", "budget", "strategy", "predicted_mib", "peak_mib", "peak_vs_naive",
-        "temp_mib", "rss_mib", "pieces", "segments", "depth", "recompute_ratio", "step_s",
-        "step_min_s", "step_max_s", "time_vs_naive",
+        "workload",
+        "mode",
+        "budget",
+        "strategy",
+        "predicted_mib",
+        "peak_mib",
+        "peak_vs_naive",
+        "temp_mib",
+        "rss_mib",
+        "pieces",
+        "segments",
+        "depth",
+        "recompute_ratio",
+        "step_s",
+        "step_min_s",
+        "step_max_s",
+        "time_vs_naive",
     ]
     table = table[[c for c in columns if c in table] + [c for c in table if c not in columns]]
     out = Path(args.out)

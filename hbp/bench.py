@@ -191,8 +191,11 @@ def validate(cfg) -> None:
     need(_is_int(cfg.seed), "seed", "an integer")
     need(isinstance(cfg.verify, bool), "verify", "true or false")
     need(isinstance(cfg.count_naive_flops, bool), "count_naive_flops", "true or false")
-    need(cfg.threads is None or (_is_int(cfg.threads) and cfg.threads >= 1), "threads",
-         "null (automatic) or an integer >= 1")  # fmt: skip
+    need(
+        cfg.threads is None or (_is_int(cfg.threads) and cfg.threads >= 1),
+        "threads",
+        "null (automatic) or an integer >= 1",
+    )
     resolve_device(cfg.device)
     resolve_config(cfg.workload.name, cfg.profile.name, **workload_overrides(cfg))
     build_mode(cfg.mode)
@@ -229,8 +232,9 @@ class Progress:
         self.done += 1
         now = time.perf_counter()
         if step_time_s >= self.every_s or now - self._last >= self.every_s:
-            log.info("%s: step %d/%d (%s) %.3f s", self.label, self.done, self.total, phase,
-                     step_time_s)  # fmt: skip
+            log.info(
+                "%s: step %d/%d (%s) %.3f s", self.label, self.done, self.total, phase, step_time_s
+            )
             self._last = now
 
 
@@ -292,9 +296,6 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
 
     Returns the summary row (also written to run_dir/metrics.json, last, so a metrics.json
     means a finished run). Raises ConfigError on bad input before anything is written."""
-    from hbp.runtime.flops import TotalFlopCounterMode
-    from hbp.runtime.measure import measure_step
-
     started_at = datetime.now().astimezone()
     t_start = time.perf_counter()
     validate(cfg)
@@ -302,7 +303,6 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     check_writable(run_dir)
     device = resolve_device(cfg.device)
     torch.set_num_threads(resolve_threads(cfg.threads, parallel_jobs()))
-    label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
 
     mode = build_mode(cfg.mode)
     workload = build_workload(cfg)
@@ -311,7 +311,35 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     module = mode.apply(workload, batch)
     params = list(workload.model.parameters())
 
-    # -- warm-up, timed steps, measured step -------------------------------------------------
+    measured, steps, resources = measure_steps(cfg, workload, module, batch, params, device)
+    row = summary_row(cfg, mode, workload, measured, device)
+    row.update(resources)
+    row.update(reference_checks(cfg, workload, module, batch, params, device, measured.flops))
+    row["recompute_ratio"] = (
+        measured.flops / row["naive_flops"] - 1 if row["naive_flops"] and measured.flops else None
+    )
+    row["optimizer_step_s"] = time_optimizer_step(params, device, max(1, min(cfg.steps, 5)))
+    row.update(capture_environment(device))
+    row["started_at"] = started_at.isoformat(timespec="milliseconds")
+    row["run_dir"] = str(run_dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop("hydra", None)
+    row["config"] = config
+
+    timeline = measured.timeline if measured.timeline is not None else pd.DataFrame()
+    write_outputs(cfg, run_dir, mode, row, steps, timeline)
+    row["wall_s"] = time.perf_counter() - t_start
+    write_metrics(run_dir, row)
+    print(format_summary([row]), flush=True)
+    return row
+
+
+def measure_steps(cfg, workload, module, batch, params, device):
+    """Warm-up, timed steps and the measured step (`measure_step`) with the resource samplers
+    running. Returns (StepMeasurement, per-step DataFrame, sampler results)."""
+    from hbp.runtime.measure import measure_step
+
+    label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
     progress = Progress(cfg.warmup + cfg.steps + 1, label)
     phases = ["warmup"] * cfg.warmup + ["timed"] * cfg.steps + ["measured"]
     rows: list[dict] = []
@@ -323,9 +351,11 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         loss.backward()
         elapsed = time.perf_counter() - t0
         phase = phases[min(len(rows), len(phases) - 1)]
-        # No tensor op after backward: the tracker would label it forward.
-        rows.append({"step": len(rows), "phase": phase, "step_time_s": elapsed,
-                     "loss": loss, "rss_mb": process.memory_info().rss / MIB})  # fmt: skip
+        # `loss` as is, not detached: an op after backward would be tracked as forward.
+        rss_mb = process.memory_info().rss / MIB
+        rows.append(
+            dict(step=len(rows), phase=phase, step_time_s=elapsed, loss=loss, rss_mb=rss_mb)
+        )
         progress.update(phase, elapsed)
         return loss
 
@@ -346,32 +376,41 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     steps["loss"] = [float(v.detach()) for v in steps["loss"]]
     timed = steps.index[steps["phase"] == "timed"]
     steps.loc[timed, "step_time_s"] = measured.step_times  # the Timer's numbers (CUDA-synced)
+    resources = rss.results() | (gpu.results() if gpu is not None else {})
+    return measured, steps, resources
 
-    # -- gradient check and the naive reference -----------------------------------------------
+
+def reference_checks(cfg, workload, module, batch, params, device, flops) -> dict:
+    """naive_flops, and with `verify` grad_max_rel_error / verify_passed, from a plain-autograd
+    copy of the workload (built only when needed)."""
     same_build = workload_overrides(cfg) == workload_overrides(cfg, with_mode_options=False)
-    naive_flops = measured.flops if cfg.mode.name == "naive" and same_build else None
-    grad_error = None
-    if cfg.verify or (naive_flops is None and cfg.count_naive_flops):
-        reference = build_workload(cfg, with_mode_options=False)
-        reference.model.to(device)
-        ref_params = list(reference.model.parameters())
-        # Gradients are compared on the plain execution path: under a dispatch mode such as
-        # the FLOP counter, composite ops (scaled_dot_product_attention) may decompose
-        # differently and round differently. So the FLOPs get a step of their own.
-        if cfg.verify:
-            grads, _ = _step_gradients(module, workload, batch, params, cfg.seed)
-            ref_grads, _ = _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
-            grad_error = max_relative_grad_error(grads, ref_grads)
-            del grads, ref_grads
-        if naive_flops is None and cfg.count_naive_flops:
-            with TotalFlopCounterMode() as counter:
-                _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
-            naive_flops = int(counter.get_total_flops())
-        del reference, ref_params
+    result = {"naive_flops": flops if cfg.mode.name == "naive" and same_build else None}
+    if not cfg.verify and (result["naive_flops"] is not None or not cfg.count_naive_flops):
+        return result
+    from hbp.runtime.flops import TotalFlopCounterMode
 
-    optimizer_step_s = time_optimizer_step(params, device, repeats=max(1, min(cfg.steps, 5)))
+    reference = build_workload(cfg, with_mode_options=False)
+    reference.model.to(device)
+    ref_params = list(reference.model.parameters())
+    # Gradients are compared on the plain execution path: under a dispatch mode such as the
+    # FLOP counter, composite ops (scaled_dot_product_attention) may decompose differently
+    # and round differently. So the FLOPs get a step of their own.
+    if cfg.verify:
+        grads, _ = _step_gradients(module, workload, batch, params, cfg.seed)
+        ref_grads, _ = _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
+        error = max_relative_grad_error(grads, ref_grads)
+        result["grad_max_rel_error"] = error
+        result["verify_passed"] = bool(error < GRAD_TOLERANCE)
+    if result["naive_flops"] is None and cfg.count_naive_flops:
+        with TotalFlopCounterMode() as counter:
+            _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
+        result["naive_flops"] = int(counter.get_total_flops())
+    return result
 
-    # -- the summary row ----------------------------------------------------------------------
+
+def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:
+    """The run's fields, the mode's describe() (mode_*), the workload's facts (workload_*) and
+    the measured step's numbers."""
     facts = dict(workload.config)
     row: dict = {
         "status": "ok",
@@ -385,7 +424,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     }
     row.update({f"mode_{k}": v for k, v in mode.describe().items() if k != "name"})
     row.update({f"workload_{k}": v for k, v in facts.items()})
-    row["params"] = facts.get("params", sum(p.numel() for p in params))
+    row["params"] = facts.get("params", sum(p.numel() for p in workload.model.parameters()))
     row["loss"] = float(measured.last_output) if measured.last_output is not None else None
     row["peak_bytes"] = measured.peak_bytes
     row["peak_mib"] = measured.peak_bytes / MIB if measured.peak_bytes is not None else None
@@ -393,8 +432,6 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     if device.type == "cuda":
         row["tracker_peak_bytes"] = measured.tracker_peak_bytes
     row["flops"] = measured.flops
-    row["naive_flops"] = naive_flops
-    row["recompute_ratio"] = measured.flops / naive_flops - 1 if naive_flops else None
     row["step_time_s"] = measured.step_time_s
     row["step_time_p10"] = measured.step_time_p10
     row["step_time_p90"] = measured.step_time_p90
@@ -404,38 +441,24 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
         per_batch = facts.get(f"{unit}_per_batch")
         if per_batch:
             row[f"{unit}_per_s"] = per_batch / measured.step_time_s
-    row["optimizer_step_s"] = optimizer_step_s
-    row.update(rss.results())
-    if gpu is not None:
-        row.update(gpu.results())
-    if cfg.verify:
-        row["grad_max_rel_error"] = grad_error
-        row["verify_passed"] = bool(grad_error < GRAD_TOLERANCE)
-    row.update(capture_environment(device))
-    row["started_at"] = started_at.isoformat(timespec="seconds")
-    row["run_dir"] = str(run_dir)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config.pop("hydra", None)
-    row["config"] = config
+    return row
 
-    # -- outputs: config, mode artifacts, loggers, metrics.json last ----------------------------
+
+def write_outputs(cfg, run_dir: Path, mode, row: dict, steps, timeline) -> None:
+    """config.yaml, the mode's artifacts() files, then the loggers (a failing wandb logger is
+    a warning and a `logger_errors` entry, never a lost run)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(run_dir, config)
+    write_config(run_dir, row["config"])
     if hasattr(mode, "artifacts"):
         write_artifacts(run_dir, mode.artifacts())
-    timeline = measured.timeline if measured.timeline is not None else pd.DataFrame()
     for logger in make_loggers(cfg.logger, run_dir, run_name=run_dir.name):
         try:
             logger.log_run(row, steps, timeline)
-        except Exception as error:  # telemetry must not cost the measurement
+        except Exception as error:
             if logger.name == "table":
                 raise
             log.warning("logger %s failed: %s: %s", logger.name, type(error).__name__, error)
             row.setdefault("logger_errors", []).append(f"{logger.name}: {error}")
-    row["wall_s"] = time.perf_counter() - t_start
-    write_metrics(run_dir, row)
-    print(format_summary([row]), flush=True)
-    return row
 
 
 # -- reporting --------------------------------------------------------------------------------
@@ -459,16 +482,15 @@ def summary_frame(rows) -> pd.DataFrame:
             "recompute": frame.get("recompute_ratio"),
         }
     )
-    predicted = [c for c in frame.columns if c.startswith("mode_") and "predicted_peak_bytes" in c]
-    if predicted:
-        table["predicted MiB"] = frame[predicted[0]] / MIB
+    if "mode_predicted_peak_bytes" in frame:
+        table["predicted MiB"] = frame["mode_predicted_peak_bytes"] / MIB
     if "grad_max_rel_error" in frame:
         table["grad err"] = frame["grad_max_rel_error"]
     return table
 
 
 def mode_label(row: Mapping) -> str:
-    """"checkpoint(block_size=2)": the mode and its configured parameters that are set."""
+    """ "checkpoint(block_size=2)": the mode and its configured parameters that are set."""
     params = (row.get("config") or {}).get("mode") or {}
     shown = [f"{k}={v}" for k, v in params.items() if k != "name" and v not in (None, False)]
     return f"{row['mode']}({', '.join(shown)})" if shown else str(row["mode"])
@@ -488,18 +510,21 @@ def _fail(message: str, code: int = 2):
     sys.exit(code)
 
 
-def remove_run_dir(run_dir: Path, output_root: Path) -> None:
+def remove_run_dir(run_dir: Path, output_root: Path) -> bool:
     """Undo what Hydra created for a run rejected before it wrote anything: the run dir, if it
     holds only Hydra's own files, and the then-empty directories above it up to output_root
-    (which stays)."""
+    (which stays). Returns whether the run dir is gone."""
     run_dir, root = Path(run_dir).absolute(), Path(output_root).absolute()
-    if not run_dir.is_dir() or any(p.name not in HYDRA_FILES for p in run_dir.iterdir()):
-        return
+    if not run_dir.is_dir():
+        return True
+    if any(p.name not in HYDRA_FILES for p in run_dir.iterdir()):
+        return False
     shutil.rmtree(run_dir, ignore_errors=True)
     parent = run_dir.parent
     while parent != root and root in parent.parents and not any(parent.iterdir()):
         parent.rmdir()
         parent = parent.parent
+    return True
 
 
 def hydra_main(cfg: DictConfig) -> dict | None:
@@ -521,20 +546,31 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     try:
         return run(cfg, run_dir)
     except Exception as error:
-        if isinstance(error, HBPError) and not multirun:
-            remove_run_dir(run_dir, Path(cfg.output_root))
+        bad_input = isinstance(error, HBPError) and not multirun
+        if bad_input and remove_run_dir(run_dir, Path(cfg.output_root)):
             _fail(str(error))
-        context = {"workload": cfg.workload.name, "mode": cfg.mode.name,
-                   "profile": cfg.profile.name, "run_dir": str(run_dir)}  # fmt: skip
+        context = {
+            "workload": cfg.workload.name,
+            "mode": cfg.mode.name,
+            "profile": cfg.profile.name,
+            "run_dir": str(run_dir),
+        }
         try:
             context["config"] = OmegaConf.to_container(cfg, resolve=True)
         except Exception:  # an unresolvable config is itself the error
             pass
         write_error(run_dir, error, context)
+        if bad_input:  # raised after the run had written files: keep them, with error.json
+            _fail(f"{error} (see {run_dir / ERROR_FILE})")
         if not multirun:
             raise
-        log.error("%s failed: %s: %s (see %s)", run_dir.name, type(error).__name__, error,
-                  run_dir / ERROR_FILE)  # fmt: skip
+        log.error(
+            "%s failed: %s: %s (see %s)",
+            run_dir.name,
+            type(error).__name__,
+            error,
+            run_dir / ERROR_FILE,
+        )
         return None
 
 
@@ -573,5 +609,8 @@ class RunGuard(Callback):
             print(format_summary(read_json(p) for p in done), flush=True)
         if failed:
             names = ", ".join(p.parent.name for p in failed)
-            _fail(f"{len(failed)} of {len(done) + len(failed)} runs failed: {names} "
-                  f"(see error.json in each)", code=1)  # fmt: skip
+            _fail(
+                f"{len(failed)} of {len(done) + len(failed)} runs failed: {names} "
+                f"(see error.json in each)",
+                code=1,
+            )

@@ -14,23 +14,44 @@ def make_run(root, name, workload, mode, peak_mib, flops, started, **mode_params
     run_dir = root / name
     run_dir.mkdir(parents=True)
     ratio = 0.0 if mode == "naive" else 0.25
-    write_metrics(run_dir, {
-        "status": "ok", "workload": workload, "mode": mode, "profile": "small",
-        "peak_bytes": int(peak_mib * MIB), "flops": flops, "recompute_ratio": ratio,
-        "step_time_s": 0.01, "started_at": started,
-        "config": {"workload": {"name": workload, "n_layer": None},
-                   "mode": {"name": mode, **mode_params}, "steps": 1},
-    })  # fmt: skip
+    write_metrics(
+        run_dir,
+        {
+            "status": "ok",
+            "workload": workload,
+            "mode": mode,
+            "profile": "small",
+            "peak_bytes": int(peak_mib * MIB),
+            "flops": flops,
+            "recompute_ratio": ratio,
+            "step_time_s": 0.01,
+            "started_at": started,
+            "config": {
+                "workload": {"name": workload, "n_layer": None},
+                "mode": {"name": mode, **mode_params},
+                "steps": 1,
+            },
+        },
+    )
     return run_dir
 
 
 @pytest.fixture
 def runs(tmp_path):
-    make_run(tmp_path / "a", "1_gpt2_checkpoint", "gpt2", "checkpoint", 10, 150,
-             "2025-01-01T00:00:02", segments=2)  # fmt: skip
+    make_run(
+        tmp_path / "a",
+        "1_gpt2_checkpoint",
+        "gpt2",
+        "checkpoint",
+        10,
+        150,
+        "2025-01-01T00:00:02",
+        segments=2,
+    )
     make_run(tmp_path / "a", "0_gpt2_naive", "gpt2", "naive", 40, 100, "2025-01-01T00:00:01")
-    make_run(tmp_path / "b" / "deeper", "0_resnet_naive", "resnet", "naive", 8, 50,
-             "2025-01-01T00:00:03")  # fmt: skip
+    make_run(
+        tmp_path / "b" / "deeper", "0_resnet_naive", "resnet", "naive", 8, 50, "2025-01-01T00:00:03"
+    )
     return tmp_path
 
 
@@ -54,8 +75,10 @@ def test_failed_runs_only_on_request(runs):
     assert len(frame) == 4
     row = frame[frame["status"] == "error"].iloc[0]
     assert (row["workload"], row["error_type"], row["error"]) == (
-        "unet", "RuntimeError", "out of memory"
-    )  # fmt: skip
+        "unet",
+        "RuntimeError",
+        "out of memory",
+    )
 
 
 def test_unreadable_metrics_are_skipped_with_a_warning(runs):

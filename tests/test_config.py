@@ -64,8 +64,9 @@ def test_unknown_group_option_is_rejected():
 
 
 def test_run_and_sweep_directories():
-    cfg = make_cfg("workload=unet", "mode=checkpoint", "output_root=/data/out",
-                   return_hydra_config=True)  # fmt: skip
+    cfg = make_cfg(
+        "workload=unet", "mode=checkpoint", "output_root=/data/out", return_hydra_config=True
+    )
     from hydra.core.hydra_config import HydraConfig
 
     HydraConfig.instance().set_config(cfg)  # for ${hydra:...} interpolations
@@ -83,8 +84,13 @@ def test_chunked_loss_reaches_workloads_that_have_the_field():
     cfg = make_cfg("workload=gpt2", "mode=checkpoint", "mode.chunked_loss=true")
     assert bench.workload_overrides(cfg) == {"chunked_loss": True}
     assert bench.workload_overrides(cfg, with_mode_options=False) == {}
-    cfg = make_cfg("workload=gpt2", "mode=checkpoint", "mode.chunked_loss=true",
-                   "workload.chunked_loss=false", "workload.n_layer=2")  # fmt: skip
+    cfg = make_cfg(
+        "workload=gpt2",
+        "mode=checkpoint",
+        "mode.chunked_loss=true",
+        "workload.chunked_loss=false",
+        "workload.n_layer=2",
+    )
     assert bench.workload_overrides(cfg) == {"chunked_loss": False, "n_layer": 2}
     cfg = make_cfg("workload=resnet", "mode=checkpoint", "mode.chunked_loss=true")
     assert bench.workload_overrides(cfg) == {}
@@ -142,8 +148,9 @@ def test_threads(monkeypatch):
 
 def sweep_cfg(name: str, *overrides: str):
     with initialize_config_dir(config_dir=str(SWEEPS), version_base="1.3"):
-        return compose(name, [f"hydra.searchpath=[file://{CONF}]", *overrides],
-                       return_hydra_config=True)  # fmt: skip
+        return compose(
+            name, [f"hydra.searchpath=[file://{CONF}]", *overrides], return_hydra_config=True
+        )
 
 
 def test_block_size_sweep_composes():

@@ -144,8 +144,10 @@ def conv_workload(seed=0) -> Workload:
 
     def make_batch(s):
         g = torch.Generator().manual_seed(s)
-        return Batch(args=(torch.randn(16, 3, 16, 16, generator=g),),
-                     targets=torch.randint(0, 5, (16,), generator=g))  # fmt: skip
+        return Batch(
+            args=(torch.randn(16, 3, 16, 16, generator=g),),
+            targets=torch.randint(0, 5, (16,), generator=g),
+        )
 
     def loss_fn(out, batch):
         return nn.functional.cross_entropy(out, batch.targets)
@@ -198,9 +200,14 @@ def test_checkpoint_keeps_the_same_parameter_objects_and_blocks():
     assert all(isinstance(s, CheckpointedSegment) for s in segments)
     assert [b for s in segments for b in s.blocks] == blocks
     assert mode.describe() == {
-        "name": "checkpoint", "segments": 2, "block_size": None, "chunked_loss": False,
-        "num_blocks": 6, "num_segments": 2, "segment_sizes": "3,3",
-    }  # fmt: skip
+        "name": "checkpoint",
+        "segments": 2,
+        "block_size": None,
+        "chunked_loss": False,
+        "num_blocks": 6,
+        "num_segments": 2,
+        "segment_sizes": "3,3",
+    }
 
 
 def test_batchnorm_running_stats_updated_once_per_step():

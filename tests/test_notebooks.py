@@ -27,8 +27,17 @@ def outputs(tmp_path):
     for workload in ("synthetic_dag", "gpt2"):
         for mode in ("naive", "checkpoint"):
             with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-                cfg = compose("config", [f"workload={workload}", f"mode={mode}", "steps=1",
-                                         "warmup=0", "logger=table", f"output_root={root}"])  # fmt: skip
+                cfg = compose(
+                    "config",
+                    [
+                        f"workload={workload}",
+                        f"mode={mode}",
+                        "steps=1",
+                        "warmup=0",
+                        "logger=table",
+                        f"output_root={root}",
+                    ],
+                )
             bench.run(cfg, root / "runs" / f"{workload}_{mode}")
     return root
 
@@ -56,7 +65,10 @@ def test_analysis_notebook_executes(outputs, kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = NotebookClient(
-        notebook, kernel_name=kernel, timeout=180, resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+        notebook,
+        kernel_name=kernel,
+        timeout=180,
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
     )
     client.execute()
 

@@ -95,8 +95,9 @@ def test_config_and_artifacts(tmp_path):
     write_config(tmp_path, {"mode": {"name": "tiny", "budget": 0.3}, "steps": 2})
     assert "budget: 0.3" in (tmp_path / "config.yaml").read_text()
     frame = pd.DataFrame({"a": [1, 2]})
-    write_artifacts(tmp_path, {"plan.json": {"cuts": [1, 3]}, "plan.txt": "cut at 1",
-                               "nodes.parquet": frame})  # fmt: skip
+    write_artifacts(
+        tmp_path, {"plan.json": {"cuts": [1, 3]}, "plan.txt": "cut at 1", "nodes.parquet": frame}
+    )
     assert read_json(tmp_path / "plan.json") == {"cuts": [1, 3]}
     assert (tmp_path / "plan.txt").read_text() == "cut at 1"
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "nodes.parquet"), frame)
@@ -105,8 +106,12 @@ def test_config_and_artifacts(tmp_path):
 
 
 def test_table_logger_writes_parquet(tmp_path):
-    steps = pd.DataFrame({"step": [0, 1], "phase": ["timed", "measured"], "step_time_s": [0.1, 0.2]})
-    timeline = pd.DataFrame({"op_index": [0], "live_bytes": [64], "phase": ["forward"], "op": ["mm"]})
+    steps = pd.DataFrame(
+        {"step": [0, 1], "phase": ["timed", "measured"], "step_time_s": [0.1, 0.2]}
+    )
+    timeline = pd.DataFrame(
+        {"op_index": [0], "live_bytes": [64], "phase": ["forward"], "op": ["mm"]}
+    )
     TableLogger(tmp_path).log_run({}, steps, timeline)
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "steps.parquet"), steps)
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "memory_timeline.parquet"), timeline)

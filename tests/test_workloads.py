@@ -363,3 +363,19 @@ def test_gpt2_medium_forward_with_a_tiny_batch():
         loss = wl.model(idx, targets)
     # Random init predicts near-uniformly over the 50257-token vocabulary.
     assert abs(loss.item() - math.log(50257)) < 0.5
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_small_profiles_are_activation_dominated(name):
+    """The small profiles exist to benchmark activation memory: a step's peak must be mostly
+    activations, not parameter gradients (exact CPU bytes, by the live-storage tracker)."""
+    tracker = pytest.importorskip("hbp.runtime.tracker")
+    wl = build(name)
+    batch = wl.make_batch(0)
+
+    def training_step():
+        wl.step_loss(wl.model, batch).backward()
+
+    _, peak = tracker.measure_callable_peak(training_step)
+    param_grad_bytes = wl.config["param_bytes"]
+    assert peak - param_grad_bytes >= 4 * param_grad_bytes

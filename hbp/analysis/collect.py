@@ -103,15 +103,22 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def to_markdown(table: pd.DataFrame, digits: int = 3) -> str:
-    """A GitHub-flavoured markdown table; floats with `digits` significant digits."""
+    """A GitHub-flavoured markdown table; floats with `digits` significant digits (whole
+    numbers from 10**digits up), NaN as "-"."""
 
     def cell(value) -> str:
         if isinstance(value, float):
-            return "-" if math.isnan(value) else f"{value:.{digits}g}"
+            if math.isnan(value):
+                return "-"
+            return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
         return str(value)
 
     header = "| " + " | ".join(map(str, table.columns)) + " |"
-    rule = "|" + "|".join("---:" if pd.api.types.is_numeric_dtype(table[c]) else "---" for c in table) + "|"
+    rule = (
+        "|"
+        + "|".join("---:" if pd.api.types.is_numeric_dtype(table[c]) else "---" for c in table)
+        + "|"
+    )
     body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(False)]
     return "\n".join([header, rule, *body])
 

@@ -15,6 +15,12 @@ rules below hold everywhere:
   autograd, as in a traced joint graph.
 - A node is a *save event* when it has a backward and saves something: that is what
   torch.utils.checkpoint's non-reentrant early stop counts (see `hbp.analysis.simulate`).
+
+Refinements a capture may record in `graph.meta` (all optional, by node name):
+`forward_transient_bytes` / `backward_transient_bytes` (scratch a node holds only while its
+forward / backward runs), `grad_bytes` (a gradient's size where it differs from the value's
+storage) and `grad_passthrough` (inputs whose gradient *is* the node's output gradient, as
+for add or views: no new allocation).
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ class GraphInfo:
         param_grad_bytes: per node, parameter-gradient bytes its backward creates.
         save_event: per node, has a backward and saves something.
         flops / backward_flops: forward and backward FLOPs (backward defaults to 2x forward).
+        forward_transient / backward_transient: per node, scratch bytes live only during its
+            forward / backward event.
+        passthrough: per node, the inputs (indices) that receive its output gradient itself.
     """
 
     n: int
@@ -68,6 +77,9 @@ class GraphInfo:
     save_event: np.ndarray
     flops: np.ndarray
     backward_flops: np.ndarray
+    forward_transient: np.ndarray
+    backward_transient: np.ndarray
+    passthrough: list[tuple[int, ...]]
 
     @classmethod
     def of(cls, graph: Graph) -> GraphInfo:
@@ -141,7 +153,24 @@ class GraphInfo:
             [0 if (nd.alias_of is not None or nd.is_input) else nd.output_bytes for nd in nodes],
             dtype=np.int64,
         )
-        grad_bytes = np.array([nd.grad_bytes for nd in nodes], dtype=np.int64) * receives_grad
+        meta = graph.meta or {}
+        grad_override = meta.get("grad_bytes") or {}
+        grad_bytes = np.array(
+            [int(grad_override.get(nd.name, nd.grad_bytes)) for nd in nodes], dtype=np.int64
+        )
+        grad_bytes *= receives_grad
+        fwd_tr = meta.get("forward_transient_bytes") or {}
+        bwd_tr = meta.get("backward_transient_bytes") or {}
+        forward_transient = np.array([int(fwd_tr.get(nd.name, 0)) for nd in nodes], np.int64)
+        backward_transient = np.array([int(bwd_tr.get(nd.name, 0)) for nd in nodes], np.int64)
+        backward_transient *= has_backward
+        through = meta.get("grad_passthrough") or {}
+        passthrough = [
+            tuple(index[v] for v in through.get(nd.name, ()) if v in index and v in nd.inputs)
+            if has_backward[i]
+            else ()
+            for i, nd in enumerate(nodes)
+        ]
         param_grad = np.array([nd.param_grad_bytes for nd in nodes], dtype=np.int64)
         flops = np.array([0.0 if nd.is_input else nd.flops for nd in nodes], dtype=float)
         bwd = np.array([nd.backward_flops or 2.0 * nd.flops for nd in nodes], dtype=float)
@@ -169,6 +198,9 @@ class GraphInfo:
             save_event=save_event,
             flops=flops,
             backward_flops=bwd * has_backward,
+            forward_transient=forward_transient * ~is_input,
+            backward_transient=backward_transient,
+            passthrough=passthrough,
         )
 
     def segment_inputs(self, start: int, stop: int) -> list[int]:

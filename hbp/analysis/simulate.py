@@ -31,7 +31,11 @@ of j's output is live; j allocates the gradients of its inputs that receive one 
 have one yet (accumulating is free) and its parameter gradients (kept to the end of the
 step); the event is recorded; then j releases what it saved and frees its output gradient.
 Gradients of graph inputs are kept to the end of the step. Graph outputs' gradients are
-allocated when backward starts.
+allocated when backward starts. An input that j passes its gradient through
+(`grad_passthrough`) and that has no gradient yet takes j's output gradient itself (shared
+storage, nothing new). Scratch bytes a capture recorded (`forward_transient_bytes`,
+`backward_transient_bytes`) are live during the node's forward (every run of it) / backward
+event only.
 
 The peak is the largest recorded live-byte count, above the level before the step.
 """
@@ -76,15 +80,21 @@ def naive_peak(graph: Graph) -> int:
 
 
 def simulate(
-    graph: Graph, plan: Plan | list[Segment] | None = None, *, info: GraphInfo | None = None
+    graph: Graph,
+    plan: Plan | list[Segment] | None = None,
+    *,
+    info: GraphInfo | None = None,
+    check: bool = False,
 ) -> Simulation:
     """Simulate one training step of `graph` under `plan` (None: plain autograd).
 
     `plan` may also be a bare list of top-level segments. `info` is `GraphInfo.of(graph)`, for
-    callers that simulate the same graph many times.
+    callers that simulate the same graph many times. `check`: verify at every forward and
+    recompute event that each value the node reads is live (stored or recomputed).
 
     Raises:
-        ValueError: the graph breaks the IR's invariants or the segments do not tile it.
+        ValueError: the graph breaks the IR's invariants, the segments do not tile it, or
+            (with `check`) a node would read a value that was freed.
     """
     info = info or GraphInfo.of(graph)
     if plan is None:
@@ -92,7 +102,7 @@ def simulate(
     else:
         segments = plan.segments if isinstance(plan, Plan) else list(plan)
     check_tiling(segments, 0, info.n)
-    return _Run(info).step(segments)
+    return _Run(info, check).step(segments)
 
 
 def check_tiling(segments: list[Segment], start: int, stop: int, where: str = "plan") -> None:
@@ -119,8 +129,9 @@ def check_tiling(segments: list[Segment], start: int, stop: int, where: str = "p
 class _Run:
     """One simulated step: reference-counted storage instances and recorded events."""
 
-    def __init__(self, info: GraphInfo):
+    def __init__(self, info: GraphInfo, check: bool = False):
         self.info = info
+        self.check = check
         self.size: list[int] = []  # bytes per storage instance
         self.refs: list[int] = []  # holds per storage instance
         self.live = 0
@@ -195,6 +206,13 @@ class _Run:
             _, j, save = item
             if info.is_input[j]:
                 continue
+            if self.check:
+                for v in info.inputs[j]:
+                    if self.refs[self.current[v]] <= 0:
+                        raise ValueError(
+                            f"plan: {phase} of {info.names[j]!r} reads {info.names[v]!r}, "
+                            "which is neither stored nor recomputed at that point"
+                        )
             alias = info.root[j] != j
             inst = self.current[info.root[j]] if alias else self._new(info.storage_bytes[j])
             if alias:
@@ -217,7 +235,10 @@ class _Run:
                 self.saved_holds[j] = held
             if scope is not None:
                 self.recompute_flops += info.flops[j]
+            scratch = int(info.forward_transient[j])
+            self.live += scratch
             self._record(phase, j)
+            self.live -= scratch
             for v in info.inputs[j]:
                 left = pending.get(v)
                 if left is not None:
@@ -237,10 +258,17 @@ class _Run:
             return
         for v in info.inputs[j]:
             if info.receives_grad[v] and self.grad[v] < 0:
-                self.grad[v] = self._new(info.grad_bytes[v])
+                if v in info.passthrough[j] and self.grad[j] >= 0:
+                    self.grad[v] = self.grad[j]
+                    self._hold(self.grad[j])
+                else:
+                    self.grad[v] = self._new(info.grad_bytes[v])
         if info.param_grad_bytes[j]:
             self._new(info.param_grad_bytes[j])  # kept to the end of the step
+        scratch = int(info.backward_transient[j])
+        self.live += scratch
         self._record(BACKWARD, j)
+        self.live -= scratch
         for inst in self.saved_holds[j]:
             self._release(inst)
         self.saved_holds[j] = []

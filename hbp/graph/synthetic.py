@@ -42,6 +42,7 @@ def random_dag(
     param_prob: float = 0.3,
     extra_output_prob: float = 0.0,
     input_requires_grad: bool | None = None,
+    refinements: bool = False,
 ) -> Graph:
     """A random DAG of `n` ops after one graph input, in topological order.
 
@@ -50,7 +51,9 @@ def random_dag(
     random: output bytes in [1, max_bytes], FLOPs in [1, max_flops], what backward saves
     (inputs, output, both or nothing), a view or in-place alias of its first input
     (`alias_prob`), saved extra bytes, parameter gradients, and, with `extra_output_prob`,
-    being a graph output besides the last op.
+    being a graph output besides the last op. With `refinements`, also the optional
+    `graph.meta` entries a capture records (transient scratch bytes, gradient sizes,
+    gradient pass-through; see `hbp.analysis.liveness`).
     """
     rng = np.random.default_rng(seed)
     if input_requires_grad is None:
@@ -93,7 +96,22 @@ def random_dag(
         if i < n and rng.random() < extra_output_prob:
             outputs.append(nodes[-1].name)
     outputs.append(nodes[-1].name)
-    return Graph(nodes, outputs=outputs, meta={"generator": "random_dag", "seed": seed})
+    meta: dict = {"generator": "random_dag", "seed": seed}
+    if refinements:
+        ops = nodes[1:]
+        pick = [nd for nd in ops if rng.random() < 0.3]
+        meta["forward_transient_bytes"] = {nd.name: int(rng.integers(1, 4)) for nd in pick}
+        pick = [nd for nd in ops if rng.random() < 0.3]
+        meta["backward_transient_bytes"] = {nd.name: int(rng.integers(1, 4)) for nd in pick}
+        meta["grad_bytes"] = {
+            nd.name: int(rng.integers(1, max_bytes + 1)) for nd in ops if rng.random() < 0.2
+        }
+        meta["grad_passthrough"] = {
+            nd.name: tuple(v for v in nd.inputs if rng.random() < 0.5)
+            for nd in ops
+            if rng.random() < 0.3
+        }
+    return Graph(nodes, outputs=outputs, meta=meta)
 
 
 def residual_net(

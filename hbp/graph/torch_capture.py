@@ -54,6 +54,7 @@ import inspect
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,9 +62,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.nn import functional as F
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hbp.errors import CaptureWarning
@@ -74,6 +82,7 @@ OP = "op"
 MODULE = "module"
 
 _aten = torch.ops.aten
+
 
 def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
@@ -97,6 +106,35 @@ CPU_FLOP_FORMULAS = {
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
     """A silent `FlopCounterMode` that also counts CPU flash attention (FLOPs, 2 per MAC)."""
     return flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS)
+
+
+# CPU loss kernels that return their (0-dim) reduced loss as a view of an unreduced buffer the
+# size of the input, which meta/fake kernels cannot know: aten op -> position of `reduction`.
+_CPU_UNREDUCED_LOSSES = {
+    _aten.mse_loss.default: 2,
+    _aten.smooth_l1_loss.default: 2,
+    _aten.soft_margin_loss.default: 2,
+    _aten.binary_cross_entropy.default: 3,
+}
+
+
+class _RealStorageSizes(TorchDispatchMode):
+    """Records storage sizes real kernels allocate where fake kernels differ (see above)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        position = _CPU_UNREDUCED_LOSSES.get(func)
+        if position is not None:
+            x = args[0]
+            reduction = args[position] if len(args) > position else kwargs.get("reduction", 1)
+            if x.device.type == "cpu" and reduction != 0:
+                self.sizes[_storage_key(out)] = x.numel() * x.element_size()
+        return out
 
 
 # Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
@@ -246,7 +284,29 @@ def _call_module(faker: _Faker | None, module: nn.Module, args, kwargs):
         return module.forward(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _as_if_compiling() -> Iterator[None]:
+    """Library code skips host-syncing checks (`if bool((t < 0).any()): raise ...`) while
+    torch.compile traces, for the reason fake tensors cannot run them: the value is unknown."""
+    original = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = original
+
+
 def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
+    """Run one node on fake values; a node whose Python needs a tensor's value (a host sync)
+    is run again as torch.compile would see it."""
+    try:
+        return _run_fx_node_once(node, root, faker, args, kwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        with _as_if_compiling():
+            return _run_fx_node_once(node, root, faker, args, kwargs)
+
+
+def _run_fx_node_once(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
@@ -518,6 +578,47 @@ def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> 
 # ---------------------------------------------------------------------------------------
 
 
+class _FakeLiveBytes(TorchDispatchMode):
+    """Live bytes of the storages that fake ops create while active: `MemoryTracker`'s rule
+    (an op output whose storage is not one of the op's inputs' is new memory) for fake
+    tensors, whose storage objects PyTorch does not keep alive, so a storage counts as live
+    while a tensor on it does."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known = set(known)
+        self.live = 0
+        self.peak = 0
+        self._tensors: dict[int, list[int]] = {}  # storage key -> [bytes, live tensors]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        input_keys = {_storage_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            key = _storage_key(t)
+            if key is None or key in self.known:
+                continue
+            entry = self._tensors.get(key)
+            if entry is None:
+                if key in input_keys:
+                    continue
+                entry = self._tensors[key] = [t.untyped_storage().nbytes(), 0]
+                self.live += entry[0]
+            entry[1] += 1
+            weakref.finalize(t, self._release, key)
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _release(self, key: int) -> None:
+        entry = self._tensors.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._tensors[key]
+                self.live -= entry[0]
+
+
 @dataclass
 class _Profile:
     output: Any
@@ -529,37 +630,67 @@ class _Profile:
     saved_extra_bytes: int
     flops: float
     mutated_inputs: tuple[str, ...]
+    forward_peak_bytes: int = 0  # most new bytes live at once while the node runs forward
+    backward_peak_bytes: int = 0  # most new bytes live at once while its backward runs
+    backward_flops: float = 0.0
+    grad_passthrough: list[str] = field(default_factory=list)  # inputs given the output's grad
+    value_bytes: int = 0  # numel x element size of the output tensors (their gradients' size)
+
+
+def _leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.requires_grad:
+        return x.detach().requires_grad_(True)
+    return x
 
 
 def _profile_call(
-    fn: Callable[[], Any],
+    run: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
     inputs: list[tuple[str, Any]],
     persistent_keys: set[int],
     owners: dict[int, str],
     name: str = "",
+    params: tuple[torch.Tensor, ...] = (),
 ) -> _Profile:
-    """Run `fn()` (its inputs are `inputs`: (IR name, value)) and classify its memory.
+    """Run `run(*args, **kwargs)` (its inputs are `inputs`: (IR name, value)) on detached
+    copies of its inputs, and classify its memory; then run its backward (FLOPs, peak bytes).
 
     persistent_keys: storages of parameters, buffers and constants (never charged).
     owners: storage key -> IR name of the node that created it; new storages are added
         under `name`.
+    params: (fake) parameters `run` uses, for the backward.
     """
     input_keys: dict[int, str] = {}
     versions = []
-    for name, value in inputs:
+    for input_name, value in inputs:
         for t in _tensors(value):
             key = _storage_key(t)
             if key is not None:
-                input_keys.setdefault(key, name)
-            versions.append((name, t, t._version))
+                input_keys.setdefault(key, input_name)
+            versions.append((input_name, t, t._version))
+    leaves = tree_map(_leaf, (args, kwargs))
     saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.append(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter_mode() as fc:
-        output = fn()
+    def forward(call_args, call_kwargs):
+        saved.clear()
+        known = persistent_keys | set(input_keys) | set(owners)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, flop_counter_mode() as fc, _RealStorageSizes() as real:
+            with _FakeLiveBytes(known) as memory:
+                out = run(*call_args, **call_kwargs)
+        return out, fc, real, memory
+
+    try:  # on leaves: the backward below then stops at this node's inputs
+        output, fc, real, memory = forward(*leaves)
+        detached = True
+    except RuntimeError:  # an in-place op on an input that requires grad: not on a leaf
+        output, fc, real, memory = forward(args, kwargs)
+        detached = False
     mutated = tuple(dict.fromkeys(n for n, t, v in versions if t._version != v))
 
     output_bytes, alias_of, output_keys = 0, None, set()
@@ -571,7 +702,7 @@ def _profile_call(
         if key in input_keys:
             alias_of = alias_of or input_keys[key]
         elif key not in persistent_keys and key not in owners:
-            output_bytes += t.untyped_storage().nbytes()
+            output_bytes += real.sizes.get(key, t.untyped_storage().nbytes())
             owners[key] = name
     saved_inputs: list[str] = []
     saves_output = False
@@ -587,7 +718,8 @@ def _profile_call(
             saves_output = True
         else:
             extra[key] = t.untyped_storage().nbytes()
-    return _Profile(
+    saved.clear()
+    profile = _Profile(
         output=output,
         output_bytes=output_bytes,
         alias_of=alias_of,
@@ -597,7 +729,40 @@ def _profile_call(
         saved_extra_bytes=sum(extra.values()),
         flops=float(fc.get_total_flops()),
         mutated_inputs=mutated,
+        forward_peak_bytes=memory.peak,
+        value_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
     )
+    if detached and not mutated and profile.requires_grad:
+        _profile_backward(profile, output, leaves, inputs, params, persistent_keys)
+    return profile
+
+
+def _profile_backward(profile, output, leaves, inputs, params, persistent_keys) -> None:
+    """Backpropagate through one node alone (its inputs are leaves): FLOPs and peak bytes."""
+    outs = [t for t in _tensors(output) if t.requires_grad]
+    names = {}
+    for input_name, value in inputs:
+        for t in _tensors(value):
+            names.setdefault(_storage_key(t), input_name)
+    wrt = [t for t in _tensors(leaves) if t.requires_grad]
+    wrt += [p for p in params if p.requires_grad]
+    if not outs or not wrt:
+        return
+    grad_outputs = [torch.ones_like(t) for t in outs]
+    known = persistent_keys | {_storage_key(t) for t in (*outs, *grad_outputs, *wrt)}
+    try:
+        with flop_counter_mode() as fc, _FakeLiveBytes(known) as memory:
+            grads = torch.autograd.grad(outs, wrt, grad_outputs, allow_unused=True)
+    except RuntimeError:  # no backward formula on fake tensors: the IR's defaults apply
+        return
+    profile.backward_flops = float(fc.get_total_flops())
+    profile.backward_peak_bytes = memory.peak
+    out_grad_keys = {_storage_key(g) for g in grad_outputs}
+    for t, g in zip(wrt, grads):
+        input_name = names.get(_storage_key(t))
+        if g is not None and input_name is not None:
+            if _storage_key(g) in out_grad_keys:  # add, views, ...: the gradient passes through
+                profile.grad_passthrough.append(input_name)
 
 
 def _charge_param_grads(nodes: list[Node], params_used: list[list[nn.Parameter]]) -> None:
@@ -614,6 +779,8 @@ def _charge_param_grads(nodes: list[Node], params_used: list[list[nn.Parameter]]
 def _module_label(node: fx.Node) -> str:
     if node.op == "call_module":
         return node.target
+    if "hbp_module" in node.meta:
+        return node.meta["hbp_module"]
     stack = node.meta.get("nn_module_stack")
     if stack:
         return next(reversed(stack.values()))[0]
@@ -635,6 +802,21 @@ def _capture_ops(
 ) -> CapturedGraph:
     faker = _Faker()
     gm, input_names = _trace(module, arguments, signature, faker)
+    captured = _profile_graph(gm, module, arguments, input_names, signature, faker)
+    if _functionalize_inplace(captured):
+        captured = _profile_graph(gm, module, arguments, input_names, signature, faker)
+    return captured
+
+
+def _profile_graph(
+    gm: fx.GraphModule,
+    module: nn.Module,
+    arguments: dict[str, Any],
+    input_names: list[str],
+    signature: inspect.Signature,
+    faker: _Faker,
+) -> CapturedGraph:
+    """Run every node of `gm` once on fake values and build the IR."""
     persistent = [faker.tensor(t) for t in (*module.parameters(), *module.buffers())]
     persistent += [faker.tensor(t) for t in (*gm.parameters(), *gm.buffers())]
     persistent_keys = {k for k in map(_storage_key, persistent) if k is not None}
@@ -646,6 +828,7 @@ def _capture_ops(
     params_used: list[list[nn.Parameter]] = []
     mutated_inputs: dict[str, tuple[str, ...]] = {}
     mutated_attrs: dict[str, tuple[str, ...]] = {}
+    profiles: dict[str, _Profile] = {}
     placeholders = iter(input_names)
     outputs: list[str] = []
 
@@ -663,11 +846,11 @@ def _capture_ops(
             fx_nodes.append(node)
             params_used.append([])
         else:
-            ir_node, params, mutated, attrs = _profile_fx_node(
+            ir_node, params, profiles[node.name], attrs = _profile_fx_node(
                 node, gm, faker, values, owners, persistent_keys
             )
-            if mutated:
-                mutated_inputs[node.name] = mutated
+            if profiles[node.name].mutated_inputs:
+                mutated_inputs[node.name] = profiles[node.name].mutated_inputs
             if attrs:
                 mutated_attrs[node.name] = attrs
             nodes.append(ir_node)
@@ -680,6 +863,7 @@ def _capture_ops(
         outputs,
         meta={"framework": "torch", "granularity": OP, "fx_nodes": len(gm.graph.nodes)},
     )
+    _record_transients(graph, profiles)
     return CapturedGraph(
         graph=graph,
         gm=gm,
@@ -690,6 +874,171 @@ def _capture_ops(
         mutated_inputs=mutated_inputs,
         mutated_attrs=mutated_attrs,
     )
+
+
+# In-place ops whose out-of-place form is not `x = x.op(...)` (random fills, copies, resizes).
+_NOT_FUNCTIONAL = set(
+    "bernoulli_ cauchy_ copy_ detach_ exponential_ fill_ geometric_ log_normal_ normal_ "
+    "random_ requires_grad_ resize_ resize_as_ set_ share_memory_ uniform_ zero_".split()
+)
+
+# Leaf activation/dropout modules with `inplace=True` -> (functional form, its arguments).
+_INPLACE_MODULES: dict[type, Callable[[nn.Module], tuple[Callable, dict]]] = {
+    nn.ReLU: lambda m: (F.relu, {}),
+    nn.ReLU6: lambda m: (F.relu6, {}),
+    nn.SiLU: lambda m: (F.silu, {}),
+    nn.Mish: lambda m: (F.mish, {}),
+    nn.SELU: lambda m: (F.selu, {}),
+    nn.Hardswish: lambda m: (F.hardswish, {}),
+    nn.Hardsigmoid: lambda m: (F.hardsigmoid, {}),
+    nn.LeakyReLU: lambda m: (F.leaky_relu, {"negative_slope": m.negative_slope}),
+    nn.ELU: lambda m: (F.elu, {"alpha": m.alpha}),
+    nn.CELU: lambda m: (F.celu, {"alpha": m.alpha}),
+    nn.Hardtanh: lambda m: (F.hardtanh, {"min_val": m.min_val, "max_val": m.max_val}),
+    nn.Threshold: lambda m: (F.threshold, {"threshold": m.threshold, "value": m.value}),
+    nn.Dropout: lambda m: (F.dropout, {"p": m.p, "training": m.training}),
+    nn.Dropout1d: lambda m: (F.dropout1d, {"p": m.p, "training": m.training}),
+    nn.Dropout2d: lambda m: (F.dropout2d, {"p": m.p, "training": m.training}),
+    nn.Dropout3d: lambda m: (F.dropout3d, {"p": m.p, "training": m.training}),
+    nn.AlphaDropout: lambda m: (F.alpha_dropout, {"p": m.p, "training": m.training}),
+}
+
+
+def _functionalize_inplace(captured: CapturedGraph) -> bool:
+    """Make in-place ops out-of-place where that cannot change any value the program reads.
+
+    An in-place op at a segment boundary would have to be recomputed from its already
+    mutated input (the executor then clones the input: memory the plan did not predict). Out
+    of place, the op allocates its own output, which the IR models exactly; the old value dies
+    as soon as nothing reads it (in-place activations after BatchNorm: right away). Only done
+    when the mutated value is not a graph input and no other view of its storage is read after
+    the op (later readers of the mutated value are redirected to the op's result). Returns
+    whether the fx graph changed."""
+    graph, gm = captured.graph, captured.gm
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    roots = {}
+    for ir in graph.nodes:
+        roots[ir.name] = roots.get(ir.alias_of, ir.alias_of) if ir.alias_of else ir.name
+    changed = False
+    for name, mutated in captured.mutated_inputs.items():
+        node = captured.fx_node(name)
+        if len(mutated) != 1 or graph.node(name).alias_of != mutated[0]:
+            continue
+        value = captured.fx_node(mutated[0])
+        if value.op == "placeholder" or graph.node(roots[value.name]).is_input:
+            continue
+        group = [n for n in captured.fx_nodes if roots[n.name] == roots[value.name]]
+        if any(
+            other is not value
+            and not _aliases_through(graph, other.name, name)
+            and order[user] > order[node]
+            for other in group
+            for user in other.users
+        ):
+            continue  # another view of the storage is read afterwards: it must see the change
+        if not _make_out_of_place(node, gm):
+            continue
+        for user in list(value.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(value, node)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
+def _aliases_through(graph: Graph, name: str, via: str) -> bool:
+    """Whether `name` is `via` or a view made (through views) from `via`'s result."""
+    while name is not None:
+        if name == via:
+            return True
+        name = graph.node(name).alias_of
+    return False
+
+
+def _make_out_of_place(node: fx.Node, gm: fx.GraphModule) -> bool:
+    if node.op == "call_method":
+        name = node.target
+        functional = name[:-1]
+        if name.endswith("__") or not name.endswith("_") or name in _NOT_FUNCTIONAL:
+            return False
+        if not callable(getattr(torch.Tensor, functional, None)):
+            return False
+        node.target = functional
+        return True
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        make = _INPLACE_MODULES.get(type(module))
+        if make is None or not getattr(module, "inplace", False):
+            return False
+        fn, kwargs = make(module)
+        node.meta["hbp_module"] = node.target
+        node.op, node.target = "call_function", fn
+        node.kwargs = {**node.kwargs, **kwargs}
+        return True
+    if node.op == "call_function":
+        fn = node.target
+        name = getattr(fn, "__name__", "")
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "inplace" in params:
+            bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+            if bound.arguments.get("inplace") is not True:
+                return False
+            bound.arguments["inplace"] = False
+            node.args, node.kwargs = bound.args, bound.kwargs
+            return True
+        functional = getattr(torch, name[:-1], None) if name.endswith("_") else None
+        if functional is None or name in _NOT_FUNCTIONAL or fn is not getattr(torch, name, None):
+            return False
+        node.target = functional
+        return True
+    return False
+
+
+def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
+    """Bytes a node holds only while its forward or its backward runs, beyond what the IR's
+    event accounting already charges there (`hbp.graph.ir`): scratch inside composite ops
+    (chunked logits, a leaf module's intermediates) and, in backward, intermediate gradients
+    (e.g. cross-entropy's log-softmax gradient) and the gradients of inputs that are views
+    (the IR gives views no gradient bytes of their own). Stored in `graph.meta` by node name
+    ("forward_transient_bytes", "backward_transient_bytes"; only nonzero entries)."""
+    forward, backward = {}, {}
+    for node in graph.nodes:
+        prof = profiles.get(node.name)
+        if prof is None:
+            continue
+        fwd = prof.forward_peak_bytes - node.output_bytes - node.saved_extra_bytes
+        if fwd > 0:
+            forward[node.name] = fwd
+        modelled = node.param_grad_bytes + sum(
+            graph.node(i).grad_bytes
+            for i in dict.fromkeys(node.inputs)
+            if i not in prof.grad_passthrough
+        )
+        bwd = prof.backward_peak_bytes - modelled
+        if bwd > 0:
+            backward[node.name] = bwd
+    graph.meta["grad_passthrough"] = {
+        name: tuple(prof.grad_passthrough)
+        for name, prof in profiles.items()
+        if prof.grad_passthrough
+    }
+    graph.meta["forward_transient_bytes"] = forward
+    graph.meta["backward_transient_bytes"] = backward
+    # A gradient has its value's size, not its storage's: they differ where a CPU loss kernel
+    # returns a scalar view of an unreduced buffer (`_CPU_UNREDUCED_LOSSES`).
+    graph.meta["grad_bytes"] = {
+        node.name: profiles[node.name].value_bytes
+        for node in graph.nodes
+        if node.name in profiles
+        and node.alias_of is None
+        and node.requires_grad
+        and profiles[node.name].value_bytes != node.output_bytes
+    }
 
 
 def _input_node(name: str, value: Any, owners: dict[int, str], persistent_keys: set[int]) -> Node:
@@ -716,9 +1065,9 @@ def _profile_fx_node(
     values: dict[fx.Node, Any],
     owners: dict[int, str],
     persistent_keys: set[int],
-) -> tuple[Node, list[nn.Parameter], tuple[str, ...], tuple[str, ...]]:
-    """Run one fx node on fake values; return its IR node, the parameters it uses, the
-    inputs it mutates in place and the attributes (buffers) it mutates in place."""
+) -> tuple[Node, list[nn.Parameter], _Profile, tuple[str, ...]]:
+    """Run one fx node on fake values; return its IR node, the parameters it uses, its
+    profile and the attributes (buffers) it mutates in place."""
     ir_inputs = [n for n in node.all_input_nodes if n.op != "get_attr"]
     attr_inputs = [n for n in node.all_input_nodes if n.op == "get_attr"]
     state: list[tuple[str, torch.Tensor]] = [
@@ -739,11 +1088,14 @@ def _profile_fx_node(
     )
     with faker.mode:
         prof = _profile_call(
-            lambda: _run_fx_node(node, gm, faker, args, kwargs),
+            lambda *a, **k: _run_fx_node(node, gm, faker, a, k),
+            args,
+            kwargs,
             [(n.name, values[n]) for n in ir_inputs],
             persistent_keys,
             owners,
             node.name,
+            tuple(faker.tensor(p) for p in params),
         )
     values[node] = prof.output
     mutated_attrs = tuple(
@@ -759,6 +1111,7 @@ def _profile_fx_node(
         inputs=tuple(n.name for n in ir_inputs),
         output_bytes=prof.output_bytes,
         flops=prof.flops,
+        backward_flops=prof.backward_flops,
         requires_grad=prof.requires_grad,
         saved_inputs=prof.saved_inputs,
         saves_output=prof.saves_output,
@@ -766,7 +1119,7 @@ def _profile_fx_node(
         alias_of=prof.alias_of,
         module=_module_label(node),
     )
-    return ir_node, params, prof.mutated_inputs, mutated_attrs
+    return ir_node, params, prof, mutated_attrs
 
 
 # ---------------------------------------------------------------------------------------
@@ -870,6 +1223,7 @@ def _capture_modules(
         )
     ]
     params_used: list[list[nn.Parameter]] = [[]]
+    profiles: dict[str, _Profile] = {}
     upstream_requires_grad = input_requires_grad
     prev = "input"
     for call in calls:
@@ -878,6 +1232,7 @@ def _capture_modules(
             p.requires_grad for p in call.module.parameters()
         )
         name = f"{call.path.replace('.', '_')}_{call.occurrence}"
+        profiles[name] = prof
         nodes.append(
             Node(
                 name=name,
@@ -885,6 +1240,7 @@ def _capture_modules(
                 inputs=(prev,),
                 output_bytes=prof.output_bytes,
                 flops=prof.flops,
+                backward_flops=prof.backward_flops,
                 requires_grad=prof.requires_grad,
                 saved_inputs=(prev,) if prof.saved_inputs else (),
                 saves_output=prof.saves_output,
@@ -901,6 +1257,7 @@ def _capture_modules(
         [prev],
         meta={"framework": "torch", "granularity": MODULE, "fallback_reason": reason},
     )
+    _record_transients(graph, profiles)
     return CapturedGraph(
         graph=graph,
         gm=None,
@@ -934,10 +1291,13 @@ def _profile_module_call(
         with faker.mode:
             args, kwargs = leaf_inputs(faker.fresh)
             return _profile_call(
-                lambda: _call_module(faker, call.module, args, kwargs),
+                lambda *a, **k: _call_module(faker, call.module, a, k),
+                args,
+                kwargs,
                 [("in", (args, kwargs))],
                 {_storage_key(faker.tensor(t)) for t in state},
                 {},
+                params=tuple(faker.tensor(p) for p in call.module.parameters()),
             )
     except Exception:  # noqa: BLE001 - a data-dependent child: profile it for real
         if recorded_fake:
@@ -945,10 +1305,13 @@ def _profile_module_call(
         with frozen_running_stats(norms), _rng_preserved(call.module, {}):
             args, kwargs = leaf_inputs(lambda x: x.clone())
             return _profile_call(
-                lambda: call.module.forward(*args, **kwargs),
+                call.module.forward,
+                args,
+                kwargs,
                 [("in", (args, kwargs))],
                 {_storage_key(t) for t in state},
                 {},
+                params=tuple(call.module.parameters()),
             )
 
 

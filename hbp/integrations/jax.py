@@ -1,36 +1,37 @@
-"""JAX integration: `height_compressed`, `height_compressed_grad` and `measure`.
+"""JAX integration: `height_compressed`, `height_compressed_grad`, `jit` and `measure`.
 
 A function is captured as a jaxpr (`hbp.graph.jax_capture`), planned with hbp's planner on the
 framework-neutral graph, and executed segment by segment following the plan. Two executors:
 
 - "remat" (one program): the equations are evaluated in the current trace; every
   `recompute=True` segment is wrapped in `jax.checkpoint(prevent_cse=True)`, nested for its
-  children. Pure JAX: composes with `jax.jit`, `jax.vmap`, `jax.jvp`, higher-order grads. Its
-  memory is whatever XLA makes of the checkpoints. Measured on XLA:CPU (jax 0.10,
-  `experiments/bench_jax.py`): *no* saving; the CPU pipeline removes the optimisation
-  barriers that `prevent_cse` relies on, CSE merges the recomputation back into the forward,
-  and the compiled temp memory is the same or higher than plain `jax.grad`. On GPU/TPU XLA
-  keeps the barriers and remat is the standard way (not measured here).
+  children. Pure JAX: composes with `jax.jit`, `jax.vmap`, `jax.jvp`, higher-order grads.
+  Measured on XLA:CPU (jax 0.10): under a plain `jax.jit` this saves *nothing*: the CPU
+  pipeline's `cse_barrier_expander` pass strips the optimisation barriers that
+  `prevent_cse` adds, CSE then merges the recomputation back into the forward, and the
+  compiled temp memory is the same as or higher than plain `jax.grad`'s. Compiled with
+  `compiler_options()` (that pass disabled; `hbp.jax.jit` does it) the barriers survive and
+  the saving is real. `height_compressed_grad(strategy="remat")` called eagerly compiles its
+  one program that way.
 - "pieces" (separately compiled pieces): every segment runs as its own `jax.jit` program
-  driven from Python. Forward: a plain segment runs `jax.vjp` and keeps its residuals (the
-  residual arrays JAX's linearisation needs, returned as outputs of the piece, minus
-  inputs it only forwards), a recomputed segment runs its forward only and keeps its inputs.
-  Backward, in reverse: a plain segment's piece applies the stored vjp; a recomputed
-  segment's piece recomputes and backpropagates in one program (or, with children, recurses:
-  children forward, then children backward). The last segment of each level runs forward and
-  backward in one piece (its backward starts right away, so nothing is stored). Arrays are
-  dropped as soon as no later piece needs them, so the step's peak is the largest
-  (live bytes + the running piece's temp and output bytes): this is what really lowers memory
-  on XLA:CPU. It needs concrete arrays: under `jax.jit` the pieces would be inlined into one
-  program (and XLA would merge the recomputation away again).
+  driven from Python. Forward: a plain segment runs `jax.vjp` keeping exactly the primal
+  values the memory model says (checkpoint names + `save_only_these_names`), a recomputed
+  segment runs its forward only and keeps its inputs. Backward, in reverse: a plain
+  segment's piece applies the stored vjp; a recomputed segment's piece recomputes and
+  backpropagates in one program (with children it recurses: children forward, then
+  children backward). The last segment of each level runs forward and backward in one piece.
+  Arrays are dropped as soon as no later piece needs them, so the step's peak is the largest
+  (live arrays + the running piece's temp and output bytes), whatever the compiler's passes:
+  it follows the planner's model closely. Needs concrete arrays (eager calls).
 
-`strategy="auto"` (the default) runs "pieces" when called with concrete arrays (eager use,
-where the saving is real on every backend) and "remat" when traced (under `jax.jit`,
-`jax.vmap`, higher-order differentiation), where one program is what XLA can optimise.
+`strategy="auto"` (the default) runs "pieces" when called with concrete arrays: the saving
+does not depend on an XLA debug option and its peak matches the plan's prediction; when
+traced (under `jax.jit`, `jax.vmap`, higher-order differentiation) it runs "remat" in the
+caller's trace: use `hbp.jax.jit` instead of `jax.jit` on CPU to keep the recomputation.
 
 Memory (DESIGN.md "Metrics"): `measure(fn, *args)` reports the memory analysis of the compiled
-programs that ran (for "pieces": per piece, with the live array bytes when it started) and the
-process max-RSS growth of the run.
+programs that ran (per program, with the live array bytes when it started) and the process
+max-RSS growth of the run.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +224,29 @@ def _fill_zeros(cts, ids, program: Program) -> list:
     ]
 
 
+# ----------------------------------------------------------------------------- XLA options
+
+# XLA:CPU's `cse_barrier_expander` pass strips the optimisation barriers `jax.checkpoint`
+# (prevent_cse=True) puts around a recomputation; CSE then merges the recomputation with the
+# original forward, so the saved memory comes back. Without that pass the barriers survive
+# and the recomputation is real (measured: experiments/bench_jax.py).
+CPU_REMAT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def compiler_options() -> dict[str, str]:
+    """XLA compiler options that make `jax.checkpoint` really recompute on this backend
+    (empty where XLA already keeps its barriers)."""
+    return dict(CPU_REMAT_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
+def jit(fun, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` with `compiler_options()` merged in: jit a function that
+    contains `jax.checkpoint` segments (e.g. a `height_compressed_grad` function) without
+    XLA:CPU undoing the recomputation. Options given in `jit_kwargs` take precedence."""
+    options = {**compiler_options(), **(jit_kwargs.pop("compiler_options", None) or {})}
+    return jax.jit(fun, compiler_options=options or None, **jit_kwargs)
+
+
 # ----------------------------------------------------------------------------- recording
 
 
@@ -277,6 +302,14 @@ def record_pieces():
         yield recorder
     finally:
         _RECORDER.reset(token)
+
+
+def run_compiled(name: str, fn, *args):
+    """Call the jitted `fn`, recording it first if a `record_pieces` recorder is active."""
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        recorder.before(name, fn, args)
+    return fn(*args)
 
 
 def live_array_bytes() -> int:
@@ -432,10 +465,7 @@ class PiecesExecutor:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
 
     def _call(self, name: str, fn, *args):
-        recorder = _RECORDER.get()
-        if recorder is not None:
-            recorder.before(name, fn, args)
-        return fn(*args)
+        return run_compiled(name, fn, *args)
 
     # passes -------------------------------------------------------------------------------
     def forward(self, infos: list[SegmentInfo], env: dict, keep: set[int]) -> list[_Tape]:
@@ -545,6 +575,7 @@ class Compiled:
     plan: Plan
     infos: list[SegmentInfo]
     pieces: PiecesExecutor
+    program_fn: Any = None  # the jitted one-program grad ("remat", eager), built on first use
 
     @property
     def program(self) -> Program:
@@ -825,8 +856,9 @@ class HeightCompressedGrad(_Planned):
                 f"{loss_aval.dtype}{list(loss_aval.shape)}"
             )
         leaves = jax.tree.leaves(args)
-        if not self._use_pieces([*leaves, *program.consts]):
-            return self._remat_grad(compiled, args)
+        traced = any(isinstance(v, jax.core.Tracer) for v in [*leaves, *program.consts])
+        if self.strategy == "remat" or (self.strategy == "auto" and traced):
+            return self._remat_grad(compiled, args, traced)
         env = _env(program, leaves)
         ct: dict = {}
         if isinstance(loss, int):
@@ -838,7 +870,9 @@ class HeightCompressedGrad(_Planned):
         ]
         return self._package(program, args, grads, [_read(env, o) for o in program.outvars])
 
-    def _remat_grad(self, compiled: Compiled, args):
+    def _remat_grad(self, compiled: Compiled, args, traced: bool):
+        """The "remat" executor. Traced: evaluated in the caller's trace. Eager: one jitted
+        program, compiled with `compiler_options()` so XLA:CPU keeps the recomputation."""
         program = compiled.program
 
         def run(*a):
@@ -846,7 +880,12 @@ class HeightCompressedGrad(_Planned):
             run_remat(compiled.infos, env)
             return jax.tree.unflatten(program.out_tree, [_read(env, o) for o in program.outvars])
 
-        return jax.grad(run, argnums=self.argnums, has_aux=self.has_aux)(*args)
+        grad = jax.grad(run, argnums=self.argnums, has_aux=self.has_aux)
+        if traced:
+            return grad(*args)
+        if compiled.program_fn is None:
+            compiled.program_fn = jit(grad)
+        return run_compiled("one program (remat)", compiled.program_fn, *args)
 
     def _package(self, program: Program, args, grads, outs):
         per_arg = jax.tree.unflatten(program.in_tree, grads)
@@ -929,11 +968,12 @@ class MemoryReport:
     """Memory of one call of a JAX function (bytes).
 
     Attributes:
-        strategy: "pieces" (hbp ran separately compiled pieces) or "one program" (the
-            function measured as one `jax.jit` program).
-        peak_bytes: one program: temp + output bytes of its memory analysis (arguments exist
-            before the call); pieces: max over pieces of live array bytes at its start (above
-            the level before the call) + its temp + its output bytes.
+        strategy: what ran: "pieces" (hbp's separately compiled pieces), "remat" (hbp's one
+            jitted program with `compiler_options()`), or "one program" (`fn` is not an
+            hbp function running eagerly: measured as `jax.jit(fn)`).
+        peak_bytes: max over the compiled programs that ran of: live array bytes when it
+            started (above the level before the call) + its temp + its output bytes. For
+            "one program": temp + output (its arguments exist before the call).
         temp_bytes / output_bytes / argument_bytes: of the program (pieces: of the piece at
             the peak).
         n_pieces: compiled programs that ran.
@@ -957,9 +997,10 @@ class MemoryReport:
 def measure(fn, *args) -> MemoryReport:
     """Measure one call of `fn(*args)` (after a warm-up call that compiles everything).
 
-    If `fn` runs hbp pieces eagerly (a `height_compressed_grad` function, or `jax.grad` of a
-    `height_compressed` one), the pieces that ran are reported; otherwise `fn` is measured as
-    one `jax.jit` program. RSS: `/proc/self/clear_refs` resets the high-water mark right
+    If `fn` runs hbp's compiled programs eagerly (a `height_compressed_grad` function, or
+    `jax.grad` of a `height_compressed` one), the programs that ran are reported; otherwise
+    `fn` is measured as one `jax.jit(fn)` program (wrap it in `hbp.jax.jit` first to measure
+    it with `compiler_options()`). RSS: `/proc/self/clear_refs` resets the high-water mark right
     before the run (Linux); freed memory that the allocator keeps can hide growth, so run in
     a fresh process with `MALLOC_MMAP_THRESHOLD_` set (as `experiments/bench_jax.py` does) for
     a sharp number.
@@ -994,8 +1035,9 @@ def measure(fn, *args) -> MemoryReport:
             wall,
         )
     top = max(rec.records, key=lambda r: r.peak_bytes)
+    one_program = any(r.name.startswith("one program") for r in rec.records)
     return MemoryReport(
-        "pieces",
+        "remat" if one_program else "pieces",
         top.peak_bytes,
         top.temp_bytes,
         top.output_bytes,
@@ -1033,6 +1075,8 @@ __all__ = [
     "PieceRecord",
     "height_compressed",
     "height_compressed_grad",
+    "compiler_options",
+    "jit",
     "measure",
     "record_pieces",
 ]

@@ -64,6 +64,8 @@ def build_mode(mode_cfg) -> Mode:
     for key, value in params.items():
         if not takes_any and key not in accepted:
             raise ConfigError(
-                f"mode.{key}", value, f"a parameter of mode {name}: " + (", ".join(accepted) or "none")
+                f"mode.{key}",
+                value,
+                f"a parameter of mode {name}: " + (", ".join(accepted) or "none"),
             )
     return cls(**params)

@@ -22,10 +22,15 @@ parameters' `.grad`, the model's buffers (BatchNorm running statistics) and the 
 restored afterwards. Before compiling, `torch._dynamo.reset()` drops compiled code of earlier
 modes in this process, whose cache entries would otherwise be reused with their old budget.
 
-Memory measurement note: Inductor allocates its buffers outside the dispatcher, so a
-`MemoryTracker` (a TorchDispatchMode) does not see them; measure inductor runs with the
-allocator (`hbp.runtime.tracker.allocator_peak` on CPU, CUDA allocator stats on GPU).
-`aot_eager_decomp_partition` runs aten ops through the dispatcher and is tracked exactly.
+Measuring memory: a TorchDispatchMode (`MemoryTracker`, the flop counter) that does not
+declare `ignore_compile_internals()` makes Dynamo skip the frame: the model silently runs
+eagerly (naive memory) and the skip sticks, so later calls stay eager too. Inductor also
+allocates its buffers outside the dispatcher, invisible to any dispatch mode. So the module
+`apply` returns refuses to run under such a mode, and under a `MemoryTracker` with the
+inductor backend, with an error that says why; measure it with the allocator instead
+(`hbp.runtime.tracker.allocator_peak` on CPU, CUDA allocator stats on GPU), which counts
+everything the compiled code allocates. `aot_eager_decomp_partition` runs aten ops through
+the dispatcher, so a tracker that ignores compile internals measures it exactly.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ import time
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from hbp.errors import ConfigError
+from hbp.runtime.tracker import MemoryTracker
 from hbp.workloads.base import Batch, Workload
 
 BACKENDS = ("inductor", "aot_eager_decomp_partition")
@@ -72,7 +79,7 @@ class CompileBudgetMode:
         """Compile `workload.model` (same parameter objects) and trigger the compile with
         one side-effect-free training step on `batch`; return the compiled module."""
         torch._dynamo.reset()
-        compiled = torch.compile(workload.model, backend=self.backend)
+        compiled = CompiledModel(torch.compile(workload.model, backend=self.backend), self.backend)
         with self.budget_patch():
             self.compile_time_s = _timed_silent_step(compiled, workload, batch)
         return compiled
@@ -85,6 +92,36 @@ class CompileBudgetMode:
             "chunked_loss": self.chunked_loss,
             "compile_time_s": self.compile_time_s,
         }
+
+
+class CompiledModel(nn.Module):
+    """The compiled model (`.compiled`, same parameter objects in the same order) behind a
+    guard against dispatch modes that would make Dynamo fall back to eager (module doc)."""
+
+    def __init__(self, compiled: nn.Module, backend: str):
+        super().__init__()
+        self.compiled = compiled
+        self.backend = backend
+
+    def forward(self, *args, **kwargs):
+        for mode in _get_current_dispatch_mode_stack():
+            if mode.is_infra_mode():
+                continue
+            kind = type(mode).__name__
+            if not mode.ignore_compile_internals():
+                raise RuntimeError(
+                    f"compile_budget: {kind} is active and does not declare "
+                    "ignore_compile_internals(), so torch.compile would run this model eagerly "
+                    "(and keep it eager); measure compiled runs with the allocator "
+                    "(hbp.runtime.tracker.allocator_peak) instead"
+                )
+            if self.backend == "inductor" and isinstance(mode, MemoryTracker):
+                raise RuntimeError(
+                    f"compile_budget: Inductor allocates its buffers outside the dispatcher, "
+                    f"so {kind} would miss them; measure with the allocator "
+                    "(hbp.runtime.tracker.allocator_peak) instead"
+                )
+        return self.compiled(*args, **kwargs)
 
 
 def _timed_silent_step(module: nn.Module, workload: Workload, batch: Batch) -> float:

@@ -93,14 +93,21 @@ class SelectiveCheckpointBlock(nn.Module):
     """One block run as a selectively checkpointed region; `block` is the original module
     (same parameter objects). `state` may be a tensor or a tuple of tensors."""
 
-    def __init__(self, block: nn.Module, policy_fn: Callable):
+    def __init__(self, block: nn.Module, policy_fn: Callable, saves_everything: bool = False):
         super().__init__()
         self.block = block
         self._policy_fn = policy_fn
+        # SAC refuses to hand back a cached output that an in-place op mutated later (e.g.
+        # BatchNorm's output under ResNet's ReLU(inplace=True)). When every op is cached,
+        # no op reruns in the recompute, so each cached alias already holds its final value,
+        # the one autograd saved in forward: allowing the mutation is then exact.
+        self._allow_cache_entry_mutation = saves_everything
         self._norms = stat_tracking_norms(block)
 
     def _context_fn(self):
-        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self._policy_fn)
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(
+            self._policy_fn, allow_cache_entry_mutation=self._allow_cache_entry_mutation
+        )
         return forward_ctx, _recompute_context(recompute_ctx, self._norms)
 
     def forward(self, state):
@@ -128,7 +135,8 @@ class SACMode:
         blocks; return the model."""
         blocks = list(workload.model.blocks)
         workload.model.blocks = nn.ModuleList(
-            SelectiveCheckpointBlock(block, self.policy_fn) for block in blocks
+            SelectiveCheckpointBlock(block, self.policy_fn, POLICIES[self.policy] is None)
+            for block in blocks
         )
         self.num_blocks = len(blocks)
         return workload.model

@@ -1,1 +1,73 @@
-"""hbp.planner."""
+"""hbp.planner: plans that fit a memory budget with the least recompute (pure Python).
+
+`plan(graph, budget)` is the entry point every integration uses. The planners:
+- "optimal" (`optimal_plan`): exact DP over trees of intervals (nested recomputation),
+- "one_level": the same DP restricted to one level of recomputed segments,
+- "uniform" (`uniform_plan`): sqrt(n) equal segments, the classic baseline.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.simulate import simulate
+from hbp.errors import ConfigError
+from hbp.graph.ir import Graph
+from hbp.planner.budget import parse_budget
+from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
+from hbp.planner.plan import Plan, Segment
+from hbp.planner.tree import validate_plan
+from hbp.planner.uniform import uniform_plan
+
+PLANNERS = ("optimal", "one_level", "uniform")
+
+__all__ = [
+    "PLANNERS",
+    "Plan",
+    "Segment",
+    "candidate_cuts",
+    "min_feasible_peak",
+    "optimal_plan",
+    "parse_budget",
+    "plan",
+    "uniform_plan",
+    "validate_plan",
+]
+
+
+def plan(
+    graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal", **options
+) -> Plan:
+    """Plan one training step of `graph` within `budget`.
+
+    Args:
+        budget: float in (0, 1] = fraction of the simulated naive peak; int = bytes; str like
+            "64MiB" (see `parse_budget`).
+        block_size: leaf granularity: at most one cut per `block_size` consecutive nodes,
+            at the cheapest position (see `candidate_cuts`).
+        planner: "optimal", "one_level" or "uniform".
+        options: passed to the planner (optimal: max_cuts, mem_slots; uniform: segments, by).
+
+    Raises:
+        ConfigError: bad budget, block_size or planner name.
+        BudgetError: no plan fits (optimal planners), with the minimum in bytes.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError("block_size", block_size, "an int >= 1")
+    if planner not in PLANNERS:
+        raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
+    info = GraphInfo.of(graph)
+    naive = simulate(graph, info=info).peak_bytes
+    budget_bytes = parse_budget(budget, naive)
+    if planner == "uniform":
+        segments = options.pop("segments", None) or max(1, round(math.sqrt(info.n)))
+        return uniform_plan(graph, segments, budget_bytes=budget_bytes, info=info, **options)
+    return optimal_plan(
+        graph,
+        budget_bytes,
+        block_size=block_size,
+        nested=planner == "optimal",
+        info=info,
+        **options,
+    )

@@ -49,6 +49,7 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
 from hbp.graph.ir import Graph
 from hbp.planner.plan import Plan, Segment
+from hbp.planner.tree import name_segments
 
 INF = math.inf
 PLAIN, REC = 0, 1
@@ -136,32 +137,49 @@ class CostModel:
         )
         self.node_event = ~info.is_input
         self._crossing_sets()
+        self._crossing_in: dict = {}
         self._profiles: dict = {}
 
     # -- plan-independent parts ---------------------------------------------------------------
     def _positional(self) -> None:
-        """Gradients, parameter gradients and outputs live at each backward event (pos_bwd)
-        and when the backward of nodes >= d is done (pos_after[d], the recompute pass of a
-        segment ending at d runs then)."""
+        """Gradients, parameter gradients, outputs and backward scratch live at each backward
+        event (pos_bwd) and when the backward of nodes >= d is done (pos_after[d], when the
+        recompute pass of a segment ending at d runs). Same rules as the simulator."""
         info, n = self.info, self.n
-        live = int(sum(info.grad_bytes[j] for j in range(n) if info.is_output[j]))
-        live += self.out_total
-        has = np.zeros(n, dtype=bool)
-        has[info.is_output & info.receives_grad] = True
+        size: list[int] = []
+        refs: list[int] = []
+        grad = [-1] * n
+        live = self.out_total
+
+        def new(nbytes: int) -> int:
+            size.append(int(nbytes))
+            refs.append(1)
+            return len(size) - 1
+
+        for j in range(n):
+            if info.is_output[j] and info.receives_grad[j]:
+                grad[j] = new(info.grad_bytes[j])
+                live += int(info.grad_bytes[j])
         self.pos_bwd = np.zeros(n, dtype=np.int64)
         self.pos_after = np.zeros(n + 1, dtype=np.int64)
         self.pos_after[n] = live
         for j in range(n - 1, -1, -1):
             if info.has_backward[j]:
                 for v in info.inputs[j]:
-                    if info.receives_grad[v] and not has[v]:
-                        has[v] = True
-                        live += int(info.grad_bytes[v])
+                    if info.receives_grad[v] and grad[v] < 0:
+                        if v in info.passthrough[j] and grad[j] >= 0:
+                            grad[v] = grad[j]
+                            refs[grad[j]] += 1
+                        else:
+                            grad[v] = new(info.grad_bytes[v])
+                            live += int(info.grad_bytes[v])
                 live += int(info.param_grad_bytes[j])
-                self.pos_bwd[j] = live
-                if has[j]:
-                    live -= int(info.grad_bytes[j])
-                    has[j] = False
+                self.pos_bwd[j] = live + int(info.backward_transient[j])
+                if grad[j] >= 0:
+                    refs[grad[j]] -= 1
+                    if refs[grad[j]] == 0:
+                        live -= size[grad[j]]
+                    grad[j] = -1
             self.pos_after[j] = live
 
     def _crossing_sets(self) -> None:
@@ -202,11 +220,15 @@ class CostModel:
 
     def crossing_in(self, c: int, d: int, top: bool) -> frozenset[int]:
         """Crossing groups at c within a level ending at d (outputs excluded at the top)."""
-        return frozenset(
-            g
-            for g in self.crossing[c]
-            if not (top and self.g_forced[g]) and self.touched_in(g, c, d)
-        )
+        key = (c, d, top)
+        r = self._crossing_in.get(key)
+        if r is None:
+            r = self._crossing_in[key] = frozenset(
+                g
+                for g in self.crossing[c]
+                if not (top and self.g_forced[g]) and self.touched_in(g, c, d)
+            )
+        return r
 
     # -- one child's needs --------------------------------------------------------------------
     def profile(self, e: int, H: frozenset[int], mode: int, top: bool) -> _Profile:
@@ -258,6 +280,7 @@ class _Profile:
             live += m.extra_pre[t + 1] - m.extra_pre[e]
         if top:
             live += m.out_pre[t + 1]
+        live += info.forward_transient[e:]
         self.live = live.astype(float)
         self.live[~m.node_event[e:]] = -INF
         # kept bytes after [e, f) for f in (e, n]: index f - e - 1
@@ -442,6 +465,10 @@ class Solver:
             sel = np.ones(len(p["f"]), dtype=bool)
             if only is not None:
                 sel = p["f"] == only[0]
+            if mode == REC and not top and H == m.crossing_in(e, d, False):
+                # a recomputed child spanning the whole rest [e, d) with everything it reads
+                # already held is the same plan without the extra nesting (and a cycle)
+                sel &= p["f"] != d
             if top:
                 yield mode, FULL, None, p, sel
                 continue
@@ -460,27 +487,35 @@ class Solver:
         return self.top(f, H) if top else self.tail(d, f, H, sub_flag)
 
     def _option_costs(self, d, e, top, mode, variant, sub_flag, p, sel):
-        """Cost over slots for each selected f: array (k, M+1), and the f indices."""
-        idx = np.flatnonzero(sel)
-        if len(idx) == 0:
-            return idx, None
+        """Cost over slots for the selected f that can be feasible: (f indices, array (k, M+1)).
+
+        Option value at m: pass FLOPs + T(e, f)[m - kept] (recomputed child) + the tail's
+        value at m - kept, if m >= the child's own need and m >= kept; else infinite."""
         M = self.M
-        need = self.sl(p[("need_full", "need_until", "need_none")[variant]][idx])
-        kept = self.sl(p["kept"][idx]).astype(np.int64)
-        subs = np.stack([self._sub(d, top, int(p["f"][i]), p["H"][i], sub_flag) for i in idx])
-        cols = self.mi[None, :] - kept[:, None]
-        ok = (cols >= 0) & (self.mi[None, :] >= need[:, None])
-        cost = np.where(ok, np.take_along_axis(subs, np.clip(cols, 0, M), axis=1), INF)
-        if not top:
-            flops = p[("flops_full", "flops_until", "flops_until")[variant]][idx]
-            if variant == NOT_RUN:
-                flops = np.zeros(len(idx))
-            cost = cost + flops[:, None]
+        need = self.sl(p[("need_full", "need_until", "need_none")[variant]])
+        kept = self.sl(p["kept"])
+        idx = np.flatnonzero(sel & (need <= M) & (kept <= M))
+        rows, keep = [], []
+        for i in idx:
+            sub = self._sub(d, top, int(p["f"][i]), p["H"][i], sub_flag)
+            if sub[M - int(kept[i])] < INF:  # tables are non-increasing in m
+                rows.append(sub)
+                keep.append(i)
+        if not keep:
+            return idx[:0], None
+        idx = np.array(keep)
+        k = len(idx)
+        kept_i = kept[idx].astype(np.int64)
+        cols = self.mi[None, :] - kept_i[:, None]
+        flat = (np.arange(k) * (M + 1))[:, None] + np.clip(cols, 0, M)
+        cost = np.array(rows).ravel()[flat]
+        cost[(cols < 0) | (self.mi[None, :] < need[idx][:, None])] = INF
+        if not top and variant != NOT_RUN:
+            flops = p["flops_full" if variant == FULL else "flops_until"][idx]
+            cost += flops[:, None]
         if mode == REC:
-            recs = np.stack([self.rec(e, int(p["f"][i])) for i in idx])
-            cost = cost + np.where(
-                cols >= 0, np.take_along_axis(recs, np.clip(cols, 0, M), axis=1), INF
-            )
+            recs = np.array([self.rec(e, int(p["f"][i])) for i in idx]).ravel()
+            cost += recs[flat]
         return idx, cost
 
     def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
@@ -592,6 +627,8 @@ class PeakSolver:
                 f = int(f)
                 if only is not None and f != only:
                     continue
+                if mode == REC and not top and f == d and H == m.crossing_in(e, d, False):
+                    continue  # see Solver._options
                 if top:
                     variants = [(FULL, None)]
                 elif flag == 1:
@@ -599,9 +636,7 @@ class PeakSolver:
                 elif flag == 0:
                     variants = [] if p["has_save"][i] else [(NOT_RUN, 0)]
                 else:
-                    variants = (
-                        [(FULL, 1), (UNTIL_SAVE, 0)] if p["has_save"][i] else [(NOT_RUN, 0)]
-                    )
+                    variants = [(FULL, 1), (UNTIL_SAVE, 0)] if p["has_save"][i] else [(NOT_RUN, 0)]
                 for variant, sub_flag in variants:
                     need = float(p[("need_full", "need_until", "need_none")[variant]][i])
                     kept = float(p["kept"][i])
@@ -861,6 +896,7 @@ def finish_plan(
     """A Plan for `segments` with its predictions filled in from the simulator."""
     info = info or GraphInfo.of(graph)
     naive = naive or simulate(graph, info=info)
+    name_segments(info, segments)
     sim = simulate(graph, segments, info=info)
     kept = kept_bytes(info, segments)
     meta = dict(meta or {})

@@ -18,15 +18,30 @@ MIB = 1024 * 1024
 
 @dataclass
 class Segment:
-    """Nodes [start, stop) of the graph's topological order."""
+    """Nodes [start, stop) of the graph's topological order.
+
+    `first` / `last` name the segment's first and last node (filled in by the planners, for
+    printing; empty when unknown)."""
 
     start: int
     stop: int
     recompute: bool = False
     children: list[Segment] = field(default_factory=list)
+    first: str = ""
+    last: str = ""
 
     def depth(self) -> int:
         return 1 + max((c.depth() for c in self.children), default=0)
+
+    def describe(self, indent: int = 0) -> list[str]:
+        """One line per segment of this subtree: node range, mode, node names."""
+        names = f"{self.first} .. {self.last}" if self.first else ""
+        mode = "recompute" if self.recompute else "plain"
+        line = f"{'  ' * indent}[{self.start:>5}, {self.stop:>5})  {mode:<9}  {names}"
+        out = [line.rstrip()]
+        for c in self.children:
+            out.extend(c.describe(indent + 1))
+        return out
 
 
 @dataclass
@@ -56,6 +71,29 @@ class Plan:
     def predicted_recompute_ratio(self) -> float:
         return self.predicted_recompute_flops / self.naive_flops if self.naive_flops else 0.0
 
+    def __str__(self) -> str:
+        """Readable summary: predictions against budget and naive, then the segment tree."""
+        planner = self.meta.get("planner", "plan")
+        n = self.segments[-1].stop if self.segments else 0
+        recomputed = sum(s.recompute for s in self.segments)
+        depth = max((s.depth() for s in self.segments), default=0)
+        ratio = self.predicted_peak_bytes / self.naive_peak_bytes if self.naive_peak_bytes else 0
+        lines = [
+            f"Plan ({planner}): {n} nodes, {len(self.segments)} segments "
+            f"({recomputed} recomputed), depth {depth}",
+            f"  predicted peak {_size(self.predicted_peak_bytes)} (budget "
+            f"{_size(self.budget_bytes)}, naive {_size(self.naive_peak_bytes)}, "
+            f"{ratio:.2f}x naive)",
+            f"  predicted recompute {self.predicted_recompute_flops:.4g} FLOPs "
+            f"({100 * self.predicted_recompute_ratio:.1f}% of naive step FLOPs); "
+            f"kept {_size(self.kept_bytes)}",
+        ]
+        if "solve_time_s" in self.meta:
+            lines.append(f"  solved in {self.meta['solve_time_s']:.2f} s")
+        for s in self.segments:
+            lines.extend(s.describe(1))
+        return "\n".join(lines)
+
     def cut_points(self) -> list[int]:
         """Start index of every top-level segment after the first."""
         return [s.start for s in self.segments[1:]]
@@ -66,7 +104,14 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
         def seg(x: dict) -> Segment:
-            return Segment(x["start"], x["stop"], x["recompute"], [seg(c) for c in x["children"]])
+            return Segment(
+                x["start"],
+                x["stop"],
+                x["recompute"],
+                [seg(c) for c in x.get("children", [])],
+                x.get("first", ""),
+                x.get("last", ""),
+            )
 
         d = dict(d)
         d["segments"] = [seg(s) for s in d["segments"]]
@@ -74,3 +119,8 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in MiB, or plain bytes below 0.01 MiB (synthetic graphs)."""
+    return f"{nbytes / MIB:.2f} MiB" if nbytes >= MIB / 100 else f"{nbytes} B"

@@ -1,8 +1,8 @@
 """Run a `Plan` on a captured module: keep what the plan keeps, recompute the rest.
 
 `PlanExecutor` (op granularity) splits the captured fx graph at the plan's segment boundaries.
-Every leaf segment becomes a generated `torch.fx.GraphModule` (plain Python code calling the
-module's own submodules and functions: eager speed, no per-op interpreter), every segment with
+Every leaf segment becomes generated `torch.fx.GraphModule` code (plain Python calling the
+module's own submodules and functions: eager speed, no per-op interpreter); a segment with
 children becomes a small runner over its children's blocks. A segment with `recompute=True`
 runs through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
 preserve_rng_state=True, context_fn=...)`: its forward keeps only its inputs and outputs, its
@@ -11,15 +11,20 @@ RNG state replayed (same dropout masks) and running statistics frozen (BatchNorm
 `hbp.runtime.recompute`). Plain segments run directly.
 
 Memory discipline (otherwise Python references keep activations alive and the saving is lost):
-a value is dropped from the executor's environment as soon as the last block that reads it has
-been handed it, a leaf segment receives its inputs in a list that it empties on entry (the
-generated code then frees each input after its last use), and nothing else holds activations.
+- a value is dropped from the executor's environment as soon as the last block that reads it
+  has been handed it; a segment receives its inputs in a list that it empties on entry, and
+  the generated code frees every value right after its last use;
+- a segment returns only the values that are read later *in the current pass*: all later
+  readers in the forward, but during the recompute of a segment [a, b) only readers before b
+  (the recompute pass needs nothing after its segment), so recomputed boundary values die as
+  soon as the recompute has used them, as in `hbp.analysis.simulate`.
 
 In-place ops: a recomputed segment that mutates one of its inputs in place would recompute from
 the already-mutated value; such an input is cloned on entry to the segment (inside the
 checkpoint, so the recompute clones the original again) and the clone replaces the input for
-later readers. Buffers other than norm statistics that a recomputed segment updates in place
-are swapped for throw-away copies during the recompute, like norm statistics.
+later readers (capture already makes most in-place ops out-of-place, so this is rare). Buffers
+other than norm statistics that a recomputed segment updates in place are swapped for
+throw-away copies during the recompute, like norm statistics.
 
 `ModuleCallExecutor` (module granularity, the capture fallback) checkpoints the recorded child
 module calls that the plan recomputes, one call at a time, by patching their `forward` for the
@@ -29,7 +34,9 @@ duration of one forward pass.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +48,25 @@ from torch.utils.checkpoint import checkpoint
 from hbp.graph.torch_capture import MODULE, CapturedGraph
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.recompute import checkpoint_context_fn
+
+_PASS = threading.local()
+
+
+def _pass_end() -> float:
+    """End (exclusive node index) of the recompute pass running now; inf in the forward."""
+    stack = getattr(_PASS, "ends", None)
+    return stack[-1] if stack else math.inf
+
+
+@contextlib.contextmanager
+def _recompute_pass(stop: int) -> Iterator[None]:
+    if not hasattr(_PASS, "ends"):
+        _PASS.ends = []
+    _PASS.ends.append(stop)
+    try:
+        yield
+    finally:
+        _PASS.ends.pop()
 
 
 def _take_all(inputs: list) -> tuple:
@@ -56,9 +82,12 @@ class _Block:
     """One segment, compiled.
 
     inputs: values (fx nodes) it reads that are produced before it (graph inputs included).
-    outputs: values it produces (or rebinds) that later blocks or the graph output read.
-    release: inputs no later block of the same level reads: dropped when it is called.
-    call: fn(list of input values) -> tuple of output values (empties the list).
+    outputs: values it produces (or rebinds, see `cloned`) read at or after `stop`, with the
+        index of their first such reader (`first_reader`).
+    release: inputs no later block of the same level reads.
+    call: fn(values: list, outputs: tuple of nodes) -> tuple of those outputs' values;
+        empties `values`.
+    cloned: positions in `inputs` of values the segment mutates in place (recompute only).
     """
 
     start: int
@@ -66,23 +95,38 @@ class _Block:
     recompute: bool
     inputs: list[fx.Node]
     outputs: list[fx.Node]
-    call: Callable[[list], tuple]
+    first_reader: dict[fx.Node, int]
+    call: Callable[[list, tuple], tuple]
     cloned: tuple[int, ...] = ()
     frozen_attrs: list[tuple[nn.Module, str]] = field(default_factory=list)
     release: list[fx.Node] = field(default_factory=list)
     context_fn: Callable | None = None
 
+    def outputs_before(self, end: float) -> tuple[fx.Node, ...]:
+        """The outputs some node before `end` reads (all of them in the forward)."""
+        return tuple(o for o in self.outputs if self.first_reader[o] < end)
+
 
 class PlanExecutor:
     """Runs `plan` on `captured` (op granularity); call it like the module:
-    `executor(*args, **kwargs)` returns the module's outputs."""
+    `executor(*args, **kwargs)` returns the module's outputs.
 
-    def __init__(self, captured: CapturedGraph, plan: Plan, module: nn.Module):
+    `node_hook(name)`, if given, is called right after each IR node has run, in the forward
+    and in every recompute (for tests and memory timelines; it must not keep tensors)."""
+
+    def __init__(
+        self,
+        captured: CapturedGraph,
+        plan: Plan,
+        module: nn.Module,
+        node_hook: Callable[[str], None] | None = None,
+    ):
         if captured.gm is None:
             raise ValueError("PlanExecutor needs an op-level capture; use ModuleCallExecutor")
         self.captured = captured
         self.plan = plan
         self.gm = captured.gm
+        self.node_hook = node_hook
         self._norm_context_fn = checkpoint_context_fn(module)
         self._placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -98,8 +142,12 @@ class PlanExecutor:
         for src in self._output.all_input_nodes:
             if src in self._readers:
                 self._readers[src].append(n_ir)
-        self._graph_outputs = [n for n in self._output.all_input_nodes if n.op != "get_attr"]
-        self.blocks = self._compile_level(plan.segments, self._graph_outputs)
+        self._graph_outputs = {n for n in self._output.all_input_nodes if n.op != "get_attr"}
+        # Generated code reaches attributes through `root` (the traced module), so swapping an
+        # attribute there (frozen buffers) is seen by every generated segment.
+        self._holder = nn.Module()
+        self._holder.root = self.gm
+        self.blocks = self._compile_level(plan.segments)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -111,7 +159,7 @@ class PlanExecutor:
             for ph, name in zip(self._placeholders, self.captured.input_names)
         }
         del bound, args, kwargs
-        self._run_level(self.blocks, env)
+        self._run_level(self.blocks, env, self._graph_outputs)
         return fx.node.map_arg(self._output.args[0], lambda n: self._lookup(env, n))
 
     def _lookup(self, env: dict, node: fx.Node) -> Any:
@@ -119,30 +167,35 @@ class PlanExecutor:
             return getattr_path(self.gm, node.target)
         return env[node]
 
-    def _run_level(self, blocks: list[_Block], env: dict) -> None:
+    def _run_level(self, blocks: list[_Block], env: dict, needed: set[fx.Node]) -> None:
+        """Run `blocks` (one level of the plan) on `env`, keeping in `env` the values of
+        `needed` and dropping every other value once no later block of the level reads it."""
+        end = _pass_end()
         for block in blocks:
             args = [env[n] for n in block.inputs]
             for n in block.release:
-                del env[n]
+                if n not in needed:
+                    env.pop(n, None)
+            outputs = block.outputs_before(end)
             if block.recompute:
                 outs = checkpoint(
-                    _ListCall(block),
+                    _Checkpointed(block),
                     *args,
                     use_reentrant=False,
                     preserve_rng_state=True,
                     context_fn=block.context_fn,
                 )
             else:
-                outs = block.call(args)
+                outs = block.call(args, outputs)
             del args
-            env.update(zip(block.outputs, outs))
+            env.update(zip(outputs, outs))
             del outs
 
     # -- compiling --------------------------------------------------------------------------
 
-    def _compile_level(self, segments: list[Segment], needed_after: list[fx.Node]) -> list[_Block]:
+    def _compile_level(self, segments: list[Segment]) -> list[_Block]:
         blocks = [b for b in (self._compile_segment(s) for s in segments) if b is not None]
-        later_reads: set[fx.Node] = set(needed_after)
+        later_reads: set[fx.Node] = set()
         for block in reversed(blocks):
             block.release = [n for n in block.inputs if n not in later_reads]
             later_reads.update(block.inputs)
@@ -158,27 +211,30 @@ class PlanExecutor:
             for src in node.all_input_nodes:
                 if src.op != "get_attr" and self._index[src] < a and src not in inputs:
                     inputs.append(src)
-        outputs = [n for n in nodes if any(r >= b for r in self._readers[n])]
-        cloned = self._mutated_inputs(nodes, inputs, a, b) if seg.recompute else ()
-        outputs += [inputs[i] for i in cloned if any(r >= b for r in self._readers[inputs[i]])]
+        cloned = self._mutated_inputs(nodes, inputs, a) if seg.recompute else ()
+        first_reader = {}
+        for n in [*nodes, *(inputs[i] for i in cloned)]:
+            later = [r for r in self._readers[n] if r >= b]
+            if later:
+                first_reader[n] = min(later)
+        outputs = list(first_reader)
         if seg.children:
-            children = self._compile_level(seg.children, outputs)
-            call = _NestedCall(self, children, inputs, outputs)
+            children = self._compile_level(seg.children)
+            call = _NestedCall(self, children, inputs)
             frozen = [pair for c in children for pair in c.frozen_attrs]
         else:
-            seg_gm = _segment_module(self.gm, nodes, inputs, outputs)
-            call = seg_gm
-            frozen = self._frozen_attrs(nodes, seg_gm)
-        block = _Block(a, b, seg.recompute, inputs, outputs, call, cloned, frozen)
+            call = _LeafCall(self, nodes, inputs)
+            frozen = self._frozen_attrs(nodes)
+        block = _Block(a, b, seg.recompute, inputs, outputs, first_reader, call, cloned, frozen)
         if seg.recompute:
             block.context_fn = self._context_fn(block)
         return block
 
     def _mutated_inputs(
-        self, nodes: list[fx.Node], inputs: list[fx.Node], a: int, b: int
+        self, nodes: list[fx.Node], inputs: list[fx.Node], a: int
     ) -> tuple[int, ...]:
-        """Positions in `inputs` of the values the segment [a, b) mutates in place (through
-        any chain of views made inside the segment)."""
+        """Positions in `inputs` of the values the segment starting at `a` mutates in place
+        (through any chain of views made inside the segment)."""
         graph = self.captured.graph
         hit: list[int] = []
         for node in nodes:
@@ -215,30 +271,50 @@ class PlanExecutor:
                     "recompute this exactly. Make the in-place op out-of-place."
                 )
 
-    def _frozen_attrs(
-        self, nodes: list[fx.Node], seg_gm: fx.GraphModule
-    ) -> list[tuple[nn.Module, str]]:
+    def _frozen_attrs(self, nodes: list[fx.Node]) -> list[tuple[nn.Module, str]]:
         """(owner module, attribute) of every buffer the segment updates in place, except norm
         statistics (guarded by `checkpoint_context_fn`)."""
         pairs = []
         for node in nodes:
             for target in self.captured.mutated_attrs.get(node.name, ()):
                 owner_path, _, attr = target.rpartition(".")
-                owner = getattr_path(seg_gm, owner_path) if owner_path else seg_gm
+                owner = getattr_path(self.gm, owner_path) if owner_path else self.gm
                 pairs.append((owner, attr))
         return pairs
 
     def _context_fn(self, block: _Block) -> Callable:
         norm_context_fn = self._norm_context_fn
-        frozen = block.frozen_attrs
-        if not frozen:
-            return norm_context_fn
+        frozen, stop = block.frozen_attrs, block.stop
 
         def context_fn():
             forward_ctx, recompute_ctx = norm_context_fn()
-            return forward_ctx, _stacked(recompute_ctx, _throwaway_attrs(frozen))
+            return forward_ctx, _stacked(
+                recompute_ctx, _throwaway_attrs(frozen), _recompute_pass(stop)
+            )
 
         return context_fn
+
+    def segment_module(
+        self, nodes: list[fx.Node], inputs: list[fx.Node], outputs
+    ) -> fx.GraphModule:
+        """Generated code for one leaf segment: forward(inputs: list) -> tuple(outputs)."""
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        values = graph.call_function(_take_all, (graph.placeholder("inputs"),))
+        for i, node in enumerate(inputs):
+            env[node] = graph.call_function(operator.getitem, (values, i))
+        for node in nodes:
+            for src in node.all_input_nodes:
+                if src.op == "get_attr" and src not in env:
+                    env[src] = graph.get_attr("root." + src.target)
+            copy = graph.node_copy(node, lambda n: env[n])
+            if copy.op == "call_module":
+                copy.target = "root." + copy.target
+            env[node] = copy
+            if self.node_hook is not None:
+                graph.call_function(self.node_hook, (node.name,))
+        graph.output(tuple(env[n] for n in outputs))
+        return fx.GraphModule(self._holder, graph, class_name="Segment")
 
     def describe(self) -> str:
         """One line per top-level block: node range, recompute flag, inputs and outputs."""
@@ -251,9 +327,11 @@ class PlanExecutor:
         return "\n".join(lines)
 
 
-class _ListCall:
-    """Adapts a block to checkpoint's calling convention: fn(*inputs) -> outputs. Inputs the
-    block mutates in place are cloned first (inside the checkpoint: recompute clones again)."""
+class _Checkpointed:
+    """A recomputed block in checkpoint's calling convention: fn(*inputs) -> outputs. In the
+    forward it returns what later readers need; in its own recompute pass nothing (the pass
+    only regenerates saved tensors). Inputs it mutates in place are cloned first (inside the
+    checkpoint, so the recompute clones the original again)."""
 
     def __init__(self, block: _Block):
         self.block = block
@@ -263,42 +341,39 @@ class _ListCall:
         del args
         for i in self.block.cloned:
             values[i] = values[i].clone()
-        return self.block.call(values)
+        return self.block.call(values, self.block.outputs_before(_pass_end()))
+
+
+class _LeafCall:
+    """A segment without children: generated code, one variant per set of returned values."""
+
+    def __init__(self, executor: PlanExecutor, nodes: list[fx.Node], inputs: list[fx.Node]):
+        self.executor = executor
+        self.nodes = nodes
+        self.inputs = inputs
+        self.variants: dict[tuple, fx.GraphModule] = {}
+
+    def __call__(self, values: list, outputs: tuple) -> tuple:
+        module = self.variants.get(outputs)
+        if module is None:
+            module = self.executor.segment_module(self.nodes, self.inputs, outputs)
+            self.variants[outputs] = module
+        return module(values)
 
 
 class _NestedCall:
     """A segment with children: runs its children blocks (checkpointing the recomputed ones)."""
 
-    def __init__(self, executor: PlanExecutor, children: list[_Block], inputs, outputs):
+    def __init__(self, executor: PlanExecutor, children: list[_Block], inputs: list[fx.Node]):
         self.executor = executor
         self.children = children
         self.inputs = inputs
-        self.outputs = outputs
 
-    def __call__(self, values: list) -> tuple:
+    def __call__(self, values: list, outputs: tuple) -> tuple:
         env = dict(zip(self.inputs, values))
         values.clear()
-        self.executor._run_level(self.children, env)
-        return tuple(env[n] for n in self.outputs)
-
-
-def _segment_module(
-    gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
-) -> fx.GraphModule:
-    """Generated code for one leaf segment: forward(inputs: list) -> tuple(outputs)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    packed = graph.placeholder("inputs")
-    values = graph.call_function(_take_all, (packed,))
-    for i, node in enumerate(inputs):
-        env[node] = graph.call_function(operator.getitem, (values, i))
-    for node in nodes:
-        for src in node.all_input_nodes:
-            if src.op == "get_attr" and src not in env:
-                env[src] = graph.node_copy(src)
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[n] for n in outputs))
-    return fx.GraphModule(gm, graph, class_name="Segment")
+        self.executor._run_level(self.children, env, set(outputs))
+        return tuple(env[n] for n in outputs)
 
 
 def getattr_path(root: Any, path: str) -> Any:

@@ -112,7 +112,9 @@ class GpuSampler(Sampler):
             import torch
 
             uuid = str(torch.cuda.get_device_properties(self.device_index).uuid)
-            return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            return pynvml.nvmlDeviceGetHandleByUUID(
+                uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+            )
         except Exception:
             return pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
 

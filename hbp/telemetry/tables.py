@@ -92,6 +92,7 @@ def write_error(run_dir: Path, error: BaseException, context: Mapping | None = N
         "error": str(error),
         "traceback": "".join(traceback.format_exception(error)),
     }
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     return write_json(Path(run_dir) / ERROR_FILE, record)
 
 

@@ -1,0 +1,227 @@
+"""Capture (hbp.graph.torch_capture): sizes from real shapes, what backward keeps, aliasing,
+FLOPs, shape specialisation, the module-level fallback, and no change to the module's state.
+
+Expected numbers are worked out by hand (float32: 4 bytes per element)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from hbp.errors import CaptureWarning
+from hbp.graph.torch_capture import MODULE, OP, capture
+
+F32 = 4
+B, D, H = 8, 16, 32
+
+
+class MLP(nn.Module):
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.fc1 = nn.Linear(D, H)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+def node_for(captured, module_path):
+    return next(n for n in captured.graph.nodes if n.module == module_path)
+
+
+def test_sizes_saved_tensors_and_parameter_gradients_follow_autograd():
+    model = MLP()
+    x = torch.randn(B, D, requires_grad=True)
+    c = capture(model, (x,))
+    g = c.graph
+    assert c.granularity == OP
+    assert [n.op for n in g.nodes] == ["input", "Linear", "GELU", "Dropout", "Linear"]
+    x_node, fc1, act, drop, fc2 = g.nodes
+    assert x_node.is_input and x_node.requires_grad and x_node.output_bytes == B * D * F32
+    assert fc1.output_bytes == B * H * F32 and fc1.flops == 2 * B * D * H
+    assert fc1.saved_inputs == ("x",)  # addmm keeps its input; the weight is not an activation
+    assert act.saved_inputs == (fc1.name,) and act.saved_extra_bytes == 0  # GELU keeps its input
+    # CPU dropout multiplies by a float mask of the input's size and keeps only that.
+    assert drop.saved_inputs == () and drop.saved_extra_bytes == B * H * F32
+    assert fc2.saved_inputs == (drop.name,) and fc2.flops == 2 * B * H * D
+    assert fc1.param_grad_bytes == (D * H + H) * F32
+    assert fc2.param_grad_bytes == (H * D + D) * F32
+    assert g.outputs == [fc2.name]
+    assert g.total_flops > 0 and all(n.backward_flops > 0 for n in (fc1, fc2))
+
+
+def test_norms_activations_and_inputs_without_grad():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(D)
+            self.frozen = nn.Linear(D, D)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            return torch.sigmoid(self.frozen(self.norm(x)))
+
+    model = Net()
+    c = capture(model, (torch.randn(B, D),))  # the input does not require grad
+    x_node, norm, frozen, sig = c.graph.nodes
+    assert not x_node.requires_grad
+    # LayerNorm's backward needs its input only for the weight/bias gradients: it keeps x,
+    # plus mean and rstd, one float per row each.
+    assert norm.saved_inputs == ("x",) and norm.saved_extra_bytes == 2 * B * F32
+    assert frozen.param_grad_bytes == 0  # parameters without grad get no gradient
+    assert frozen.saved_inputs == ()  # nothing to differentiate with respect to the weight
+    assert sig.saves_output and sig.saved_inputs == ()  # sigmoid's backward uses its output
+    assert norm.param_grad_bytes == 2 * D * F32
+
+
+def test_views_alias_their_input_and_safe_in_place_ops_become_out_of_place():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+            self.bn = nn.BatchNorm1d(D)
+            self.relu = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            h = self.relu(self.bn(self.fc(x)))  # in place on BatchNorm's output
+            t = h.view(B, 4, D // 4).transpose(1, 2)
+            return t.reshape(B, D).sigmoid_()  # in place on a fresh copy
+
+    model = Net()
+    c = capture(model, (torch.randn(B, D, requires_grad=True),))
+    nodes = {n.name: n for n in c.graph.nodes}
+    relu = nodes["relu"]
+    assert relu.op == "relu" and relu.alias_of is None  # now out of place: its own storage
+    assert relu.output_bytes == B * D * F32 and relu.saves_output
+    assert nodes["view"].alias_of == "relu" and nodes["view"].output_bytes == 0
+    assert nodes["transpose"].alias_of == "view" and nodes["transpose"].output_bytes == 0
+    # reshape of a non-contiguous view copies
+    assert nodes["reshape"].alias_of is None and nodes["reshape"].output_bytes == B * D * F32
+    assert c.gm.graph.find_nodes(op="call_method", target="sigmoid")
+    assert not c.mutated_inputs
+
+
+def test_in_place_op_on_a_graph_input_stays_in_place_and_is_recorded():
+    class Net(nn.Module):
+        def forward(self, x, y):
+            x.mul_(2.0)
+            return x + y
+
+    x, y = torch.randn(B, D), torch.randn(B, D, requires_grad=True)
+    before = x.clone()
+    c = capture(Net(), (x, y))
+    assert torch.equal(x, before)  # capturing ran nothing for real
+    mul = c.graph.node("mul_")
+    assert mul.alias_of == "x" and mul.output_bytes == 0
+    assert c.mutated_inputs == {"mul_": ("x",)}
+
+
+def test_flops_equal_the_flop_counter_on_the_real_forward():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3), MLPish())
+    x = torch.randn(2, 3, 10, 10)
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    assert capture(model, (x,)).graph.total_flops == counter.get_total_flops()
+
+
+class MLPish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8 * 8 * 4, 5)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(x, 1))
+
+
+def test_capture_leaves_parameters_buffers_modes_and_rng_untouched():
+    model = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.5), nn.Linear(D, D))
+    model[3].eval()  # a mixed train/eval state must survive
+    reference = copy.deepcopy(model)
+    x = torch.randn(B, D)
+    attrs = set(model.__dict__)
+    rng = torch.get_rng_state()
+    versions = [t._version for t in (*model.parameters(), *model.buffers())]
+    c = capture(model, (x,))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [t._version for t in (*model.parameters(), *model.buffers())] == versions
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert [m.training for m in model.modules()] == [m.training for m in reference.modules()]
+    assert set(model.__dict__) == attrs
+    # the GraphModule runs the module's own parameters and submodules
+    assert {id(p) for p in c.gm.parameters()} == {id(p) for p in model.parameters()}
+    assert c.gm.get_submodule("1") is model[1]
+
+
+def test_shapes_specialise_and_factories_are_recorded_not_baked_in():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, D)
+
+        def forward(self, idx, scale=None):
+            b, t = idx.size()
+            assert t <= 16, "sequence too long"  # shape-dependent Python traces
+            pos = torch.arange(t, device=idx.device)
+            noise = torch.rand(b, 1, D)  # random draw: must run every step
+            h = self.emb(idx) + self.emb(pos) + noise
+            return h if scale is None else h * scale
+
+    idx = torch.randint(0, 32, (4, 12))
+    c = capture(Net(), (idx,))
+    ops = [n.op for n in c.graph.nodes]
+    assert "arange" in ops and "rand" in ops
+    assert c.graph.node("rand").output_bytes == 4 * D * F32
+    assert not [n for n in c.gm.graph.nodes if n.op == "get_attr"]  # no baked constants
+    assert c.input_names == ["idx", "scale"]  # None kwarg: concrete, no assert nodes
+    assert len(c.gm.graph.nodes) == len(c.graph.nodes) + 1  # + the output node
+
+
+def test_cross_entropy_backward_scratch_is_recorded():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(D, 64)
+
+        def forward(self, x, targets):
+            return F.cross_entropy(self.head(x), targets)
+
+    c = capture(Net(), (torch.randn(B, D), torch.randint(0, 64, (B,))))
+    ce = c.graph.node("cross_entropy")
+    assert ce.saved_extra_bytes == B * 64 * F32 + F32  # log-softmax output (+ total weight)
+    # its backward holds nll_loss's gradient and the logits' gradient at once
+    assert c.graph.meta["backward_transient_bytes"]["cross_entropy"] == B * 64 * F32
+
+
+def test_data_dependent_control_flow_falls_back_to_module_calls():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(D, D)
+            self.b = nn.Sequential(nn.Linear(D, H), nn.Tanh())
+            self.c = nn.Linear(H, D)
+
+        def forward(self, x):
+            h = self.a(x)
+            if h.sum() > 0:  # data-dependent: cannot be traced
+                h = -h
+            return self.c(self.b(h))
+
+    model = Gate()
+    x = torch.randn(B, D, requires_grad=True)
+    rng = torch.get_rng_state()
+    with pytest.warns(CaptureWarning, match="module-level cut points"):
+        c = capture(model, (x,))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert c.granularity == MODULE and c.gm is None
+    assert c.module_calls == [("a", 0), ("b.0", 0), ("b.1", 0), ("c", 0)]  # Sequential expanded
+    nodes = c.graph.nodes
+    assert [n.output_bytes for n in nodes[1:]] == [B * D * F32, B * H * F32, B * H * F32, B * D * F32]
+    assert nodes[3].saves_output  # tanh keeps its output
+    assert sum(n.param_grad_bytes for n in nodes) == sum(p.numel() * F32 for p in model.parameters())
+    assert "symbolically traced variables cannot be used as inputs to control flow" in c.fallback_reason

@@ -1,0 +1,293 @@
+"""The plan executor (hbp.runtime.executor) on hand-made plans: exact outputs and gradients,
+recomputation that really happens (and only where planned), memory equal to the simulator's
+prediction (measured with the live-storage tracker), BatchNorm statistics and other buffers
+updated once, in-place mutation of segment inputs, and the module-level fallback."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hbp.analysis.simulate import simulate
+from hbp.errors import CaptureWarning
+from hbp.graph.torch_capture import capture
+from hbp.planner.plan import Plan, Segment
+from hbp.runtime.executor import ModuleCallExecutor, PlanExecutor, make_executor, per_call_plan
+from hbp.runtime.tracker import MemoryTracker
+
+D, T, NB = 32, 16, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln(x)).split(D, dim=-1)
+        heads = [t.view(x.shape[0], T, 4, D // 4).transpose(1, 2) for t in (q, k, v)]
+        y = F.scaled_dot_product_attention(*heads, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(x.shape)))
+        return x + self.drop(self.mlp(x))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(NB))
+        self.head = nn.Linear(D, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def block_cuts(captured):
+    names = [n.name for n in captured.graph.nodes]
+    return [names.index(f"blocks_{i}_ln") for i in range(NB)] + [names.index("head")]
+
+
+def run_step(fn, params):
+    """One step under the tracker: (loss, parameter gradients, peak bytes)."""
+    for p in params:
+        p.grad = None
+    torch.manual_seed(7)
+    with MemoryTracker(record_timeline=False) as tracker:
+        loss = fn()
+        loss.backward()
+    return loss.detach(), [p.grad for p in params], tracker.peak_bytes
+
+
+@pytest.fixture(scope="module")
+def stack():
+    torch.manual_seed(0)
+    model = Stack()
+    x = torch.randn(16, T, D, requires_grad=True)  # activations well above parameter grads
+    return model, x, capture(model, (x,))
+
+
+def plans_for(captured):
+    n = len(captured.graph)
+    c = block_cuts(captured)
+    return {
+        "naive": Plan([Segment(0, n)]),
+        "per_block": Plan(
+            [Segment(0, c[0])] + [Segment(c[i], c[i + 1], True) for i in range(NB)] + [Segment(c[NB], n)]
+        ),
+        "nested": Plan(
+            [
+                Segment(0, c[0]),
+                Segment(c[0], c[2], True, [Segment(c[0], c[1], True), Segment(c[1], c[2], True)]),
+                Segment(c[2], c[4], True, [Segment(c[2], c[3]), Segment(c[3], c[4], True)]),
+                Segment(c[4], n),
+            ]
+        ),
+    }
+
+
+@pytest.mark.parametrize("plan_name", ["naive", "per_block", "nested"])
+def test_plans_give_bitwise_equal_results_and_the_predicted_peak(stack, plan_name):
+    model, x, captured = stack
+    params = [x, *model.parameters()]
+    loss, grads, plain_peak = run_step(lambda: model(x), params)
+    plan = plans_for(captured)[plan_name]
+    executor = PlanExecutor(captured, plan, model)
+    loss2, grads2, peak = run_step(lambda: executor(x), params)
+    assert torch.equal(loss, loss2)  # dropout draws the same masks, recomputed or not
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    predicted = simulate(captured.graph, plan).peak_bytes
+    assert abs(peak - predicted) <= 0.01 * predicted, (peak, predicted)
+    if plan_name == "naive":
+        assert peak == plain_peak  # the executor keeps nothing the plain model would not
+    else:
+        assert peak < 0.6 * plain_peak
+
+
+def test_recomputation_runs_exactly_the_recomputed_nodes_once_more(stack):
+    model, x, captured = stack
+    plan = plans_for(captured)["nested"]
+    runs: dict[str, int] = {}
+    executor = PlanExecutor(
+        captured, plan, model, node_hook=lambda name: runs.__setitem__(name, runs.get(name, 0) + 1)
+    )
+    executor(x).backward()
+    c = block_cuts(captured)
+    names = [n.name for n in captured.graph.nodes]
+    # block 0 and 1: inside [c0, c2) recomputed once, then each recomputed again: 3 runs
+    # (early stop may spare trailing nodes that save nothing); block 2: 2; block 3: 3.
+    assert runs[names[c[0]]] == 3 and runs[names[c[1]]] == 3
+    assert runs[names[c[2]]] == 2 and runs[names[c[3]]] == 3
+    assert runs["head"] == 1 and runs[names[c[0] - 1]] == 1
+
+
+def test_recomputed_values_die_as_soon_as_the_recompute_has_used_them():
+    """A long recomputed segment followed by a plain one: during the recompute, values the
+    segment hands to later segments must not be kept (the recompute pass needs none)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(32, 64, requires_grad=True)
+    captured = capture(model, (x,))
+    n = len(captured.graph)
+    for cut in range(3, n - 1, 4):
+        plan = Plan([Segment(0, cut, True), Segment(cut, n)])
+        executor = PlanExecutor(captured, plan, model)
+        _, _, peak = run_step(lambda: executor(x).sum(), [x, *model.parameters()])
+        assert peak == simulate(captured.graph, plan).peak_bytes, cut
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h + self.body(h)
+        return self.fc(h.mean((2, 3)))
+
+
+def test_batchnorm_statistics_update_once_per_step_with_recompute():
+    torch.manual_seed(0)
+    model, reference = ConvBN(), ConvBN()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 8, 8)
+    captured = capture(model, (x,))
+    n = len(captured.graph)
+    plan = Plan([Segment(0, n // 2, True), Segment(n // 2, n - 1, True), Segment(n - 1, n)])
+    out = PlanExecutor(captured, plan, model)(x)
+    out.sum().backward()
+    expected = reference(x)
+    expected.sum().backward()
+    assert torch.equal(out, expected)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name  # running_mean/var and num_batches_tracked: once
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+class Counter(nn.Module):
+    """Updates a buffer in place in its own forward code (not a norm layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.tanh(self.fc(x))
+
+
+def test_other_buffers_updated_in_place_are_not_updated_again_by_the_recompute():
+    model = nn.Sequential(Counter(), Counter())
+    x = torch.randn(3, D, requires_grad=True)
+    captured = capture(model, (x,))
+    assert set(captured.mutated_attrs) == {"add_", "add__1"}
+    plan = Plan([Segment(0, len(captured.graph), True)])
+    PlanExecutor(captured, plan, model)(x).sum().backward()
+    assert [m.calls.item() for m in model] == [1.0, 1.0]
+
+
+class MutatesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        alias = h[:1]  # another view of h, read after the in-place op: stays in place
+        h.mul_(2.0)
+        return self.fc2(h).sum() + alias.sum()
+
+
+def test_segment_input_mutated_in_place_is_recomputed_from_its_original_value():
+    torch.manual_seed(0)
+    model = MutatesInput()
+    x = torch.randn(3, D, requires_grad=True)
+    captured = capture(model, (x,))
+    assert "mul_" in captured.mutated_inputs  # not made out of place: `alias` sees the change
+    names = [n.name for n in captured.graph.nodes]
+    cut = names.index("mul_")
+    plan = Plan([Segment(0, cut), Segment(cut, len(names), True)])
+    params = [x, *model.parameters()]
+    expected = run_step(lambda: model(x), params)
+    with pytest.raises(NotImplementedError, match="view of the same storage"):
+        PlanExecutor(captured, plan, model)  # `alias` is read after the segment starts
+    # Without the extra view, the executor clones the input inside the checkpoint.
+    model.forward = lambda x: model.fc2(model.fc1(x).mul_(2.0)).sum()
+    captured = capture(model, (x,))
+    names = [n.name for n in captured.graph.nodes]
+    plan = Plan([Segment(0, names.index("mul_")), Segment(names.index("mul_"), len(names), True)])
+    executor = PlanExecutor(captured, plan, model)
+    assert executor.blocks[-1].cloned == (0,) or "mul_" not in captured.mutated_inputs
+    got = run_step(lambda: executor(x), params)
+    expected = run_step(lambda: model.fc2(model.fc1(x).mul_(2.0)).sum(), params)
+    assert torch.equal(got[0], expected[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+
+
+class KwargsDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.gate = nn.Linear(D, D)
+
+    def forward(self, x, *, mask=None, scale=1.0):
+        h = torch.relu(self.fc(x)) * scale
+        if mask is not None:
+            h = h * mask
+        return {"out": self.gate(h), "aux": (h.mean(), [h.amax()])}
+
+
+def test_kwargs_and_nested_dict_outputs():
+    torch.manual_seed(0)
+    model = KwargsDict()
+    x, mask = torch.randn(4, D, requires_grad=True), torch.rand(4, D)
+    captured = capture(model, (x,), {"mask": mask, "scale": 0.5})
+    n = len(captured.graph)
+    executor = PlanExecutor(captured, Plan([Segment(0, n // 2, True), Segment(n // 2, n)]), model)
+    got, expected = executor(x, mask=mask, scale=0.5), model(x, mask=mask, scale=0.5)
+    assert set(got) == {"out", "aux"} and isinstance(got["aux"][1], list)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+        assert torch.equal(a, b)
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.mean() > 10:  # data-dependent
+            h = h * 0
+        return self.c(self.b(h)).sum()
+
+
+def test_module_level_fallback_checkpoints_the_planned_child_calls():
+    torch.manual_seed(0)
+    model = Gated()
+    x = torch.randn(8, D, requires_grad=True)
+    with pytest.warns(CaptureWarning):
+        captured = capture(model, (x,))
+    assert captured.module_calls == [(f"{m}.{i}", 0) for m in "abc" for i in (0, 1)]
+    plan = per_call_plan(Plan([Segment(0, 1), Segment(1, 5, True), Segment(5, 7)]), 7)
+    assert [s.recompute for s in plan.segments] == [False, True, True, True, True, False]
+    executor = make_executor(captured, plan, model)
+    assert isinstance(executor, ModuleCallExecutor)
+    params = [x, *model.parameters()]
+    expected = run_step(lambda: model(x), params)
+    calls = []
+    model.b[0].register_forward_hook(lambda *_: calls.append("b0"))
+    got = run_step(lambda: executor(x), params)
+    assert calls == ["b0", "b0"]  # run in forward, then again in backward
+    assert torch.equal(got[0], expected[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert "forward" not in model.b[0].__dict__  # the patch is gone
