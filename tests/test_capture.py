@@ -138,8 +138,22 @@ class MLPish(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+class Counter(nn.Module):
+    """Updates a buffer in its own (traced, not leaf) forward code."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x * self.calls
+
+
 def test_capture_leaves_parameters_buffers_modes_and_rng_untouched():
-    model = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.5), nn.Linear(D, D))
+    model = nn.Sequential(
+        nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.5), nn.Linear(D, D), Counter()
+    )
     model[3].eval()  # a mixed train/eval state must survive
     reference = copy.deepcopy(model)
     x = torch.randn(B, D)
@@ -153,6 +167,7 @@ def test_capture_leaves_parameters_buffers_modes_and_rng_untouched():
         assert torch.equal(a, b), name
     assert [m.training for m in model.modules()] == [m.training for m in reference.modules()]
     assert set(model.__dict__) == attrs
+    assert model[4].calls.item() == 0 and c.mutated_attrs == {"add_": ("4.calls",)}
     # the GraphModule runs the module's own parameters and submodules
     assert {id(p) for p in c.gm.parameters()} == {id(p) for p in model.parameters()}
     assert c.gm.get_submodule("1") is model[1]
@@ -221,7 +236,17 @@ def test_data_dependent_control_flow_falls_back_to_module_calls():
     assert c.granularity == MODULE and c.gm is None
     assert c.module_calls == [("a", 0), ("b.0", 0), ("b.1", 0), ("c", 0)]  # Sequential expanded
     nodes = c.graph.nodes
-    assert [n.output_bytes for n in nodes[1:]] == [B * D * F32, B * H * F32, B * H * F32, B * D * F32]
+    assert [n.output_bytes for n in nodes[1:]] == [
+        B * D * F32,
+        B * H * F32,
+        B * H * F32,
+        B * D * F32,
+    ]
     assert nodes[3].saves_output  # tanh keeps its output
-    assert sum(n.param_grad_bytes for n in nodes) == sum(p.numel() * F32 for p in model.parameters())
-    assert "symbolically traced variables cannot be used as inputs to control flow" in c.fallback_reason
+    assert sum(n.param_grad_bytes for n in nodes) == sum(
+        p.numel() * F32 for p in model.parameters()
+    )
+    assert (
+        "symbolically traced variables cannot be used as inputs to control flow"
+        in c.fallback_reason
+    )

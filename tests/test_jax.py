@@ -119,8 +119,10 @@ def test_capture_on_shape_dtype_structs(mlp):
 # ----------------------------------------------------------------------------- correctness
 
 
-@pytest.mark.parametrize("strategy", ["pieces", "remat"])
-@pytest.mark.parametrize("budget", [1.0, 0.7, "tightest"])
+@pytest.mark.parametrize(
+    ("strategy", "budget"),
+    [("pieces", 1.0), ("pieces", 0.7), ("pieces", "tightest"), ("remat", "tightest")],
+)
 def test_mlp_grads_match_jax(mlp, strategy, budget):
     params, x = mlp
     if budget == "tightest":
@@ -252,8 +254,8 @@ def test_non_scalar_loss_raises_type_error(mlp):
 
 @pytest.fixture(scope="module")
 def deep_mlp():
-    params = mlp_params(jax.random.PRNGKey(0), 24, 128)
-    x = jax.random.normal(jax.random.PRNGKey(1), (1024, 128))  # 512 KiB per activation
+    params = mlp_params(jax.random.PRNGKey(0), 16, 64)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2048, 64))  # 512 KiB per activation
     return params, x, hj.measure(jax.grad(mlp_loss), params, x)
 
 
@@ -269,7 +271,18 @@ def test_measured_memory_below_naive(deep_mlp, strategy):
     if strategy == "pieces":
         assert hc.n_pieces > 3
         # The planner's prediction is a fair model of what the pieces really hold.
-        assert hc.peak_bytes <= 1.25 * grad_fn.plan.predicted_peak_bytes
+        assert hc.peak_bytes <= 1.1 * grad_fn.plan.predicted_peak_bytes
+
+
+def test_grad_of_height_compressed_saves_memory(deep_mlp):
+    """jax.grad of a height_compressed function runs the pieces through its custom_vjp.
+    JAX holds custom_vjp residuals until the whole backward is done and the last segment
+    cannot run fused, so it saves less than height_compressed_grad, but still saves."""
+    params, x, naive = deep_mlp
+    f = hj.height_compressed(mlp_loss, budget=0.35, argnums=0)
+    hc = hj.measure(jax.grad(f), params, x)
+    assert hc.strategy == "pieces"
+    assert hc.peak_bytes < 0.8 * naive.peak_bytes
 
 
 def test_hbp_jit_keeps_recompute_on_cpu(deep_mlp):
@@ -282,11 +295,10 @@ def test_hbp_jit_keeps_recompute_on_cpu(deep_mlp):
     assert_trees_close(hj.jit(grad_fn)(params, x), jax.grad(mlp_loss)(params, x))
 
 
-def test_recompute_happens():
+def test_recompute_happens(mlp):
     """The plan's recomputation is real: more dot_general equations in the (remat) grad
     jaxpr than in jax.grad's, and recomputing pieces run in the pieces executor."""
-    params = mlp_params(jax.random.PRNGKey(0), 12, 32)
-    x = jnp.ones((64, 32))
+    params, x = mlp
 
     def count(jaxpr, name):
         total = 0

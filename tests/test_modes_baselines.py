@@ -43,11 +43,27 @@ def naive_reference(name: str, overrides: dict | None = None):
     return grads, buffers
 
 
-def assert_grads_match(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+def relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
+    """||g - w|| / ||w|| per parameter, in float64."""
     assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        rel = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+    return [
+        ((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
+        for g, w in zip(got, want)
+    ]
+
+
+def assert_grads_match(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for i, rel in enumerate(relative_errors(got, want)):
         assert rel < GRAD_RTOL, f"parameter {i}: relative gradient error {rel:.2e}"
+
+
+def float64_grads(name: str, overrides: dict | None = None) -> list[torch.Tensor]:
+    """The exact gradients (up to float64 rounding) of the same model, seed and batch."""
+    workload = build(name, overrides)
+    model = workload.model.double()
+    batch = workload.make_batch(0)
+    batch.args = tuple(a.double() if a.is_floating_point() else a for a in batch.args)
+    return train_step(workload, model, batch)
 
 
 def apply_mode(mode, name: str, overrides: dict | None = None):
@@ -134,8 +150,14 @@ def test_compile_budget_rejects_bad_config():
 def test_compile_budget_aot_eager_matches_naive_and_leaves_no_trace():
     """Partitioner without fusion (fast to compile) on a conv net with BatchNorm: naive's
     gradients and running statistics; apply's compiling step leaves grads, buffers and the
-    RNG state as they were."""
+    RNG state as they were.
+
+    Gradients: with BatchNorm over 4 images of 16x16, float32 eager autograd itself is ~1e-4
+    (relative) away from the float64 gradients, so compiled vs eager cannot be held to
+    1e-5 here (the small profiles are, in the slow tests): the compiled gradients must be
+    as close to the float64 ones as eager float32's are (within 2x)."""
     want_grads, want_buffers = naive_reference("resnet")
+    exact_grads = float64_grads("resnet")
     mode = CompileBudgetMode(budget=0.1, backend="aot_eager_decomp_partition")
     workload = build("resnet")
     batch = workload.make_batch(0)
@@ -151,7 +173,9 @@ def test_compile_budget_aot_eager_matches_naive_and_leaves_no_trace():
     info = mode.describe()
     assert info["budget"] == 0.1 and info["backend"] == "aot_eager_decomp_partition"
     assert info["compile_time_s"] > 0
-    assert_grads_match(train_step(workload, model, batch), want_grads)
+    eager_error = max(relative_errors(want_grads, exact_grads))
+    compiled_error = max(relative_errors(train_step(workload, model, batch), exact_grads))
+    assert compiled_error <= 2 * eager_error
     for got, want in zip(workload.model.buffers(), want_buffers, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

@@ -43,10 +43,13 @@ The peak is the largest recorded live-byte count, above the level before the ste
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.graph.ir import Graph
-from hbp.planner.plan import Plan, Segment
+
+if TYPE_CHECKING:  # hbp.planner imports this module: import plan types on use
+    from hbp.planner.plan import Plan, Segment
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 
@@ -96,6 +99,8 @@ def simulate(
         ValueError: the graph breaks the IR's invariants, the segments do not tile it, or
             (with `check`) a node would read a value that was freed.
     """
+    from hbp.planner.plan import Plan, Segment
+
     info = info or GraphInfo.of(graph)
     if plan is None:
         segments = [Segment(0, info.n)] if info.n else []
@@ -282,7 +287,7 @@ class _Run:
                 for j in range(seg.stop - 1, seg.start - 1, -1):
                     self._backward_node(j)
                 continue
-            children = seg.children or [Segment(seg.start, seg.stop)]
+            children = seg.children or [type(seg)(seg.start, seg.stop)]
             self._pass(children, (seg.start, seg.stop))
             self._backward(children)
             for inst in self.segment_holds.pop(id(seg), []):

@@ -71,7 +71,7 @@ from torch._subclasses.fake_tensor import (
 from torch.nn import functional as F
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hbp.errors import CaptureWarning
@@ -103,9 +103,29 @@ CPU_FLOP_FORMULAS = {
 }
 
 
-def flop_counter_mode() -> flop_counter.FlopCounterMode:
-    """A silent `FlopCounterMode` that also counts CPU flash attention (FLOPs, 2 per MAC)."""
-    return flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS)
+class TotalFlops(flop_counter.FlopCounterMode):
+    """`FlopCounterMode` for totals only (FLOPs, 2 per multiply-add), also counting CPU flash
+    attention. Without module attribution it installs no module hooks and keeps no tensor
+    alive, so it can run next to a memory measurement."""
+
+    def __init__(self):
+        super().__init__(display=False, custom_mapping=CPU_FLOP_FORMULAS)
+
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mode = flop_counter._FlopCounterMode(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args):
+        exited = self.mode.__exit__(*args)
+        self.mode = None
+        return exited
+
+
+def flop_counter_mode() -> TotalFlops:
+    """A `TotalFlops` counter (what the capture uses for every node's FLOPs)."""
+    return TotalFlops()
 
 
 # CPU loss kernels that return their (0-dim) reduced loss as a view of an unreduced buffer the
@@ -201,7 +221,9 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
     signature = inspect.signature(module.forward)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    with _rng_preserved(module, bound.arguments), torch.enable_grad():
+    # Dispatch modes the caller has active (a memory tracker, a FLOP counter) must not see
+    # the capture's fake computations.
+    with _disable_current_modes(), _rng_preserved(module, bound.arguments), torch.enable_grad():
         try:
             captured = _capture_ops(module, bound.arguments, signature)
         except Exception as err:  # noqa: BLE001 - any tracing failure means "fall back"
@@ -428,6 +450,9 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, faker: _Faker, inputs: dict[str, Any]):
         super().__init__(autowrap_modules=(math,))
+        # Buffers read in traced (non-leaf) code become get_attr nodes: `self.buf.add_(1)` is
+        # recorded, not run on the real buffer.
+        self.proxy_buffer_attributes = True
         self.faker = faker
         self.inputs = inputs  # placeholder target -> fake value
         self.values: dict[fx.Node, Any] = {}
@@ -1000,12 +1025,29 @@ def _make_out_of_place(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 
 def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
-    """Bytes a node holds only while its forward or its backward runs, beyond what the IR's
-    event accounting already charges there (`hbp.graph.ir`): scratch inside composite ops
-    (chunked logits, a leaf module's intermediates) and, in backward, intermediate gradients
-    (e.g. cross-entropy's log-softmax gradient) and the gradients of inputs that are views
-    (the IR gives views no gradient bytes of their own). Stored in `graph.meta` by node name
-    ("forward_transient_bytes", "backward_transient_bytes"; only nonzero entries)."""
+    """Memory facts the IR's fields cannot hold, in `graph.meta` by node name (nonzero /
+    non-default entries only; `hbp.analysis.liveness` reads them):
+
+    - "grad_bytes": a gradient has its value's size (numel x element size), which differs from
+      the output's new storage for views and in-place results (0 new bytes, a full-size
+      gradient) and where a CPU loss kernel returns a scalar view of an unreduced buffer.
+    - "grad_passthrough": inputs whose gradient is the node's output gradient itself (add,
+      views: backward allocates nothing for them).
+    - "forward_transient_bytes" / "backward_transient_bytes": bytes a node holds only while its
+      forward / backward runs, beyond what the event accounting already charges there: scratch
+      inside composite ops (chunked logits, a leaf module's intermediates; in backward,
+      intermediate gradients such as cross-entropy's log-softmax gradient).
+    """
+    grad_bytes = {}
+    for node in graph.nodes:
+        prof = profiles.get(node.name)
+        if prof is not None and node.requires_grad and prof.value_bytes != node.output_bytes:
+            grad_bytes[node.name] = prof.value_bytes
+
+    def grad_of(name: str) -> int:
+        node = graph.node(name)
+        return grad_bytes.get(name, node.output_bytes) if node.requires_grad else 0
+
     forward, backward = {}, {}
     for node in graph.nodes:
         prof = profiles.get(node.name)
@@ -1015,13 +1057,12 @@ def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
         if fwd > 0:
             forward[node.name] = fwd
         modelled = node.param_grad_bytes + sum(
-            graph.node(i).grad_bytes
-            for i in dict.fromkeys(node.inputs)
-            if i not in prof.grad_passthrough
+            grad_of(i) for i in dict.fromkeys(node.inputs) if i not in prof.grad_passthrough
         )
         bwd = prof.backward_peak_bytes - modelled
         if bwd > 0:
             backward[node.name] = bwd
+    graph.meta["grad_bytes"] = grad_bytes
     graph.meta["grad_passthrough"] = {
         name: tuple(prof.grad_passthrough)
         for name, prof in profiles.items()
@@ -1029,16 +1070,6 @@ def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
     }
     graph.meta["forward_transient_bytes"] = forward
     graph.meta["backward_transient_bytes"] = backward
-    # A gradient has its value's size, not its storage's: they differ where a CPU loss kernel
-    # returns a scalar view of an unreduced buffer (`_CPU_UNREDUCED_LOSSES`).
-    graph.meta["grad_bytes"] = {
-        node.name: profiles[node.name].value_bytes
-        for node in graph.nodes
-        if node.name in profiles
-        and node.alias_of is None
-        and node.requires_grad
-        and profiles[node.name].value_bytes != node.output_bytes
-    }
 
 
 def _input_node(name: str, value: Any, owners: dict[int, str], persistent_keys: set[int]) -> Node:

@@ -40,7 +40,9 @@ import contextlib
 import contextvars
 import gc
 import resource
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -202,18 +204,49 @@ def _segment_fn(info: SegmentInfo, diff_in: list, nondiff_in: list, names=None):
     return [env[o] for o in info.diff_out], [env[o] for o in info.nondiff_out]
 
 
-def _saved_names(program: Program, info: SegmentInfo) -> dict[int, str]:
-    """Names of the values made inside `info` that its nodes' backward keeps (the memory
-    model's `saved_inputs`/`saves_output`)."""
-    first = info.first_op
+@dataclass(frozen=True)
+class SavePolicy:
+    """A `jax.checkpoint` policy that saves exactly the primal values the memory model keeps.
+
+    Values a node's backward keeps as an *input* are tagged with `checkpoint_name` and saved
+    by name. A node that keeps its *output* (tanh, exp, ...) is saved by matching its
+    equation (primitive, input avals, params): its own derivative rule reads the raw output,
+    not a named copy, so naming it would save the same array twice."""
+
+    names: frozenset[str]
+    equations: frozenset
+
+    def __call__(self, prim, *avals, **params):
+        if prim.name == "name":
+            return params.get("name") in self.names
+        return _equation_key(prim, avals, params) in self.equations
+
+
+def _equation_key(prim, avals, params):
+    try:
+        items = tuple(sorted(params.items()))
+        hash(items)
+    except TypeError:
+        items = None
+    return (prim, tuple((a.shape, str(a.dtype)) for a in avals), items)
+
+
+def _save_policy(program: Program, info: SegmentInfo) -> tuple[dict[int, str], SavePolicy]:
+    """(value id -> checkpoint name, policy) for the values made inside `info` that its
+    nodes' backward keeps (the memory model's `saved_inputs` / `saves_output`)."""
     made = {o for op in info.ops for o in op.outputs}
-    ids = {
-        v
-        for k in range(first, first + len(info.ops))
-        for v in program.saved_values.get(k, ())
-        if v in made
-    }
-    return {v: f"hbp_v{v}" for v in sorted(ids)}
+    by_output = set()  # values saved because their producer keeps its output
+    equations = set()
+    named = set()
+    for k, op in enumerate(info.ops, start=info.first_op):
+        saved = program.saved_values.get(k, ())
+        if op.outputs and op.outputs[0] in saved:  # saves_output
+            by_output.update(op.outputs)
+            avals = [program.avals[a] if isinstance(a, int) else a.aval for a in op.inputs]
+            equations.add(_equation_key(op.eqn.primitive, avals, op.eqn.params))
+        named.update(v for v in saved if v in made)
+    names = {v: f"hbp_v{v}" for v in sorted(named - by_output)}
+    return names, SavePolicy(frozenset(names.values()), frozenset(equations))
 
 
 def _fill_zeros(cts, ids, program: Program) -> list:
@@ -252,18 +285,22 @@ def jit(fun, **jit_kwargs):
 
 @dataclass
 class PieceRecord:
-    """One compiled piece that ran: its memory analysis (bytes) and the bytes of live JAX
-    arrays, above the level before the step, when it started."""
+    """One compiled piece that ran: its memory analysis (bytes; `alias_bytes`: outputs that
+    reuse donated arguments) and the bytes of live JAX arrays, above the level before the
+    step, when it started."""
 
     name: str
     live_bytes: int
     temp_bytes: int
     output_bytes: int
     argument_bytes: int
+    alias_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        return self.live_bytes + self.temp_bytes + self.output_bytes
+        """Live arrays + the piece's temp + its new outputs (outputs written into donated
+        arguments are not new)."""
+        return self.live_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
 class PieceRecorder:
@@ -282,10 +319,10 @@ class PieceRecorder:
                 int(m.temp_size_in_bytes),
                 int(m.output_size_in_bytes),
                 int(m.argument_size_in_bytes),
+                int(m.alias_size_in_bytes),
             )
-        temp, out, arg = self._stats[key]
         live = live_array_bytes() - self.baseline
-        self.records.append(PieceRecord(name, live, temp, out, arg))
+        self.records.append(PieceRecord(name, live, *self._stats[key]))
 
 
 _RECORDER: contextvars.ContextVar[PieceRecorder | None] = contextvars.ContextVar(
@@ -307,9 +344,12 @@ def record_pieces():
 def run_compiled(name: str, fn, *args):
     """Call the jitted `fn`, recording it first if a `record_pieces` recorder is active."""
     recorder = _RECORDER.get()
-    if recorder is not None:
-        recorder.before(name, fn, args)
-    return fn(*args)
+    with warnings.catch_warnings():
+        # Donated arguments no output can reuse are simply freed; no need to warn.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        if recorder is not None:
+            recorder.before(name, fn, args)
+        return fn(*args)
 
 
 def live_array_bytes() -> int:
@@ -364,12 +404,16 @@ class _Tape:
 
 
 class PiecesExecutor:
-    """The "pieces" executor for one `Program`: each segment a separately compiled program."""
+    """The "pieces" executor for one `Program`: each segment a separately compiled program.
+
+    Python references are the memory manager: a value is dropped from `env` after its last
+    reader, a tape is dropped once its backward ran, and cotangents and dead activations are
+    donated to the piece that consumes them (XLA writes its results into them)."""
 
     def __init__(self, program: Program):
         self.program = program
         self._fns: dict = {}
-        self._add = jax.jit(jnp.add)
+        self._add = jax.jit(jnp.add, donate_argnums=(0, 1))
 
     # jitted pieces, built once per segment ------------------------------------------------
     def _piece(self, kind: str, info: SegmentInfo, extra=()):
@@ -382,26 +426,19 @@ class PiecesExecutor:
         return jax.jit(partial(_segment_fn, info))
 
     def _build_forward_vjp(self, info: SegmentInfo):
-        """Forward with vjp, saving the primal values the memory model says (checkpoint names),
-        everything else of backward recomputed from them in the backward piece. The piece
-        returns only residuals that are not its inputs or outputs (XLA would copy those);
-        the vjp is rebuilt from the parts."""
-
-        names = _saved_names(self.program, info)
-        policy = jax.checkpoint_policies.save_only_these_names(*names.values())
-
-        def fwd(diff_in, nondiff_in):
-            seg = jax.checkpoint(lambda d: _segment_fn(info, d, nondiff_in, names), policy=policy)
-            outs, vjp_fn, aux = jax.vjp(seg, diff_in, has_aux=True)
-            return outs, aux, vjp_fn
+        """Forward with vjp, saving exactly the primal values the memory model keeps
+        (`SavePolicy`); what else backward needs is recomputed from them in the backward
+        piece. The piece returns only residuals that are not its inputs or outputs (XLA would
+        copy those), and the vjp is rebuilt from the parts."""
+        names, policy = _save_policy(self.program, info)
+        holder: dict = {}
 
         def flat(diff_in, nondiff_in):
-            outs, aux, vjp_fn = fwd(diff_in, nondiff_in)
-            leaves, treedef = jax.tree.flatten(vjp_fn)
-            holder["treedef"] = treedef
+            seg = jax.checkpoint(lambda d: _segment_fn(info, d, nondiff_in, names), policy=policy)
+            outs, vjp_fn, aux = jax.vjp(seg, diff_in, has_aux=True)
+            leaves, holder["treedef"] = jax.tree.flatten(vjp_fn)
             return [*outs, *aux], leaves
 
-        holder: dict = {}
         in_avals = [self._aval(i) for i in info.diff_in], [self._aval(i) for i in info.nondiff_in]
         jaxpr = jax.make_jaxpr(flat)(*in_avals).jaxpr
         n_out = len(info.live_out)
@@ -437,19 +474,23 @@ class PiecesExecutor:
     def _build_apply_vjp(self, info: SegmentInfo):
         program = self.program
 
-        @jax.jit
+        @partial(jax.jit, donate_argnums=1)  # the cotangents are dead after this piece
         def apply_vjp(vjp_fn, cts):
             return vjp_fn(_fill_zeros(cts, info.diff_out, program))[0]
 
         return apply_vjp
 
-    def _build_fused(self, info: SegmentInfo, keep: tuple[int, ...]):
+    def _build_fused(self, info: SegmentInfo, keep: tuple[int, ...], dead: tuple[bool, ...]):
         """Forward (or recompute) and backward of a childless segment in one program;
-        returns the outputs listed in `keep` and the cotangents of the diff inputs."""
+        returns the outputs listed in `keep` and the cotangents of the diff inputs. Diff
+        inputs flagged `dead` (nothing else refers to them) and the cotangents are donated,
+        so XLA can write the results into them."""
         program = self.program
 
-        @jax.jit
-        def fused(diff_in, nondiff_in, cts):
+        @partial(jax.jit, donate_argnums=(0, 3))
+        def fused(dead_in, live_in, nondiff_in, cts):
+            dead_it, live_it = iter(dead_in), iter(live_in)
+            diff_in = [next(dead_it) if d else next(live_it) for d in dead]
             outs, vjp_fn, aux = jax.vjp(
                 lambda d: _segment_fn(info, d, nondiff_in), diff_in, has_aux=True
             )
@@ -459,6 +500,16 @@ class PiecesExecutor:
             return [values[o] for o in keep], in_cts
 
         return fused
+
+    def _run_fused(self, name, info, keep, diff_in: list, nondiff_in: list, cts: list):
+        # An array only `diff_in` refers to (list entry + getrefcount's argument) is dead
+        # after this piece: donate it.
+        dead = tuple(sys.getrefcount(diff_in[k]) <= 2 for k in range(len(diff_in)))
+        dead_in = [v for v, d in zip(diff_in, dead) if d]
+        live_in = [v for v, d in zip(diff_in, dead) if not d]
+        diff_in.clear()
+        fused = self._piece("fused", info, (keep, dead))
+        return self._call(name, fused, dead_in, live_in, nondiff_in, cts)
 
     def _aval(self, i: int):
         a = self.program.avals[i]
@@ -511,9 +562,12 @@ class PiecesExecutor:
                 in_cts = self._call(name, self._piece("apply_vjp", info), tape.vjp, cts)
             elif not info.children:
                 diff_in, nondiff_in = tape.inputs
-                fused = self._piece("fused", info, ((),))
+                del tape
                 name = f"recompute+backward {info.label}"
-                _, in_cts = self._call(name, fused, diff_in, nondiff_in, cts)
+                _, in_cts = self._run_fused(name, info, (), diff_in, nondiff_in, cts)
+                del diff_in, nondiff_in, cts
+                self._accumulate(ct, info.diff_in, in_cts)
+                continue
             else:
                 diff_in, nondiff_in = tape.inputs
                 env = dict(zip(info.diff_in, diff_in))
@@ -548,9 +602,8 @@ class PiecesExecutor:
             for i in last.live_in:
                 if i not in keep:
                     env.pop(i, None)
-            fused = self._piece("fused", last, (out_keep,))
             name = f"forward+backward {last.label}"
-            outs, in_cts = self._call(name, fused, diff_in, nondiff_in, cts)
+            outs, in_cts = self._run_fused(name, last, out_keep, diff_in, nondiff_in, cts)
             del diff_in, nondiff_in, cts
             env.update(zip(out_keep, outs))
             self._accumulate(ct, last.diff_in, in_cts)
@@ -782,7 +835,8 @@ class HeightCompressed(_Planned):
             for o, c in zip(program.outvars, cts):
                 if c is None or not isinstance(o, int) or o not in program.needs_grad:
                     continue
-                ct[o] = c if o not in ct else ct[o] + c
+                # A copy: the pieces donate cotangents, and this one belongs to the caller.
+                ct[o] = jnp.array(c, copy=True) if o not in ct else ct[o] + c
             compiled.pieces.backward(payload, ct)
             return tuple(
                 _grad_or_zeros(ct, i, program) if m else None for i, m in zip(program.invars, mask)

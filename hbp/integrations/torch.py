@@ -198,7 +198,7 @@ class HCModule(nn.Module):
 
     def _module_level_plan(self, plan: Plan, captured: CapturedGraph, naive: int) -> Plan:
         """The module-level executor checkpoints child calls one by one: predict that."""
-        executed = per_call_plan(plan, len(captured.graph))
+        executed = per_call_plan(plan, captured.graph)
         sim = simulate(captured.graph, executed)
         executed.predicted_peak_bytes = sim.peak_bytes
         executed.predicted_recompute_flops = sim.recompute_flops
@@ -242,23 +242,12 @@ class HCModule(nn.Module):
 
 
 def plan_summary(compiled: Compiled) -> str:
-    """A readable summary of a compiled plan: one line per top-level segment."""
-    plan, graph = compiled.plan, compiled.captured.graph
-    lines = [
-        f"hbp plan ({compiled.captured.granularity} granularity, {len(graph)} nodes, "
-        f"planner {plan.meta.get('planner', '?')}): budget {plan.budget_bytes / MIB:.2f} MiB, "
-        f"predicted peak {plan.predicted_peak_bytes / MIB:.2f} MiB "
-        f"(naive {compiled.naive_peak_bytes / MIB:.2f} MiB), "
-        f"recompute {plan.predicted_recompute_ratio:.1%} of the forward FLOPs, "
-        f"kept at cuts {plan.kept_bytes / MIB:.2f} MiB",
-    ]
-    for seg in plan.segments:
-        first, last = graph.nodes[seg.start], graph.nodes[seg.stop - 1]
-        kind = "recompute" if seg.recompute else "keep     "
-        nested = f", nested depth {seg.depth() - 1}" if seg.children else ""
-        where = first.module or first.name
-        lines.append(
-            f"  [{seg.start:4d}, {seg.stop:4d}) {kind} {where} .. {last.module or last.name}"
-            f"{nested}"
-        )
-    return "\n".join(lines)
+    """The capture in one line, then the plan (`str(Plan)`: predictions and segment tree)."""
+    captured = compiled.captured
+    head = (
+        f"HCModule: {captured.granularity}-level capture, {len(captured.graph)} nodes, "
+        f"captured in {compiled.capture_time_s:.2f} s, planned in {compiled.plan_time_s:.2f} s"
+    )
+    if captured.fallback_reason:
+        head += f" (op-level capture failed: {captured.fallback_reason})"
+    return f"{head}\n{compiled.plan}"

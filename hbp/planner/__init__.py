@@ -36,9 +36,7 @@ __all__ = [
 ]
 
 
-def plan(
-    graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal", **options
-) -> Plan:
+def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal", **options) -> Plan:
     """Plan one training step of `graph` within `budget`.
 
     Args:

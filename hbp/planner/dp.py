@@ -139,6 +139,12 @@ class CostModel:
         self._crossing_sets()
         self._crossing_in: dict = {}
         self._profiles: dict = {}
+        self._first_reader: dict = {}
+        self._save_free_mask: dict = {}
+        first = np.full(n + 1, n, dtype=np.int64)
+        for j in range(n - 1, -1, -1):
+            first[j] = j if info.save_event[j] else first[j + 1]
+        self.next_save = first  # first save event at or after each position
 
     # -- plan-independent parts ---------------------------------------------------------------
     def _positional(self) -> None:
@@ -230,6 +236,37 @@ class CostModel:
             )
         return r
 
+    def save_free_tiling(self, e: int, d: int) -> bool:
+        """Whether [e, d) can be tiled by candidate-cut children without save events (plain
+        children without saving nodes, recomputed children that read nothing from before
+        them): the only tails a recompute pass can stop before."""
+        return bool(self.save_free_mask(d)[e])
+
+    def save_free_mask(self, d: int) -> np.ndarray:
+        """Boolean array over positions f in [0, d]: save_free_tiling(f, d) (False for
+        positions that are not candidate cuts). A child [f, g) is save-free iff g is at most
+        max(next save event, first reader from before f)."""
+        r = self._save_free_mask.get(d)
+        if r is None:
+            r = np.zeros(d + 1, dtype=bool)
+            r[d] = True
+            nearest = d  # nearest cut > f from which a save-free tiling to d exists
+            for f in reversed([c for c in self.cuts if c < d]):
+                reach = max(self.next_save[f], self.first_reader_from_before(f))
+                if nearest <= reach:
+                    r[f] = True
+                    nearest = f
+            self._save_free_mask[d] = r
+        return r
+
+    def first_reader_from_before(self, e: int) -> int:
+        """First node at or after e that reads a value made before e or a graph input."""
+        r = self._first_reader.get(e)
+        if r is None:
+            fr = np.flatnonzero((self.min_input[e:] < e) & self.node_event[e:])
+            r = self._first_reader[e] = e + int(fr[0]) if len(fr) else self.n
+        return r
+
     # -- one child's needs --------------------------------------------------------------------
     def profile(self, e: int, H: frozenset[int], mode: int, top: bool) -> _Profile:
         key = (e, H, mode, top)
@@ -306,9 +343,10 @@ class _Profile:
                 if r < n:
                     kept[r - e :] += m.g_size[g]
             self.kept = kept
-            fr = np.flatnonzero((m.min_input[e:] < e) & m.node_event[e:])
-            self.first_input_reader = e + int(fr[0]) if len(fr) else n
+            self.first_input_reader = m.first_reader_from_before(e)
         self._at: dict[int, dict] = {}
+        self._held: dict = {}
+        self._held_lists: dict = {}
 
     def at(self, d: int) -> dict:
         """Per candidate f in (e, d]: arrays f, need (bytes, by variant), kept, H_out, flops."""
@@ -337,7 +375,7 @@ class _Profile:
                     live[lo - e :] -= m.g_size[g]
         fwd_max = np.maximum.accumulate(live) if len(live) else live
         idx = fs - e - 1
-        out = {"f": fs, "kept": self.kept[idx].astype(np.int64)}
+        out = {"f": fs, "f_list": fs.tolist(), "kept": self.kept[idx].astype(np.int64)}
         pos_pass = 0 if top else int(m.pos_after[d])
         full = fwd_max[idx] + pos_pass
         if mode == PLAIN:
@@ -358,9 +396,24 @@ class _Profile:
             out["flops_until"] = np.zeros(len(fs))
             has_save = self.first_input_reader < fs
         out["has_save"] = has_save
-        out["H"] = [self._held_after(int(f), d) for f in fs]
+        out["d"] = d
         self._at[d] = out
         return out
+
+    def held_list(self, d: int) -> list[frozenset[int]]:
+        """held_after(f, d) for every candidate f in (e, d], in order."""
+        r = self._held_lists.get(d)
+        if r is None:
+            r = self._held_lists[d] = [self.held_after(f, d) for f in self.at(d)["f_list"]]
+        return r
+
+    def held_after(self, f: int, d: int) -> frozenset[int]:
+        """H at f after this child [e, f), in a level ending at d (memoised)."""
+        key = (f, d)
+        r = self._held.get(key)
+        if r is None:
+            r = self._held[key] = self._held_after(f, d)
+        return r
 
     def _held_after(self, f: int, d: int) -> frozenset[int]:
         m, e = self.m, self.e
@@ -410,22 +463,35 @@ class Solver:
         self._tail: dict = {}
         self._top: dict = {}
         self._rec: dict = {}
+        self._rec_plain: dict = {}
+        self._rec_need: dict = {}
 
     def sl(self, x):
         """Bytes -> slots, rounded up (conservative)."""
         return np.ceil(np.asarray(x, dtype=float) / self.slot - 1e-9)
 
     # T(e, f) ---------------------------------------------------------------------------------
-    def rec(self, e: int, f: int) -> np.ndarray:
-        key = (e, f)
-        r = self._rec.get(key)
+    def rec(self, e: int, f: int, lowest: int = 0) -> np.ndarray:
+        """T(e, f) over slots, exact at every m >= `lowest`.
+
+        Recomputing [e, f) as one plain child costs the FLOPs up to its last save event, and
+        no nested plan costs less (each node up to that event runs at least once), so where
+        the plain recompute fits (m >= its need) T equals it; the nested tables are only
+        built when a caller needs T below that."""
+        plain = self._rec_plain.get((e, f))
+        if plain is None:
+            H = self.m.crossing_in(e, f, False)
+            plain = self._evaluate(f, e, H, None, only=(f, PLAIN))
+            finite = np.flatnonzero(plain < INF)
+            self._rec_plain[e, f] = plain
+            self._rec_need[e, f] = int(finite[0]) if len(finite) else self.M + 1
+        if not self.nested or lowest >= self._rec_need[e, f]:
+            return plain
+        r = self._rec.get((e, f))
         if r is None:
             H = self.m.crossing_in(e, f, False)
-            if self.nested:
-                r = np.minimum(self.tail(f, e, H, 1), self.tail(f, e, H, 0))
-            else:  # one level: a recomputed segment's children are one plain child
-                r = self._evaluate(f, e, H, None, only=(f, PLAIN))
-            self._rec[key] = r
+            r = np.minimum(self.tail(f, e, H, 1), self.tail(f, e, H, 0))
+            self._rec[e, f] = r = np.minimum(r, plain)
         return r
 
     def tail(self, d: int, e: int, H: frozenset, flag: int) -> np.ndarray:
@@ -451,15 +517,16 @@ class Solver:
         return r
 
     def _options(self, d, e, H, flag, top, only=None):
-        """Yield (choice, need slots, kept slots, cost array builder inputs) per option group:
-        per (mode, variant) a vector over f."""
+        """Per (mode, variant) of the first child [e, f): yield (mode, variant, sub_flag,
+        profile, its arrays at d, selected f mask)."""
         m = self.m
         for mode in (PLAIN, REC):
             if only is not None and mode != only[1]:
                 continue
             if mode == REC and only is None and not self.nested and not top:
                 continue
-            p = m.profile(e, H, mode, top).at(d)
+            prof = m.profile(e, H, mode, top)
+            p = prof.at(d)
             if len(p["f"]) == 0:
                 continue
             sel = np.ones(len(p["f"]), dtype=bool)
@@ -470,39 +537,47 @@ class Solver:
                 # already held is the same plan without the extra nesting (and a cycle)
                 sel &= p["f"] != d
             if top:
-                yield mode, FULL, None, p, sel
+                yield mode, FULL, None, prof, p, sel
                 continue
             hs = p["has_save"]
             if flag == 1:
-                yield mode, FULL, 1, p, sel
-                yield mode, UNTIL_SAVE, 0, p, sel & hs
+                yield mode, FULL, 1, prof, p, sel
+                yield mode, UNTIL_SAVE, 0, prof, p, sel & hs
             elif flag == 0:
-                yield mode, NOT_RUN, 0, p, sel & ~hs
+                yield mode, NOT_RUN, 0, prof, p, sel & ~hs
             else:  # one-level segment: its children are a single plain child
-                yield mode, FULL, 1, p, sel & hs
-                yield mode, UNTIL_SAVE, 0, p, sel & hs
-                yield mode, NOT_RUN, 0, p, sel & ~hs
+                yield mode, FULL, 1, prof, p, sel & hs
+                yield mode, UNTIL_SAVE, 0, prof, p, sel & hs
+                yield mode, NOT_RUN, 0, prof, p, sel & ~hs
 
-    def _sub(self, d, top, f, H, sub_flag):
-        return self.top(f, H) if top else self.tail(d, f, H, sub_flag)
-
-    def _option_costs(self, d, e, top, mode, variant, sub_flag, p, sel):
-        """Cost over slots for the selected f that can be feasible: (f indices, array (k, M+1)).
+    def _option_costs(self, d, e, top, mode, variant, sub_flag, prof, p, sel):
+        """Cost over slots for the selected f that can be feasible: (f indices, next states,
+        array (k, M+1)).
 
         Option value at m: pass FLOPs + T(e, f)[m - kept] (recomputed child) + the tail's
         value at m - kept, if m >= the child's own need and m >= kept; else infinite."""
         M = self.M
         need = self.sl(p[("need_full", "need_until", "need_none")[variant]])
         kept = self.sl(p["kept"])
-        idx = np.flatnonzero(sel & (need <= M) & (kept <= M))
-        rows, keep = [], []
-        for i in idx:
-            sub = self._sub(d, top, int(p["f"][i]), p["H"][i], sub_flag)
-            if sub[M - int(kept[i])] < INF:  # tables are non-increasing in m
+        ok = sel & (need <= M) & (kept <= M)
+        if sub_flag == 0:  # the rest must be a tail without save events
+            ok &= self.m.save_free_mask(d)[p["f"]]
+        idx = np.flatnonzero(ok)
+        rows, keep, states = [], [], []
+        memo = self._top if top else self._tail
+        f_list, H_list = p["f_list"], prof.held_list(d)
+        limit = (M - kept[idx]).astype(np.int64).tolist()
+        for i, lim in zip(idx.tolist(), limit):
+            f, H2 = f_list[i], H_list[i]
+            sub = memo.get((f, H2) if top else (d, f, H2, sub_flag))
+            if sub is None:
+                sub = self.top(f, H2) if top else self.tail(d, f, H2, sub_flag)
+            if sub[lim] < INF:  # tables are non-increasing in m
                 rows.append(sub)
                 keep.append(i)
+                states.append(H2)
         if not keep:
-            return idx[:0], None
+            return idx[:0], states, None
         idx = np.array(keep)
         k = len(idx)
         kept_i = kept[idx].astype(np.int64)
@@ -514,14 +589,21 @@ class Solver:
             flops = p["flops_full" if variant == FULL else "flops_until"][idx]
             cost += flops[:, None]
         if mode == REC:
-            recs = np.array([self.rec(e, int(p["f"][i])) for i in idx]).ravel()
+            # the smallest slot count each row's recompute is asked about
+            first_sub = np.array([np.argmax(r < INF) for r in rows])
+            lowest = np.maximum(np.maximum(need[idx], kept_i), kept_i + first_sub) - kept_i
+            recs = np.array(
+                [self.rec(e, int(p["f"][i]), int(lo)) for i, lo in zip(idx, lowest)]
+            ).ravel()
             cost += recs[flat]
-        return idx, cost
+        return idx, states, cost
 
     def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
         best = np.full(self.M + 1, INF)
-        for mode, variant, sub_flag, p, sel in self._options(d, e, H, flag, top, only):
-            idx, cost = self._option_costs(d, e, top, mode, variant, sub_flag, p, sel)
+        if flag == 0 and not self.m.save_free_tiling(e, d):
+            return best
+        for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top, only):
+            _, _, cost = self._option_costs(d, e, top, mode, variant, sub_flag, prof, p, sel)
             if cost is not None:
                 np.minimum(best, cost.min(axis=0), out=best)
         return best
@@ -530,8 +612,8 @@ class Solver:
     def _pick(self, d, e, H, flag, top, slots) -> tuple[_Choice, int]:
         """The option that achieves the table's value at `slots`, and its kept slots."""
         target = (self.top(e, H) if top else self.tail(d, e, H, flag))[slots]
-        for mode, variant, sub_flag, p, sel in self._options(d, e, H, flag, top):
-            idx, cost = self._option_costs(d, e, top, mode, variant, sub_flag, p, sel)
+        for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top):
+            idx, states, cost = self._option_costs(d, e, top, mode, variant, sub_flag, prof, p, sel)
             if cost is None:
                 continue
             col = cost[:, slots]
@@ -539,7 +621,7 @@ class Solver:
             if col[k] <= target + 1e-9 * max(1.0, abs(target)):
                 i = idx[k]
                 kept = int(self.sl(p["kept"][i]))
-                return _Choice(int(p["f"][i]), mode, variant, p["H"][i], sub_flag), kept
+                return _Choice(int(p["f"][i]), mode, variant, states[k], sub_flag), kept
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
     def top_plan(self, slots: int) -> list[Segment]:
@@ -557,8 +639,9 @@ class Solver:
 
     def rec_plan(self, e: int, f: int, slots: int) -> list[Segment]:
         """Children of the recomputed segment [e, f) given `slots` for its backward."""
-        if not self.nested:
-            return []
+        self.rec(e, f, slots)
+        if not self.nested or slots >= self._rec_need[e, f]:
+            return []  # recomputed as plain autograd
         H = self.m.crossing_in(e, f, False)
         t1, t0 = self.tail(f, e, H, 1)[slots], self.tail(f, e, H, 0)[slots]
         flag = 1 if t1 <= t0 else 0
@@ -622,7 +705,8 @@ class PeakSolver:
                 continue
             if only is not None and mode != PLAIN:
                 continue
-            p = m.profile(e, H, mode, top).at(d)
+            prof = m.profile(e, H, mode, top)
+            p = prof.at(d)
             for i, f in enumerate(p["f"]):
                 f = int(f)
                 if only is not None and f != only:
@@ -640,7 +724,8 @@ class PeakSolver:
                 for variant, sub_flag in variants:
                     need = float(p[("need_full", "need_until", "need_none")[variant]][i])
                     kept = float(p["kept"][i])
-                    sub = self.top(f, p["H"][i]) if top else self.tail(d, f, p["H"][i], sub_flag)
+                    H2 = prof.held_after(f, d)
+                    sub = self.top(f, H2) if top else self.tail(d, f, H2, sub_flag)
                     peak = max(need, kept + sub[0])
                     cost = sub[1]
                     if not top and variant != NOT_RUN:
@@ -650,7 +735,7 @@ class PeakSolver:
                         r = self.rec(e, f)
                         peak = max(peak, kept + r[0])
                         cost += r[1]
-                    cand = (peak, cost, _Choice(f, mode, variant, p["H"][i], sub_flag))
+                    cand = (peak, cost, _Choice(f, mode, variant, H2, sub_flag))
                     if _order(cand) < _order(best):
                         best = cand
         return best
@@ -702,6 +787,20 @@ def simplify(segments: list[Segment]) -> list[Segment]:
     return out
 
 
+def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
+    """Merge a leading segment made only of graph inputs into the next one (graph inputs are
+    never run nor recomputed, so this changes nothing but the printout)."""
+    first = segments[0] if segments else None
+    if len(segments) < 2 or not all(info.is_input[j] for j in range(first.start, first.stop)):
+        return segments
+
+    def extend(seg: Segment) -> Segment:
+        kids = [extend(seg.children[0]), *seg.children[1:]] if seg.children else []
+        return Segment(first.start, seg.stop, seg.recompute, kids)
+
+    return [extend(segments[1]), *segments[2:]]
+
+
 # ---------------------------------------------------------------------------------------------
 # candidate cuts
 
@@ -751,14 +850,17 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
         ]
     if len(pos) > max_cuts:
         wp = [w[c] for c in pos]
-        minima = [
+        minima = {
             c
             for k, c in enumerate(pos)
             if (k == 0 or wp[k] <= wp[k - 1]) and (k == len(pos) - 1 or wp[k] < wp[k + 1])
-        ]
-        pos = minima or pos
-    if len(pos) > max_cuts:
-        ranked = sorted(range(len(pos)), key=lambda k: (w[pos[k]], _spread(k, len(pos))))
+        }
+        # local minima first (the smallest frontiers among them), then the other positions by
+        # frontier; equal frontiers are taken evenly spread over the graph
+        ranked = sorted(
+            range(len(pos)),
+            key=lambda k: (pos[k] not in minima, wp[k], _spread(k, len(pos))),
+        )
         pos = sorted(pos[k] for k in ranked[:max_cuts])
     return sorted(set([0, *pos, n]))
 
@@ -791,6 +893,31 @@ def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -
     return mem_slots, budget / mem_slots
 
 
+def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, nested: bool):
+    """Run the DP; returns (segments, slots, slot bytes, how it was solved)."""
+    model = CostModel(info, cuts)
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 20 * len(cuts) + 1000))
+    try:
+        slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
+        solver = Solver(model, slots, slot_bytes, nested)
+        if solver.top(0, frozenset())[slots] < INF:
+            return solver.top_plan(slots), slots, slot_bytes, "dp"
+        peak_solver = PeakSolver(model, nested)
+        minimum = int(peak_solver.top(0, frozenset())[0])
+        if minimum > budget_bytes:
+            raise BudgetError(
+                budget_bytes,
+                minimum,
+                f"{'nested' if nested else 'one-level'} plans over {len(cuts) - 2} "
+                f"candidate cuts of {info.n} nodes",
+            )
+        # the slot rounding rejected a feasible budget: the least-peak plan fits
+        return peak_solver.top_plan(), slots, slot_bytes, "min-peak"
+    finally:
+        sys.setrecursionlimit(old)
+
+
 def optimal_plan(
     graph: Graph,
     budget_bytes: int,
@@ -817,31 +944,11 @@ def optimal_plan(
     budget_bytes = int(budget_bytes)
     naive = simulate(graph, info=info)
     cuts = candidate_cuts(info, block_size, max_cuts)
-    model = CostModel(info, cuts)
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 20 * len(cuts) + 1000))
-    try:
-        slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
-        solver = Solver(model, slots, slot_bytes, nested)
-        best = solver.top(0, frozenset())[slots]
-        if best < INF:
-            segments = solver.top_plan(slots)
-            how = "dp"
-        else:
-            peak_solver = PeakSolver(model, nested)
-            minimum = int(peak_solver.top(0, frozenset())[0])
-            if minimum > budget_bytes:
-                raise BudgetError(
-                    budget_bytes,
-                    minimum,
-                    f"{'nested' if nested else 'one-level'} plans over {len(cuts) - 2} "
-                    f"candidate cuts of {info.n} nodes",
-                )
-            segments = peak_solver.top_plan()
-            how = "min-peak"  # the slot rounding rejected it: the least-peak plan fits
-    finally:
-        sys.setrecursionlimit(old)
-    segments = simplify(segments) or [Segment(0, info.n)]
+    if budget_bytes >= naive.peak_bytes:  # plain autograd fits: nothing to recompute
+        segments, slots, slot_bytes, how = [Segment(0, info.n)], 0, 0.0, "naive fits"
+    else:
+        segments, slots, slot_bytes, how = _solve(info, cuts, budget_bytes, mem_slots, nested)
+    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
     plan = finish_plan(
         graph,
         segments,
@@ -858,6 +965,17 @@ def optimal_plan(
             "solved_by": how,
         },
     )
+    if plan.predicted_peak_bytes > budget_bytes:  # a model mismatch: never hand it out
+        peak, fallback = min_feasible_peak(
+            graph, block_size=block_size, max_cuts=max_cuts, nested=nested, info=info
+        )
+        if peak > budget_bytes:
+            raise RuntimeError(
+                f"planner: the DP's plan simulates to {plan.predicted_peak_bytes} bytes over "
+                f"the budget of {budget_bytes} and no fallback fits; please report this graph"
+            )
+        plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
+        plan.meta["solved_by"] = "min-peak (dp over budget)"
     plan.meta["solve_time_s"] = time.perf_counter() - t0
     return plan
 
@@ -878,7 +996,7 @@ def min_feasible_peak(
     try:
         solver = PeakSolver(model, nested)
         peak = int(solver.top(0, frozenset())[0])
-        segments = simplify(solver.top_plan()) or [Segment(0, info.n)]
+        segments = absorb_inputs(info, simplify(solver.top_plan()) or [Segment(0, info.n)])
     finally:
         sys.setrecursionlimit(old)
     return peak, segments

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hbp.graph.ir import Graph
 from hbp.graph.torch_capture import MODULE, CapturedGraph
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.recompute import checkpoint_context_fn
@@ -423,18 +424,20 @@ def recomputed_nodes(plan: Plan) -> set[int]:
     return out
 
 
-def per_call_plan(plan: Plan, n_nodes: int) -> Plan:
-    """The plan `ModuleCallExecutor` really runs: every node of a recomputed segment becomes
-    its own recomputed segment (no nesting). Predictions are left to the caller to redo."""
+def per_call_plan(plan: Plan, graph: Graph) -> Plan:
+    """The plan `ModuleCallExecutor` really runs on `graph`: every node of a recomputed
+    segment becomes its own recomputed segment (no nesting). Predictions are left to the
+    caller to redo."""
     recomputed = recomputed_nodes(plan)
+    names = [n.name for n in graph.nodes]
     segments: list[Segment] = []
-    for i in range(n_nodes):
+    for i in range(len(names)):
         if i in recomputed:
-            segments.append(Segment(i, i + 1, True))
+            segments.append(Segment(i, i + 1, True, first=names[i], last=names[i]))
         elif segments and not segments[-1].recompute:
-            segments[-1].stop = i + 1
+            segments[-1].stop, segments[-1].last = i + 1, names[i]
         else:
-            segments.append(Segment(i, i + 1, False))
+            segments.append(Segment(i, i + 1, False, first=names[i], last=names[i]))
     return Plan(
         segments,
         budget_bytes=plan.budget_bytes,

@@ -1,0 +1,252 @@
+"""The planners against brute force, the budget parser, and the planner entry points.
+
+Brute force enumerates every plan over all cut subsets (one level: each segment plain or
+recomputed; nested: recomputed segments tiled again, recursively) and simulates each: the
+least recompute among those whose simulated peak fits is the optimum the DP must equal."""
+
+import itertools
+import math
+
+import pytest
+
+from hbp.analysis import naive_peak, simulate
+from hbp.analysis.liveness import GraphInfo
+from hbp.errors import BudgetError, ConfigError
+from hbp.graph import synthetic
+from hbp.planner import (
+    candidate_cuts,
+    min_feasible_peak,
+    optimal_plan,
+    parse_budget,
+    plan,
+    uniform_plan,
+    validate_plan,
+)
+from hbp.planner.plan import Plan, Segment
+
+
+def tilings(start, stop, cuts, depth):
+    """Every plan of [start, stop) over `cuts`, recomputed segments nested up to `depth`
+    levels (a single child is left out: it is the same plan as no children)."""
+    inner = [c for c in cuts if start < c < stop]
+    for r in range(len(inner) + 1):
+        for chosen in itertools.combinations(inner, r):
+            bounds = [start, *chosen, stop]
+            choices = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                options = [Segment(a, b), Segment(a, b, True)]
+                if depth > 1:
+                    options += [
+                        Segment(a, b, True, kids)
+                        for kids in tilings(a, b, cuts, depth - 1)
+                        if len(kids) > 1
+                    ]
+                choices.append(options)
+            for combo in itertools.product(*choices):
+                yield list(combo)
+
+
+def brute_force(graph, depth):
+    """(peak bytes, recompute FLOPs) of every plan."""
+    info = GraphInfo.of(graph)
+    cuts = candidate_cuts(info, 1, max_cuts=10**6)
+    return [
+        (s.peak_bytes, s.recompute_flops)
+        for s in (simulate(graph, t, info=info) for t in tilings(0, info.n, cuts, depth))
+    ]
+
+
+def least_recompute(results, budget):
+    fits = [r for p, r in results if p <= budget]
+    return min(fits) if fits else None
+
+
+def assert_dp_equals_brute_force(graph, depth, nested, budgets=14):
+    results = brute_force(graph, depth)
+    peaks = sorted({p for p, _ in results})
+    step = max(1, len(peaks) // budgets)
+    for budget in peaks[::step] + [peaks[-1]]:
+        best = least_recompute(results, budget)
+        p = optimal_plan(graph, budget, nested=nested, max_cuts=10**6)
+        validate_plan(graph, p)
+        assert p.predicted_recompute_flops == pytest.approx(best), (budget, p)
+        assert p.predicted_peak_bytes <= budget
+    with pytest.raises(BudgetError) as err:
+        optimal_plan(graph, peaks[0] - 1, nested=nested, max_cuts=10**6)
+    assert err.value.minimum == peaks[0]
+    assert min_feasible_peak(graph, nested=nested, max_cuts=10**6)[0] == peaks[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_level_dp_equals_brute_force_on_chains(seed):
+    graph = synthetic.chain(6, seed=seed, refinements=seed % 2 == 1)
+    assert_dp_equals_brute_force(graph, depth=1, nested=False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_level_dp_equals_brute_force_on_dags(seed):
+    graph = synthetic.random_dag(6, seed=seed, extra_output_prob=0.2, refinements=seed >= 3)
+    assert_dp_equals_brute_force(graph, depth=1, nested=False)
+
+
+@pytest.mark.parametrize(
+    "graph",
+    [
+        synthetic.chain(4, seed=0),
+        synthetic.chain(4, seed=1, refinements=True),
+        synthetic.random_dag(4, seed=2, extra_output_prob=0.3),
+        synthetic.random_dag(4, seed=3, refinements=True),
+    ],
+    ids=["chain0", "chain1", "dag2", "dag3"],
+)
+def test_nested_dp_equals_brute_force_over_all_nestings(graph):
+    assert_dp_equals_brute_force(graph, depth=4, nested=True)
+
+
+def test_nested_dp_beats_every_depth_two_plan():
+    graph = synthetic.chain(5, seed=7)
+    results = brute_force(graph, depth=2)
+    for budget in sorted({p for p, _ in results})[::3]:
+        p = optimal_plan(graph, budget, max_cuts=10**6)
+        assert p.predicted_peak_bytes <= budget
+        assert p.predicted_recompute_flops <= least_recompute(results, budget) + 1e-9
+
+
+def test_nesting_reaches_below_one_level():
+    graph = synthetic.uniform_chain(12)
+    one = min_feasible_peak(graph, nested=False)[0]
+    tree, segments = min_feasible_peak(graph)
+    assert tree < one
+    assert max(s.depth() for s in segments) >= 2
+    p = optimal_plan(graph, tree)
+    validate_plan(graph, p)
+    assert max(s.depth() for s in p.segments) >= 2
+
+
+def test_budget_at_naive_peak_needs_no_recompute():
+    graph = synthetic.residual_net(2)
+    p = plan(graph, 1.0)
+    assert p.predicted_recompute_flops == 0
+    assert p.predicted_peak_bytes == p.naive_peak_bytes == naive_peak(graph)
+
+
+def test_discretised_plans_fit_and_trade_memory_for_recompute():
+    graph = synthetic.residual_net(3)
+    naive = naive_peak(graph)
+    previous = -1.0
+    for fraction in (0.8, 0.5, 0.3, 0.2):
+        p = plan(graph, fraction, max_cuts=24)
+        assert p.meta["solved_by"] == "dp" and p.meta["mem_slots"] == 256
+        validate_plan(graph, p)
+        assert p.predicted_peak_bytes <= int(fraction * naive)
+        assert p.predicted_recompute_flops >= previous
+        previous = p.predicted_recompute_flops
+    assert previous > 0
+
+
+def test_infeasible_budget_reports_minimum_in_mib():
+    graph = synthetic.residual_net(1)
+    minimum = min_feasible_peak(graph, max_cuts=24)[0]
+    with pytest.raises(BudgetError, match=r"smallest feasible budget is [0-9.]+ MiB") as err:
+        plan(graph, minimum - 1, max_cuts=24)
+    assert err.value.minimum == minimum
+    assert err.value.budget == minimum - 1
+    validate_plan(graph, plan(graph, minimum, max_cuts=24))
+
+
+def test_plan_entry_point_options_and_errors():
+    graph = synthetic.residual_net(2)
+    p = plan(graph, "40MiB", planner="one_level", max_cuts=24)
+    assert all(not s.children for s in p.segments)
+    assert p.meta["planner"] == "optimal" and p.meta["nested"] is False
+    with pytest.raises(ConfigError, match="planner"):
+        plan(graph, 0.5, planner="greedy")
+    with pytest.raises(ConfigError, match="block_size"):
+        plan(graph, 0.5, block_size=0)
+    with pytest.raises(ConfigError, match="budget"):
+        plan(graph, 1.5)
+
+
+def test_block_size_keeps_one_cheapest_cut_per_block():
+    info = GraphInfo.of(synthetic.residual_net(2))
+    cuts = candidate_cuts(info, block_size=10, max_cuts=10**6)
+    interior = cuts[1:-1]
+    assert len(interior) == math.ceil((info.n - 1) / 10)
+    assert all(b - a <= 19 for a, b in zip(interior, interior[1:]))
+    p = plan(synthetic.residual_net(2), 0.4, block_size=10)
+    validate_plan(synthetic.residual_net(2), p)
+    assert set(p.cut_points()) <= set(cuts)
+
+
+def test_uniform_plan_recomputes_all_but_the_last_segment():
+    graph = synthetic.uniform_chain(16)
+    p = uniform_plan(graph, 4)
+    assert [(s.start, s.stop, s.recompute) for s in p.segments] == [
+        (0, 5, True),
+        (5, 9, True),
+        (9, 13, True),
+        (13, 17, False),
+    ]
+    assert p.predicted_recompute_flops == 12  # the first 12 ops once more
+    validate_plan(graph, p)
+    by_flops = uniform_plan(graph, 4, by="flops")
+    assert by_flops.cut_points() == p.cut_points()
+    with pytest.raises(ConfigError, match="segments"):
+        uniform_plan(graph, 0)
+
+
+def test_optimal_beats_uniform_at_uniform_peak():
+    graph = synthetic.residual_net(6)
+    u = uniform_plan(graph, 6)
+    o = optimal_plan(graph, u.predicted_peak_bytes, max_cuts=24)
+    assert o.predicted_peak_bytes <= u.predicted_peak_bytes
+    assert o.predicted_recompute_flops < u.predicted_recompute_flops
+
+
+def test_plan_prints_segments_and_predictions():
+    graph = synthetic.residual_net(2)
+    p = plan(graph, 0.3, max_cuts=24)
+    text = str(p)
+    assert "recompute" in text and "plain" in text
+    assert f"{p.predicted_peak_bytes / 2**20:.2f} MiB" in text
+    assert f"{100 * p.predicted_recompute_ratio:.1f}% of naive step FLOPs" in text
+    first = p.segments[0]
+    assert f"{first.first} .. {first.last}" in text
+    assert Plan.from_dict(p.to_dict()).segments == p.segments
+
+
+@pytest.mark.parametrize(
+    "budget, expected",
+    [
+        (0.5, 500),
+        (1.0, 1000),
+        (1, 1),
+        (1000, 1000),
+        ("1000", 1000),
+        ("0.25", 250),
+        ("1000B", 1000),
+        ("1e3B", 1000),
+        ("1KB", 1000),
+        ("0.5KiB", 512),
+    ],
+)
+def test_parse_budget_forms(budget, expected):
+    assert parse_budget(budget, 1000) == expected
+
+
+def test_parse_budget_sizes():
+    big = 2**40
+    assert parse_budget("64MiB", big) == 64 * 2**20
+    assert parse_budget("1.5GiB", big) == 3 * 2**29
+    assert parse_budget("500MB", big) == 500 * 10**6
+    assert parse_budget("2e6B", big) == 2 * 10**6
+
+
+@pytest.mark.parametrize(
+    "budget", [True, False, 0, -5, 0.0, -0.1, float("nan"), 1.5, 1001, "2KB", "abc", "", None, []]
+)
+def test_parse_budget_rejects(budget):
+    with pytest.raises(ConfigError) as err:
+        parse_budget(budget, 1000)
+    assert err.value.field == "budget"
+    assert "64MiB" in str(err.value)

@@ -1,0 +1,296 @@
+"""The memory simulator on hand-built graphs whose peaks are worked out by hand below.
+
+Conventions: `x` is a graph input (costs nothing, no gradient unless stated); every op saves
+its input unless stated; sizes in bytes. Each expected number is derived in a comment."""
+
+import pytest
+
+from hbp.analysis import naive_peak, simulate
+from hbp.analysis.liveness import GraphInfo
+from hbp.graph.ir import Graph, Node
+from hbp.planner.plan import Plan, Segment
+from hbp.planner.tree import validate_plan
+
+
+def x_input(nbytes=100, requires_grad=False):
+    return Node("x", "input", output_bytes=nbytes, is_input=True, requires_grad=requires_grad)
+
+
+def chain4():
+    """x -> a(10) -> b(20) -> c(30) -> d(40, output); FLOPs 1, 2, 3, 4."""
+    nodes = [x_input()]
+    for k, (name, size) in enumerate([("a", 10), ("b", 20), ("c", 30), ("d", 40)]):
+        prev = nodes[-1].name
+        nodes.append(Node(name, "op", (prev,), size, flops=k + 1, saved_inputs=(prev,)))
+    return Graph(nodes, outputs=["d"])
+
+
+def test_chain_naive():
+    # forward keeps everything: a 10, b 30, c 60, d 100; backward seeds grad d: 140;
+    # backward of d allocates grad c: 170 (the peak); then c and grad d go.
+    sim = simulate(chain4())
+    assert sim.peak_bytes == 170
+    assert (sim.peak_phase, sim.peak_at) == ("backward", "d")
+    assert sim.timeline == [
+        ("forward:a", 10),
+        ("forward:b", 30),
+        ("forward:c", 60),
+        ("forward:d", 100),
+        ("backward", 140),
+        ("backward:d", 170),
+        ("backward:c", 120),
+        ("backward:b", 80),
+        ("backward:a", 50),
+    ]
+    assert sim.recompute_flops == 0
+    assert sim.total_flops == 10 + 2 * 10  # forward + default backward (2x)
+    assert naive_peak(chain4()) == 170
+
+
+def test_chain_recompute_segment():
+    # [x a b] recomputed: a is freed after b (nothing saved); c saves b: forward c 50, d 90.
+    # backward: seed 130, d: +grad c 160 (peak), c: +grad b 110 -> 60; recompute a: 70,
+    # b: 90 (b itself unused in the segment: freed, a held by b) -> 70; b: +grad a 80; a: 50.
+    plan = [Segment(0, 3, True), Segment(3, 5)]
+    sim = simulate(chain4(), plan)
+    assert sim.peak_bytes == 160
+    assert sim.recompute_flops == 1 + 2
+    assert sim.timeline[:4] == [("forward:a", 10), ("forward:b", 30), ("forward:c", 50),
+                                ("forward:d", 90)]  # fmt: skip
+    assert sim.timeline[6:] == [
+        ("backward:c", 110),
+        ("recompute:a", 70),
+        ("recompute:b", 90),
+        ("backward:b", 80),
+        ("backward:a", 50),
+    ]
+
+
+def test_segment_input_saved_by_later_plain_node_stays():
+    # [x a] recomputed but b (plain) saves a: nothing is gained, the naive peak remains.
+    sim = simulate(chain4(), [Segment(0, 2, True), Segment(2, 5)])
+    assert sim.peak_bytes == 170
+    assert sim.recompute_flops == 1
+
+
+def diamond():
+    """x -> a(10) -> b(20, saves a); c(30) reads a and b (saves both); d(5, output) saves c."""
+    return Graph(
+        [
+            x_input(),
+            Node("a", "op", ("x",), 10, flops=1, saved_inputs=("x",)),
+            Node("b", "op", ("a",), 20, flops=2, saved_inputs=("a",)),
+            Node("c", "op", ("a", "b"), 30, flops=3, saved_inputs=("a", "b")),
+            Node("d", "op", ("c",), 5, flops=4, saved_inputs=("c",)),
+        ],
+        outputs=["d"],
+    )
+
+
+def test_diamond_with_skip():
+    # naive: forward 10, 30, 60, 65; seed 70; d: +grad c 100 (peak).
+    assert naive_peak(diamond()) == 100
+    # [b c] recomputed: a is its input (held), b freed after c: forward 10, 30, 60 -> 40, d 45.
+    # backward: seed 50, d: +grad c 80 -> 45; recompute b 65, c 95 (peak) -> 65;
+    # c: +grad a +grad b 95; b: grad a exists (accumulation is free) 45.
+    sim = simulate(diamond(), [Segment(0, 2), Segment(2, 4, True), Segment(4, 5)])
+    assert sim.peak_bytes == 95
+    assert sim.recompute_flops == 2 + 3
+    assert ("recompute:c", 95) in sim.timeline
+    assert ("backward:c", 95) in sim.timeline
+    assert ("backward:b", 45) in sim.timeline
+
+
+def test_view_keeps_its_base_alive():
+    # v = view(a) (no bytes) is saved by b: a's 10 bytes live until b's backward.
+    # forward a 10, v 10, b 30; seed 50; b: grad v (0 bytes) 50 -> a freed, grad b freed: 20;
+    # v: +grad a 30; a: 30.
+    g = Graph(
+        [
+            x_input(),
+            Node("a", "op", ("x",), 10, saved_inputs=("x",)),
+            Node("v", "view", ("a",), 0, alias_of="a"),
+            Node("b", "op", ("v",), 20, saved_inputs=("v",)),
+        ],
+        outputs=["b"],
+    )
+    sim = simulate(g)
+    assert sim.peak_bytes == 50
+    assert sim.timeline == [
+        ("forward:a", 10),
+        ("forward:v", 10),
+        ("forward:b", 30),
+        ("backward", 50),
+        ("backward:b", 50),
+        ("backward:v", 30),
+        ("backward:a", 30),
+    ]
+
+
+def test_in_place_result_shares_storage():
+    # r = relu_(a) saves its output, which is a's storage: counted once.
+    # forward a 10, r 10, b 30; seed 50; b: 50; r: +grad a 40 -> a freed 30; a: 30.
+    g = Graph(
+        [
+            x_input(),
+            Node("a", "op", ("x",), 10, saved_inputs=("x",)),
+            Node("r", "relu_", ("a",), 0, alias_of="a", saves_output=True),
+            Node("b", "op", ("r",), 20),
+        ],
+        outputs=["b"],
+    )
+    sim = simulate(g)
+    assert sim.peak_bytes == 50
+    assert ("backward:r", 40) in sim.timeline
+
+
+def test_parameter_and_input_gradients_are_kept():
+    # a has 7 bytes of parameter gradients, b 3; x requires grad (100 bytes).
+    # forward a 10, b 30; seed 50; b: +grad a 10 +param 3 = 63 -> 33; a: +grad x 100
+    # +param 7 = 140 (peak) -> grad a freed: 130.
+    g = Graph(
+        [
+            x_input(requires_grad=True),
+            Node("a", "op", ("x",), 10, saved_inputs=("x",), param_grad_bytes=7),
+            Node("b", "op", ("a",), 20, saved_inputs=("a",), param_grad_bytes=3),
+        ],
+        outputs=["b"],
+    )
+    sim = simulate(g)
+    assert sim.timeline[-2:] == [("backward:b", 63), ("backward:a", 140)]
+    assert sim.peak_bytes == 140
+
+
+def test_saved_extra_bytes_and_no_grad_nodes():
+    # a saves 4 extra bytes (e.g. a dropout mask) only when it has a backward; m does not
+    # require grad (a mask computed from x): it saves nothing, has no gradient.
+    g = Graph(
+        [
+            x_input(),
+            Node("m", "op", ("x",), 6, requires_grad=False, saved_inputs=("x",)),
+            Node("a", "op", ("x", "m"), 10, saved_inputs=("m",), saved_extra_bytes=4),
+            Node("b", "op", ("a",), 20, saved_inputs=("a",)),
+        ],
+        outputs=["b"],
+    )
+    # forward m 6; a 6+10+4 = 20 (m held by a); b 40; seed 60; b: +grad a 70 -> a and
+    # grad b go: 40; a: no gradient for x or m: 40.
+    sim = simulate(g)
+    assert sim.peak_bytes == 70
+    assert sim.timeline[1] == ("forward:a", 20)
+    assert sim.timeline[-1] == ("backward:a", 40)
+
+
+def chain6():
+    """x -> n1 .. n6 (sizes 10 .. 60, FLOPs 1 .. 6, output n6)."""
+    nodes = [x_input()]
+    for i in range(1, 7):
+        prev = nodes[-1].name
+        nodes.append(Node(f"n{i}", "op", (prev,), 10 * i, flops=i, saved_inputs=(prev,)))
+    return Graph(nodes, outputs=["n6"])
+
+
+def test_nested_plan_timeline():
+    # [x n1 n2 n3] recomputed with children [[x n1] recomputed, [n2 n3] plain], then plain.
+    # forward: n1 10, n2 30 -> 20, n3 50 -> 30, n4 70, n5 120, n6 180; seed 240;
+    # n6: +grad n5 290 (peak) -> 180; n5: 220 -> 130; n4: 160 -> 90 (n6 + grad n3).
+    # recompute of the outer segment: enter the inner one (holds x), n1 100, n2 120, n3 150
+    # (unused: freed) -> 120; n3: +grad n2 140 -> 90; n2: +grad n1 100 -> 70;
+    # recompute of the inner one: n1 80 -> 70; n1: 70.
+    plan = [
+        Segment(0, 4, True, [Segment(0, 2, True), Segment(2, 4)]),
+        Segment(4, 7),
+    ]
+    sim = simulate(chain6(), plan)
+    assert sim.peak_bytes == 290
+    assert sim.recompute_flops == (1 + 2 + 3) + 1
+    assert sim.timeline[10:] == [
+        ("recompute:n1", 100),
+        ("recompute:n2", 120),
+        ("recompute:n3", 150),
+        ("backward:n3", 140),
+        ("backward:n2", 100),
+        ("recompute:n1", 80),
+        ("backward:n1", 70),
+    ]
+    validate_plan(chain6(), Plan(plan, budget_bytes=290, predicted_peak_bytes=290))
+
+
+def test_recompute_pass_stops_after_last_save_event():
+    # b saves nothing (like an add): the recompute of [x a b] stops after a, as
+    # torch.utils.checkpoint's non-reentrant early stop does; b is not recomputed.
+    g = Graph(
+        [
+            x_input(),
+            Node("a", "op", ("x",), 10, flops=1, saved_inputs=("x",)),
+            Node("b", "add", ("a",), 20, flops=2),
+            Node("c", "op", ("b",), 30, flops=3, saved_inputs=("b",)),
+        ],
+        outputs=["c"],
+    )
+    # forward a 10, b 30 -> 20, c 50; seed 80; c: +grad b 100 (peak) -> 50;
+    # recompute a: 60 (then dropped at the stop: b will not run) -> 50; b: +grad a 60; a: 40.
+    sim = simulate(g, [Segment(0, 3, True), Segment(3, 4)])
+    assert sim.peak_bytes == 100
+    assert sim.recompute_flops == 1
+    assert sim.timeline[-3:] == [("recompute:a", 60), ("backward:b", 60), ("backward:a", 40)]
+
+
+def test_capture_refinements_in_meta():
+    # forward scratch of b (5), backward scratch of c (7), a's gradient is 3 bytes, and c
+    # passes its output gradient through to b (no new allocation).
+    g = chain4()
+    g.meta.update(
+        forward_transient_bytes={"b": 5},
+        backward_transient_bytes={"c": 7},
+        grad_bytes={"a": 3},
+        grad_passthrough={"c": ("b",)},
+    )
+    # forward a 10, b 30 + 5, c 60, d 100; seed 140; d: +grad c 170 -> 100;
+    # c: grad b is grad c itself (30, shared), +7 scratch: 107 -> b freed, grad c kept: 80;
+    # b: +grad a (3) 83 -> a freed, the shared gradient freed: 43.
+    sim = simulate(g)
+    assert sim.timeline[1] == ("forward:b", 35)
+    assert sim.timeline[6:] == [("backward:c", 107), ("backward:b", 83), ("backward:a", 43)]
+
+
+def test_plan_object_and_bare_segments_agree():
+    plan = Plan([Segment(0, 3, True), Segment(3, 5)])
+    assert simulate(chain4(), plan).timeline == simulate(chain4(), plan.segments).timeline
+    assert simulate(chain4(), [Segment(0, 5)]).timeline == simulate(chain4()).timeline
+
+
+@pytest.mark.parametrize(
+    "segments, message",
+    [
+        ([Segment(0, 2), Segment(3, 5)], "must start at 2"),
+        ([Segment(0, 4)], "segments end at 4, expected 5"),
+        ([Segment(0, 5, False, [Segment(0, 5)])], "has children but is not recomputed"),
+        ([Segment(0, 5, True, [Segment(0, 2)])], "expected 5"),
+    ],
+)
+def test_bad_tilings_are_rejected(segments, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(chain4(), segments)
+
+
+def test_bad_graphs_are_rejected():
+    with pytest.raises(ValueError, match="not an earlier node"):
+        GraphInfo.of(Graph([Node("a", "op", ("b",)), Node("b", "op")]))
+    with pytest.raises(ValueError, match="duplicate node name"):
+        GraphInfo.of(Graph([Node("a", "op"), Node("a", "op")]))
+    with pytest.raises(ValueError, match="alias_of"):
+        GraphInfo.of(Graph([x_input(), Node("v", "view", (), alias_of="x")]))
+    with pytest.raises(ValueError, match="saves 'y'"):
+        GraphInfo.of(Graph([x_input(), Node("a", "op", ("x",), saved_inputs=("y",))]))
+
+
+def test_validate_plan_reports_budget_and_graph_mismatch():
+    plan = Plan([Segment(0, 3, True), Segment(3, 5)], budget_bytes=159)
+    with pytest.raises(ValueError, match="exceeds the budget"):
+        validate_plan(chain4(), plan)
+    plan = Plan([Segment(0, 3, True), Segment(3, 5)], budget_bytes=160, predicted_peak_bytes=1)
+    with pytest.raises(ValueError, match="another graph"):
+        validate_plan(chain4(), plan)
+    with pytest.raises(ValueError, match="only graph inputs"):
+        validate_plan(chain4(), Plan([Segment(0, 1, True), Segment(1, 5)]))
