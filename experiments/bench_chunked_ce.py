@@ -1,6 +1,6 @@
 """Peak memory and time of the LM head + cross-entropy: naive vs hbp.ops.chunked_cross_entropy.
 
-    python experiments/bench_chunked_ce.py [--quick] [--tokens 1024 4096] [--chunk-sizes 166 512]
+    python experiments/bench_chunked_ce.py [--quick] [--tokens 1024 4096] [--chunk-sizes 166 666]
 
 One fwd+bwd of the loss of `hidden [N, D] @ weight.T` (GPT-2 head: V=50257, D=768, float32,
 CPU, 2 threads) per measurement, with hidden and weight requiring grad:

@@ -52,7 +52,11 @@ def test_sizes_saved_tensors_and_parameter_gradients_follow_autograd():
     assert fc1.param_grad_bytes == (D * H + H) * F32
     assert fc2.param_grad_bytes == (H * D + D) * F32
     assert g.outputs == [fc2.name]
-    assert g.total_flops > 0 and all(n.backward_flops > 0 for n in (fc1, fc2))
+    assert fc1.backward_flops == 2 * fc1.flops  # grad of input and of weight: two matmuls
+    # A recompute pass that early-stops at a Linear never runs its matmul: the input it saves
+    # is packed before the op runs. Sigmoid-like ops save their output, after running.
+    assert g.meta["flops_after_last_save"][fc1.name] == fc1.flops
+    assert {fc1.name, act.name, drop.name, fc2.name} <= set(g.meta["output_after_last_save"])
 
 
 def test_norms_activations_and_inputs_without_grad():
@@ -76,6 +80,7 @@ def test_norms_activations_and_inputs_without_grad():
     assert frozen.param_grad_bytes == 0  # parameters without grad get no gradient
     assert frozen.saved_inputs == ()  # nothing to differentiate with respect to the weight
     assert sig.saves_output and sig.saved_inputs == ()  # sigmoid's backward uses its output
+    assert sig.name not in c.graph.meta["output_after_last_save"]
     assert norm.param_grad_bytes == 2 * D * F32
 
 

@@ -114,7 +114,7 @@ def test_public_function_default_chunk_and_int32_targets():
     want = reference(hidden, weight, b, target, label_smoothing=0.1)
     torch.testing.assert_close(got, want)
     assert default_chunk_size(15, 11) == 15  # small inputs: one chunk
-    assert default_chunk_size(10**6, 50257) == DEFAULT_CHUNK_BYTES // (4 * 50257) == 166
+    assert default_chunk_size(10**6, 50257) == DEFAULT_CHUNK_BYTES // (4 * 50257) == 333
     assert default_chunk_size(10**6, 10**9) == 1
 
 
@@ -194,8 +194,9 @@ def test_peak_memory_is_per_chunk_not_per_logits(strategy):
     chunk_bytes = chunk * vocab * 4
     assert naive >= 2 * logits_bytes  # naive keeps logits and log-softmax alive at once
     assert peak <= 0.2 * naive
-    # O(chunk * V): the gradients, at most three chunk-sized scratch tensors, O(N) stats.
-    assert peak <= grad_bytes + 3 * chunk_bytes + 64 * n
+    # O(chunk * V): the gradients, one chunk's float32 logits, O(N) row statistics
+    # (measured: 10.5 MiB = 2.5 MiB gradients + 8 MiB chunk + 40 KiB).
+    assert peak <= grad_bytes + 1.25 * chunk_bytes + 64 * n
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

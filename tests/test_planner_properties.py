@@ -11,7 +11,7 @@ from hbp.errors import BudgetError
 from hbp.graph import synthetic
 from hbp.planner import min_feasible_peak, optimal_plan, uniform_plan, validate_plan
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 graphs = st.builds(
     synthetic.random_dag,

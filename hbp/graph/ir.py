@@ -33,7 +33,9 @@ within the step), then frees what it saved and its output gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 
 @dataclass
@@ -119,3 +121,37 @@ class Graph:
     @property
     def total_flops(self) -> float:
         return float(sum(n.flops for n in self.nodes))
+
+    def to_dict(self) -> dict:
+        """Plain data (JSON-ready): nodes as dicts, outputs, meta."""
+        return {
+            "nodes": [asdict(n) for n in self.nodes],
+            "outputs": list(self.outputs),
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Graph:
+        names = {f.name for f in fields(Node)}
+        nodes = []
+        for raw in d["nodes"]:
+            kw = {k: v for k, v in raw.items() if k in names}
+            kw["inputs"] = tuple(kw.get("inputs", ()))
+            kw["saved_inputs"] = tuple(kw.get("saved_inputs", ()))
+            nodes.append(Node(**kw))
+        return cls(nodes, list(d.get("outputs", [])), dict(d.get("meta", {})))
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The graph as JSON text; also written to `path` if given."""
+        text = json.dumps(self.to_dict(), indent=1, default=str)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> Graph:
+        """A graph from JSON text or from the path of a file holding it."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            text = Path(source).read_text()
+        return cls.from_dict(json.loads(text))

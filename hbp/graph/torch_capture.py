@@ -21,6 +21,9 @@ Two refinements over plain `torch.fx.symbolic_trace`:
   `torch.zeros`, ...) are recorded as graph nodes even when all their arguments are concrete,
   so random draws are not baked into the graph as constants.
 - None-valued and scalar (bool/int/float/str) keyword arguments are `concrete_args`.
+Then in-place ops are made out of place where no other view of the mutated storage is read
+afterwards (`nn.ReLU(inplace=True)` after BatchNorm, `x.add_(y)`, ...): same values, and an
+op the IR and the executor can cut before without cloning (`_functionalize_inplace`).
 
 Sizes come from running every node on fake tensors (`FakeTensorMode`: real shapes, dtypes
 and devices, no memory; the device is kept, so device-dependent kernels and decompositions
@@ -34,7 +37,12 @@ each node, on fake inputs whose `requires_grad` follows the real run:
   the node's own output -> `saves_output`, a parameter/buffer/constant -> nothing (they are
   not activations), anything else -> `saved_extra_bytes` (dropout masks, norm statistics,
   attention logsumexp, ...);
-- `param_grad_bytes`: each trainable parameter charged to its last forward user.
+- `param_grad_bytes`: each trainable parameter charged to its last forward user;
+- the node's backward is run too (on detached copies of its inputs), for `backward_flops` and
+  for what the IR's fields cannot hold, recorded in `graph.meta` (see `_record_transients`):
+  scratch bytes a node holds only while its forward or backward runs, gradients whose size
+  differs from the output's storage (views), inputs whose gradient is the output's gradient
+  itself (add, views). With these the simulator matches the tracker-measured peak.
 
 Where op-level capture fails (data-dependent control flow, ops without fake support), hbp
 falls back to module-level cut points: the sequence of (top-level) child module calls,
@@ -614,6 +622,8 @@ class _FakeLiveBytes(TorchDispatchMode):
         self.known = set(known)
         self.live = 0
         self.peak = 0
+        self.ops = 0  # ops seen so far
+        self.created: dict[int, int] = {}  # storage key -> index of the op that made it
         self._tensors: dict[int, list[int]] = {}  # storage key -> [bytes, live tensors]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -630,9 +640,11 @@ class _FakeLiveBytes(TorchDispatchMode):
                     continue
                 entry = self._tensors[key] = [t.untyped_storage().nbytes(), 0]
                 self.live += entry[0]
+                self.created.setdefault(key, self.ops)
             entry[1] += 1
             weakref.finalize(t, self._release, key)
         self.peak = max(self.peak, self.live)
+        self.ops += 1
         return out
 
     def _release(self, key: int) -> None:
@@ -660,6 +672,10 @@ class _Profile:
     backward_flops: float = 0.0
     grad_passthrough: list[str] = field(default_factory=list)  # inputs given the output's grad
     value_bytes: int = 0  # numel x element size of the output tensors (their gradients' size)
+    # Non-reentrant checkpoint's early stop ends a recompute at the last saved tensor: what
+    # of this node would then not run (inputs are saved before an op runs, outputs after).
+    flops_after_last_save: float = 0.0
+    output_after_last_save: bool = False
 
 
 def _leaf(x: Any) -> Any:
@@ -697,8 +713,12 @@ def _profile_call(
     leaves = tree_map(_leaf, (args, kwargs))
     saved: list[torch.Tensor] = []
 
+    counters: dict[str, Any] = {}
+    last_save = [0.0, 0]  # FLOPs and ops done when the last tensor was saved
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.append(t)
+        last_save[:] = [counters["flops"].get_total_flops(), counters["memory"].ops]
         return t
 
     def forward(call_args, call_kwargs):
@@ -707,6 +727,7 @@ def _profile_call(
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         with hooks, flop_counter_mode() as fc, _RealStorageSizes() as real:
             with _FakeLiveBytes(known) as memory:
+                counters.update(flops=fc, memory=memory)
                 out = run(*call_args, **call_kwargs)
         return out, fc, real, memory
 
@@ -743,6 +764,10 @@ def _profile_call(
             saves_output = True
         else:
             extra[key] = t.untyped_storage().nbytes()
+    after_last_save = bool(saved) and any(
+        memory.created.get(key, -1) >= last_save[1] for key in output_keys
+    )
+    flops_after_last_save = float(fc.get_total_flops()) - last_save[0] if saved else 0.0
     saved.clear()
     profile = _Profile(
         output=output,
@@ -755,6 +780,8 @@ def _profile_call(
         flops=float(fc.get_total_flops()),
         mutated_inputs=mutated,
         forward_peak_bytes=memory.peak,
+        flops_after_last_save=flops_after_last_save,
+        output_after_last_save=after_last_save,
         value_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
     )
     if detached and not mutated and profile.requires_grad:
@@ -1037,6 +1064,10 @@ def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
       forward / backward runs, beyond what the event accounting already charges there: scratch
       inside composite ops (chunked logits, a leaf module's intermediates; in backward,
       intermediate gradients such as cross-entropy's log-softmax gradient).
+    - "flops_after_last_save" / "output_after_last_save": what of a node does not run when a
+      recompute pass early-stops at it (torch saves an op's inputs before the op runs and its
+      outputs after): the FLOPs after its last saved tensor, and whether its output storage
+      is allocated after it (a Linear that saves only its input: the matmul and its output).
     """
     grad_bytes = {}
     for node in graph.nodes:
@@ -1070,6 +1101,14 @@ def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
     }
     graph.meta["forward_transient_bytes"] = forward
     graph.meta["backward_transient_bytes"] = backward
+    graph.meta["flops_after_last_save"] = {
+        name: prof.flops_after_last_save
+        for name, prof in profiles.items()
+        if prof.flops_after_last_save
+    }
+    graph.meta["output_after_last_save"] = [
+        name for name, prof in profiles.items() if prof.output_after_last_save
+    ]
 
 
 def _input_node(name: str, value: Any, owners: dict[int, str], persistent_keys: set[int]) -> Node:

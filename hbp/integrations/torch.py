@@ -226,6 +226,13 @@ class HCModule(nn.Module):
                 f"forward hooks on {', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''} "
                 "run again when HCModule recomputes their modules during backward",
             )
+        root = self.module
+        if captured.granularity != MODULE and (root._forward_hooks or root._forward_pre_hooks):
+            self._warn_once(
+                "root-hooks",
+                f"forward hooks registered on the wrapped {type(root).__name__} itself do not "
+                "run: HCModule executes its captured graph; register them on the HCModule",
+            )
         placeholders = {n.name for n in captured.graph.nodes if n.is_input}
         for block in getattr(executor, "blocks", []):
             if any(block.inputs[i].name in placeholders for i in block.cloned):

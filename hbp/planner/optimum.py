@@ -62,9 +62,19 @@ class Optimum:
 
 
 class Schedule:
-    """The rematerialisation problem of one graph: stages, values, and memory terms."""
+    """The rematerialisation problem of one graph: values, stages, packs and memory terms.
 
-    def __init__(self, graph: Graph, info: GraphInfo | None = None):
+    `mode="node"` (default): a backward's saved values must be those its own node packed when
+    it last ran, held in memory since (what torch executors can do: checkpointing re-runs the
+    op that saved a tensor; selective checkpointing decides per op). `mode="tensor"`
+    (Checkmate's model): any copy of a saved value will do, so a single value can be
+    recomputed for a backward without re-running its consumer.
+    """
+
+    def __init__(self, graph: Graph, info: GraphInfo | None = None, mode: str = "node"):
+        if mode not in ("node", "tensor"):
+            raise ValueError(f"mode={mode!r} is not accepted: expected 'node' or 'tensor'")
+        self.mode = mode
         info = self.info = info or GraphInfo.of(graph)
         n = info.n
         model = CostModel(info, [0, n])
@@ -72,35 +82,32 @@ class Schedule:
         root = info.root
         out_root = np.zeros(n, dtype=bool)
         out_root[root[info.is_output]] = True
-        # forward values: non-input storage roots
+        # forward values: non-input storage roots; aliases fold into their root
         self.nodes = [j for j in range(n) if not info.is_input[j] and root[j] == j]
         col = {j: k for k, j in enumerate(self.nodes)}
         N = self.N = len(self.nodes)
-        self.size = np.array([int(info.storage_bytes[j]) for j in self.nodes], dtype=float)
+        self.size = np.array([float(info.storage_bytes[j]) for j in self.nodes])
         self.is_out = np.array([bool(out_root[j]) for j in self.nodes])
-        self.flops = np.zeros(N)
+        self.flops = np.array([float(info.flops[j]) for j in self.nodes])
         self.transient = np.zeros(N)
-        self.extra = np.zeros(N)
-        for j in range(n):
-            r = int(root[j])
-            if r in col and not info.is_input[j]:
-                if j == r:
-                    self.flops[col[r]] += info.flops[j]
-                self.transient[col[r]] = max(self.transient[col[r]], info.forward_transient[j])
-                self.extra[col[r]] += info.extra_bytes[j]
-        self.deps: list[list[int]] = []
-        for j in self.nodes:
-            members = [m for m in range(n) if root[m] == j]
-            ds = {col[int(root[v])] for m in members for v in info.inputs[m] if int(root[v]) in col}
-            self.deps.append(sorted(ds - {col[j]}))
-        # which forward value carries each node's saves (alias saves fold into the root)
+        self.deps: list[list[int]] = [[] for _ in range(N)]
+        for m in range(n):
+            r = int(root[m])
+            if r not in col or info.is_input[m]:
+                continue
+            k = col[r]
+            self.transient[k] = max(self.transient[k], info.forward_transient[m])
+            ds = {col[int(root[v])] for v in info.inputs[m] if int(root[v]) in col} - {k}
+            self.deps[k] = sorted(set(self.deps[k]) | ds)
         self.out_made = np.cumsum(np.where(self.is_out, self.size, 0.0))
-        # stages: (label, kind, index): kind "f" = forward of value q, "b" = backward of node j
         self.stages: list[tuple[str, str, int]] = [
             (f"forward:{info.names[j]}", "f", k) for k, j in enumerate(self.nodes)
         ]
+        # packs: what each backward needs from its node's run (saved values, extras)
+        self.pack_run: dict[int, int] = {}  # backward node -> the forward value whose run packs
         self.saved_of: dict[int, list[int]] = {}
-        self.extra_of: dict[int, int] = {}
+        self.extra_of: dict[int, float] = {}
+        self.stage_of: dict[int, int] = {}
         for j in range(n - 1, -1, -1):
             if not info.has_backward[j]:
                 continue
@@ -108,39 +115,47 @@ class Schedule:
             if info.saves_output[j]:
                 saved.add(int(root[j]))
             self.saved_of[j] = sorted(col[r] for r in saved if r in col)
-            if info.extra_bytes[j] and int(root[j]) in col:
-                self.extra_of[j] = col[int(root[j])]
+            if int(root[j]) in col:
+                self.pack_run[j] = col[int(root[j])]
+                self.extra_of[j] = float(info.extra_bytes[j])
+            self.stage_of[j] = len(self.stages)
             self.stages.append((f"backward:{info.names[j]}", "b", j))
         self.T = len(self.stages)
+        self.packs = [j for j in self.pack_run if self.saved_of[j] or self.extra_of[j]]
 
-    # -- the schedule's structure ---------------------------------------------------------
     def ops(self, t: int) -> list[int]:
-        """Forward values that may be computed in stage t, in order."""
-        label, kind, q = self.stages[t]
+        """Forward values that may be computed in stage t, in order (a recomputed output is
+        a copy made only for what its node packs)."""
+        _, kind, q = self.stages[t]
         return list(range(q + 1 if kind == "f" else self.N))
 
     def main_uses(self, t: int) -> set[int]:
-        label, kind, j = self.stages[t]
-        return set(self.saved_of.get(j, [])) if kind == "b" else set()
+        _, kind, j = self.stages[t]
+        return {v for v in self.saved_of.get(j, []) if not self.is_out[v]} if kind == "b" else set()
+
+    def main_pack(self, t: int) -> int | None:
+        _, kind, j = self.stages[t]
+        return j if kind == "b" and j in self.packs else None
 
     def base(self, t: int, op: int | None) -> float:
         """Plan-independent bytes at op `op` of stage t (None: the stage's main op)."""
-        label, kind, idx = self.stages[t]
+        _, kind, idx = self.stages[t]
         if kind == "f":
-            q = idx
-            made = self.out_made[q] if op == q else (self.out_made[q - 1] if q else 0.0)
+            made = self.out_made[idx] if op == idx else (self.out_made[idx - 1] if idx else 0.0)
             return float(made)
-        j = idx
-        return float(self.pos_bwd[j] if op is None else self.pos_after[j + 1])
+        return float(self.pos_bwd[idx] if op is None else self.pos_after[idx + 1])
 
-    def available_from(self, i: int) -> int:
-        """First stage in which value i may be kept (after its forward stage)."""
-        return i + 1
+    def copy_bytes(self, t: int, k: int) -> float:
+        """A recomputed graph output is a copy (the original lives to the end of the step)."""
+        _, kind, q = self.stages[t]
+        return float(self.size[k]) if self.is_out[k] and not (kind == "f" and k == q) else 0.0
 
-    # -- the integer programme --------------------------------------------------------------
-    def solve(
-        self, budget_bytes: int, *, time_limit: float = 60.0, relax: bool = True
-    ) -> Optimum:
+    def available(self, t: int, v: int) -> bool:
+        """Graph outputs are always available once made (their forward stage is v)."""
+        return bool(self.is_out[v]) and t > v
+
+    # -- the integer programme ----------------------------------------------------------------
+    def solve(self, budget_bytes: int, *, time_limit: float = 60.0, relax: bool = True) -> Optimum:
         """Least recompute FLOPs with every op's memory <= budget_bytes."""
         prog = _Program(self, float(budget_bytes))
         t0 = time.perf_counter()
@@ -154,95 +169,88 @@ class Schedule:
             if lres.status == 0:
                 lp = max(0.0, float(lres.fun) - prog.constant)
         status = {0: "optimal", 2: "infeasible"}.get(res.status, str(res.message))
-        value = max(0.0, float(res.fun) - prog.constant) if res.status == 0 else None
+        value = None
+        if res.status == 0:  # the objective is a FLOP sum: drop the solver's round-off
+            value = max(0.0, float(res.fun) - prog.constant)
+            value = 0.0 if value <= 1e-9 * max(1.0, prog.constant) else value
         recomputed = prog.recomputations(res.x) if res.status == 0 else []
         return Optimum(
             int(budget_bytes), status, value, lp, solve_time, lp_time, prog.nvar, recomputed
         )
 
-    # -- evaluating a given schedule (for brute force and tests) ------------------------------
+    # -- a given schedule (brute force, tests) ------------------------------------------------
     def evaluate(self, R: dict[tuple[int, int], int]) -> tuple[float, float] | None:
-        """(peak bytes, recompute FLOPs) of the schedule computing what R says (stage, value)
-        -> 1, keeping only what is needed later and freeing at last use; None if a
-        computation lacks an input or a backward lacks a saved value."""
+        """(peak bytes, recompute FLOPs) of the schedule that computes value i in stage t for
+        every R[(t, i)] = 1 (plus each forward stage's own value), packs each backward's
+        needs at its node's last run before it, keeps only what is needed later and frees at
+        last use; None if something needed is missing."""
         T, N = self.T, self.N
         comp = [[bool(R.get((t, i), 0)) for i in range(N)] for t in range(T)]
         for t, (_, kind, q) in enumerate(self.stages):
             if kind == "f":
                 comp[t][q] = True
-        # uses[t][v]: stage t reads v from memory (not computed before the use in t)
-        uses = [[False] * N for _ in range(T)]
+        hold = [[False] * N for _ in range(T)]  # must be in memory at the start of t
+        uses = [[False] * N for _ in range(T)]  # read from memory in t
+        pack_made = [set() for _ in range(T)]
+        pack_kept = [set() for _ in range(T + 1)]
         for t in range(T):
             for k in self.ops(t):
                 if comp[t][k]:
                     for d in self.deps[k]:
-                        if not self.is_out[d] or self._out_kept(t, d):
+                        if not self.available(t, d):
                             uses[t][d] |= not comp[t][d]
             for v in self.main_uses(t):
                 uses[t][v] |= not comp[t][v]
+            j = self.main_pack(t)
+            if j is not None:
+                src = max(s for s in range(t + 1) if comp[s][self.pack_run[j]])
+                pack_made[src].add(j)
+                for s in range(src + 1, t + 1):
+                    pack_kept[s].add(j)
+                    if self.mode == "node":
+                        for v in self.saved_of[j]:
+                            if not self.is_out[v]:
+                                hold[s][v] = True
         S = [[False] * N for _ in range(T + 1)]
         for v in range(N):
             need = False
             for t in range(T - 1, -1, -1):
-                # kept at the start of t iff used in t from memory, or needed later and not
-                # (re)made in t
-                need = uses[t][v] or (need and not comp[t][v])
-                S[t][v] = need
-        # saved extras: made by the last run of the node before the backward that needs them
-        # (that run saves), kept from then to that backward
-        save = [[False] * N for _ in range(T)]
-        X = [[False] * N for _ in range(T + 1)]
-        for b in range(T):
-            for v in self._main_extra(b):
-                src = max(t for t in range(b + 1) if comp[t][v])
-                save[src][v] = True
-                for t in range(src + 1, b + 1):
-                    X[t][v] = True
+                need = hold[t][v] or uses[t][v] or (need and not comp[t][v])
+                S[t][v] = need and not self.is_out[v]
         peak, cost = 0.0, -float(self.flops.sum())
         for t in range(T):
-            have = [S[t][v] or False for v in range(N)]
+            have = list(S[t])
             for k in self.ops(t):
                 if comp[t][k]:
-                    for d in self.deps[k]:
-                        if not (have[d] or self._out_kept(t, d)):
-                            return None
+                    if any(not (have[d] or self.available(t, d)) for d in self.deps[k]):
+                        return None
                     have[k] = True
-            for v in self.main_uses(t):
-                if not (S[t][v] or comp[t][v] or self._out_kept(t, v)):
-                    return None
-            _, kind, j = self.stages[t]
-            if kind == "b" and j in self.extra_of:
-                x = self.extra_of[j]
-                if not (X[t][x] or save[t][x]):
-                    return None
-            mem = sum(self.size[v] for v in range(N) if S[t][v] and not self.is_out[v])
-            mem += sum(self.extra[v] for v in range(N) if X[t][v])
+            if any(not have[v] for v in self.main_uses(t)):
+                return None
+            main = self.main_uses(t)
+            mem = sum(self.size[v] for v in range(N) if S[t][v])
+            mem += sum(self.extra_of[j] for j in pack_kept[t])
             ops = [k for k in self.ops(t) if comp[t][k]]
             for pos, k in enumerate(ops):
                 cost += self.flops[k]
-                mem += (0.0 if self.is_out[k] else self.size[k]) + self.extra[k] * save[t][k]
-                copy = self.size[k] if self.is_out[k] and not (kind == "f" and k == j) else 0.0
-                peak = max(peak, self.base(t, k) + mem + self.transient[k] + copy)
-                later = set(ops[pos + 1 :])
+                made = [j for j in pack_made[t] if self.pack_run[j] == k]
+                mem += (0.0 if self.is_out[k] else self.size[k]) + sum(
+                    self.extra_of[j] for j in made
+                )
+                peak = max(peak, self.base(t, k) + mem + self.transient[k] + self.copy_bytes(t, k))
+                later = ops[pos + 1 :]
                 for v in [*self.deps[k], k]:
-                    if self.is_out[v] or v in self.main_uses(t) or S[t + 1][v]:
+                    if self.is_out[v] or v in main or S[t + 1][v]:
                         continue
                     if any(v in self.deps[u] for u in later):
                         continue
-                    if v == k or comp[t][v] or S[t][v]:
-                        mem -= self.size[v]
-                if save[t][k] and not (X[t + 1][k] or k in self._main_extra(t)):
-                    mem -= self.extra[k]
-            if kind == "b":
+                    mem -= self.size[v]
+                for j in made:
+                    if j not in pack_kept[t + 1] and j != self.main_pack(t):
+                        mem -= self.extra_of[j]
+            if self.stages[t][1] == "b":
                 peak = max(peak, self.base(t, None) + mem)
         return peak, cost
-
-    def _out_kept(self, t: int, v: int) -> bool:
-        return bool(self.is_out[v]) and t >= self.available_from(v)
-
-    def _main_extra(self, t: int) -> set[int]:
-        _, kind, j = self.stages[t]
-        return {self.extra_of[j]} if kind == "b" and j in self.extra_of else set()
 
 
 class _Program:
@@ -261,108 +269,101 @@ class _Program:
             cost.append(c)
             return self.var[key]
 
+        runs_of: dict[int, list[int]] = {}
+        for j in sch.packs:
+            runs_of.setdefault(sch.pack_run[j], []).append(j)
         for t in range(T):
             _, kind, q = sch.stages[t]
             for i in sch.ops(t):
                 forced = kind == "f" and i == q
                 new(("R", t, i), 1.0 if forced else 0.0, 1.0, sch.flops[i])
-                if sch.extra[i]:
-                    new(("W", t, i))  # this run saves (allocates the saved extras)
+                for j in runs_of.get(i, []):
+                    if t <= sch.stage_of[j]:
+                        new(("W", t, j))  # this run of i packs for j's backward
         for t in range(T + 1):
             for v in range(N):
-                hi = 1.0 if t >= sch.available_from(v) else 0.0
                 if not sch.is_out[v]:
-                    new(("S", t, v), 0.0, hi)
-                if sch.extra[v]:
-                    new(("X", t, v), 0.0, hi)
+                    new(("S", t, v), 0.0, 1.0 if t > v else 0.0)
+            for j in sch.packs:
+                new(("Z", t, j), 0.0, 1.0 if sch.pack_run[j] < t <= sch.stage_of[j] else 0.0)
         rows: list[tuple[dict[int, float], float, float]] = []
+        V = self.var
 
         def R(t, i):
-            return self.var.get(("R", t, i))
+            return V.get(("R", t, i))
 
-        def W(t, i):
-            return self.var.get(("W", t, i))
+        def W(t, j):
+            return V.get(("W", t, j))
+
+        def add(row, lo, hi):
+            rows.append(({k: c for k, c in row.items() if k is not None}, lo, hi))
 
         for t in range(T):
             ops = sch.ops(t)
             main = sch.main_uses(t)
-            kind, q = sch.stages[t][1], sch.stages[t][2]
-            # inputs of a computation: kept, or computed earlier in the stage
-            for k in ops:
+            mp = sch.main_pack(t)
+            for k in ops:  # inputs: kept, or computed earlier in the stage
                 for d in sch.deps[k]:
-                    if sch.is_out[d]:
-                        if not sch._out_kept(t, d):
-                            rows.append(({R(t, k): 1.0, R(t, d): -1.0}, -np.inf, 0.0))
+                    if sch.available(t, d):
                         continue
-                    rows.append(
-                        ({R(t, k): 1.0, R(t, d): -1.0, self.var["S", t, d]: -1.0}, -np.inf, 0.0)
-                    )
-            for v in main:  # what the backward saved
-                if sch.is_out[v]:
-                    continue
-                row = {self.var["S", t, v]: 1.0}
-                if R(t, v) is not None:
-                    row[R(t, v)] = 1.0
-                rows.append((row, 1.0, np.inf))
-            for x in sch._main_extra(t):
-                row = {self.var["X", t, x]: 1.0}
-                if W(t, x) is not None:
-                    row[W(t, x)] = 1.0
-                rows.append((row, 1.0, np.inf))
-            for k in ops:
-                if W(t, k) is not None:
-                    rows.append(({W(t, k): 1.0, R(t, k): -1.0}, -np.inf, 0.0))
-            # keeping: S[t+1, v] <= S[t, v] + R[t, v]
-            for v in range(N):
-                kinds = ([] if sch.is_out[v] else ["S"]) + (["X"] if sch.extra[v] else [])
-                for kind in kinds:
-                    row = {self.var[kind, t + 1, v]: 1.0, self.var[kind, t, v]: -1.0}
-                    made = R(t, v) if kind == "S" else W(t, v)
-                    if made is not None:
-                        row[made] = -1.0
-                    rows.append((row, -np.inf, 0.0))
-            # frees after op k and memory at every op
-            base = {}
+                    if sch.is_out[d]:
+                        add({R(t, k): 1.0, R(t, d): -1.0}, -np.inf, 0.0)
+                    else:
+                        add({R(t, k): 1.0, R(t, d): -1.0, V["S", t, d]: -1.0}, -np.inf, 0.0)
+                for j in runs_of.get(k, []):
+                    add({W(t, j): 1.0, R(t, k): -1.0}, -np.inf, 0.0)
+            for v in main:  # the backward's saved values are present
+                add({V["S", t, v]: 1.0, R(t, v): 1.0}, 1.0, np.inf)
+            if mp is not None:  # ... and its node's pack (extras, and in node mode the values)
+                add({V["Z", t, mp]: 1.0, W(t, mp): 1.0}, 1.0, np.inf)
+            for v in range(N):  # keeping
+                if not sch.is_out[v]:
+                    add({V["S", t + 1, v]: 1.0, V["S", t, v]: -1.0, R(t, v): -1.0}, -np.inf, 0.0)
+            for j in sch.packs:
+                add({V["Z", t + 1, j]: 1.0, V["Z", t, j]: -1.0, W(t, j): -1.0}, -np.inf, 0.0)
+                if sch.mode == "node":
+                    for v in sch.saved_of[j]:
+                        if not sch.is_out[v]:
+                            add({V["Z", t, j]: 1.0, V["S", t, v]: -1.0}, -np.inf, 0.0)
+            # memory at every op, and frees after each
+            running: dict[int, float] = {}
             for v in range(N):
                 if not sch.is_out[v]:
-                    base[self.var["S", t, v]] = sch.size[v]
-                if sch.extra[v]:
-                    base[self.var["X", t, v]] = sch.extra[v]
-            running = dict(base)
+                    running[V["S", t, v]] = sch.size[v]
+            for j in sch.packs:
+                running[V["Z", t, j]] = sch.extra_of[j]
             for pos, k in enumerate(ops):
                 rk = R(t, k)
-                copy = sch.is_out[k] and not (kind == "f" and k == q)
                 if not sch.is_out[k]:
                     running[rk] = running.get(rk, 0.0) + sch.size[k]
-                if W(t, k) is not None:
-                    running[W(t, k)] = running.get(W(t, k), 0.0) + sch.extra[k]
+                for j in runs_of.get(k, []):
+                    if W(t, j) is not None:
+                        running[W(t, j)] = running.get(W(t, j), 0.0) + sch.extra_of[j]
                 at_op = dict(running)
-                # scratch, and a recomputed output's copy (the original lives on): op only
-                at_op[rk] = at_op.get(rk, 0.0) + sch.transient[k] + (sch.size[k] if copy else 0.0)
-                rows.append((at_op, -np.inf, budget - sch.base(t, k)))
+                at_op[rk] = at_op.get(rk, 0.0) + sch.transient[k] + sch.copy_bytes(t, k)
+                add(at_op, -np.inf, budget - sch.base(t, k))
                 later = ops[pos + 1 :]
                 for v in [*sch.deps[k], k]:
                     if sch.is_out[v] or v in main:
                         continue
                     fv = new(("FREE", t, v, k))
-                    rows.append(({fv: 1.0, rk: -1.0}, -np.inf, 0.0))
-                    rows.append(({fv: 1.0, self.var["S", t + 1, v]: 1.0}, -np.inf, 1.0))
+                    add({fv: 1.0, rk: -1.0}, -np.inf, 0.0)
+                    add({fv: 1.0, V["S", t + 1, v]: 1.0}, -np.inf, 1.0)
                     for u in later:
                         if v in sch.deps[u]:
-                            rows.append(({fv: 1.0, R(t, u): 1.0}, -np.inf, 1.0))
+                            add({fv: 1.0, R(t, u): 1.0}, -np.inf, 1.0)
                     if v != k:  # freeing needs v present: kept, or computed in the stage
-                        row = {fv: 1.0, self.var["S", t, v]: -1.0}
-                        if R(t, v) is not None:
-                            row[R(t, v)] = -1.0
-                        rows.append((row, -np.inf, 0.0))
+                        add({fv: 1.0, V["S", t, v]: -1.0, R(t, v): -1.0}, -np.inf, 0.0)
                     running[fv] = running.get(fv, 0.0) - sch.size[v]
-                if sch.extra[k] and k not in sch._main_extra(t):
-                    fx = new(("FREEX", t, k))
-                    rows.append(({fx: 1.0, W(t, k): -1.0}, -np.inf, 0.0))
-                    rows.append(({fx: 1.0, self.var["X", t + 1, k]: 1.0}, -np.inf, 1.0))
-                    running[fx] = running.get(fx, 0.0) - sch.extra[k]
+                for j in runs_of.get(k, []):
+                    if W(t, j) is None or j == mp or not sch.extra_of[j]:
+                        continue
+                    fx = new(("FREEX", t, j))
+                    add({fx: 1.0, W(t, j): -1.0}, -np.inf, 0.0)
+                    add({fx: 1.0, V["Z", t + 1, j]: 1.0}, -np.inf, 1.0)
+                    running[fx] = running.get(fx, 0.0) - sch.extra_of[j]
             if sch.stages[t][1] == "b":
-                rows.append((dict(running), -np.inf, budget - sch.base(t, None)))
+                add(dict(running), -np.inf, budget - sch.base(t, None))
         self.nvar = len(lb)
         self.lb, self.ub, self.cost = np.array(lb), np.array(ub), np.array(cost)
         self.constant = float(sch.flops.sum())
@@ -398,18 +399,25 @@ class _Program:
         return out
 
 
-def brute_force(schedule: Schedule, budget_bytes: int) -> float | None:
-    """Least recompute over every choice of recomputations (stage, value), by enumeration
-    (tiny graphs only: 2^(choices) schedules), with `Schedule.evaluate`'s accounting."""
+def all_schedules(schedule: Schedule) -> list[tuple[float, float]]:
+    """(peak bytes, recompute FLOPs) of every choice of recomputations (stage, value) that
+    is executable, with `Schedule.evaluate`'s accounting (tiny graphs only: 2^choices)."""
     choices = [
         (t, i)
         for t in range(schedule.T)
         for i in schedule.ops(t)
         if not (schedule.stages[t][1] == "f" and schedule.stages[t][2] == i)
     ]
-    best = None
+    out = []
     for bits in itertools.product((0, 1), repeat=len(choices)):
         result = schedule.evaluate({c: b for c, b in zip(choices, bits) if b})
-        if result and result[0] <= budget_bytes and (best is None or result[1] < best):
-            best = result[1]
-    return best
+        if result is not None:
+            out.append(result)
+    return out
+
+
+def brute_force(schedule: Schedule, budget_bytes: int, results=None) -> float | None:
+    """Least recompute over every schedule (see `all_schedules`) that fits the budget."""
+    results = all_schedules(schedule) if results is None else results
+    fits = [cost for peak, cost in results if peak <= budget_bytes]
+    return min(fits) if fits else None
