@@ -310,6 +310,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     batch = workload.make_batch(cfg.seed).to(device)
     module = mode.apply(workload, batch)
     params = list(workload.model.parameters())
+    if hasattr(mode, "summary"):
+        print(mode.summary(), flush=True)
 
     measured, steps, resources = measure_steps(cfg, workload, module, batch, params, device)
     row = summary_row(cfg, mode, workload, measured, device)
@@ -318,6 +320,10 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     row["recompute_ratio"] = (
         measured.flops / row["naive_flops"] - 1 if row["naive_flops"] and measured.flops else None
     )
+    if cfg.mode.name == "naive" and row.get("naive_peak_bytes") is None:
+        row["naive_peak_bytes"] = measured.peak_bytes
+    if row.get("naive_peak_bytes") and measured.peak_bytes is not None:
+        row["peak_vs_naive"] = measured.peak_bytes / row["naive_peak_bytes"]
     row["optimizer_step_s"] = time_optimizer_step(params, device, max(1, min(cfg.steps, 5)))
     row.update(capture_environment(device))
     row["started_at"] = started_at.isoformat(timespec="milliseconds")
@@ -402,10 +408,40 @@ def reference_checks(cfg, workload, module, batch, params, device, flops) -> dic
         result["grad_max_rel_error"] = error
         result["verify_passed"] = bool(error < GRAD_TOLERANCE)
     if result["naive_flops"] is None and cfg.count_naive_flops:
-        with TotalFlopCounterMode() as counter:
+        with naive_peak_meter(device) as meter, TotalFlopCounterMode() as counter:
             _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
         result["naive_flops"] = int(counter.get_total_flops())
+        result["naive_peak_bytes"] = meter.peak_bytes
     return result
+
+
+class naive_peak_meter:
+    """Peak bytes of the naive reference step, measured like the run's own step: the exact
+    tracker on CPU, the CUDA allocator's peak above the level before the step on GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_bytes: int | None = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            from hbp.runtime.tracker import MemoryTracker
+
+            self._tracker = MemoryTracker(record_timeline=False).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+            return False
+        self._tracker.__exit__(*exc)
+        self.peak_bytes = self._tracker.peak_bytes
+        return False
 
 
 def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:
@@ -484,6 +520,9 @@ def summary_frame(rows) -> pd.DataFrame:
     )
     if "mode_predicted_peak_bytes" in frame:
         table["predicted MiB"] = frame["mode_predicted_peak_bytes"] / MIB
+    if "naive_peak_bytes" in frame:
+        table["naive MiB"] = frame["naive_peak_bytes"] / MIB
+        table["peak / naive"] = frame["peak_bytes"] / frame["naive_peak_bytes"]
     if "grad_max_rel_error" in frame:
         table["grad err"] = frame["grad_max_rel_error"]
     return table

@@ -77,6 +77,12 @@ class TinyMode:
         )
         return out
 
+    def summary(self) -> str:
+        """The plan, readable (printed by the bench before it measures)."""
+        if self.module is None or self.module.plan is None:
+            return "tiny: not planned yet"
+        return self.module.summary()
+
     def artifacts(self) -> dict[str, str]:
         """plan.json for the run directory (empty before `apply`)."""
         if self.module is None or self.module.plan is None:
