@@ -31,7 +31,8 @@ are the same as in the real run, e.g. CPU flash attention and CPU dropout's floa
 each node, on fake inputs whose `requires_grad` follows the real run:
 - `output_bytes`: bytes of new storage (0 when the output shares an input's storage: views,
   in-place results; `alias_of` names that input);
-- `flops`: `torch.utils.flop_counter.FlopCounterMode` (plus CPU flash-attention formulas);
+- `flops`: `hbp.runtime.flops.TotalFlopCounterMode` (`FlopCounterMode` plus the formulas for
+  CPU flash attention and oneDNN's LSTM that the measured step counts too);
 - what backward keeps: the node runs under `torch.autograd.graph.saved_tensors_hooks` and
   each saved tensor is classified by storage identity: an input's storage -> `saved_inputs`,
   the node's own output -> `saves_output`, a parameter/buffer/constant -> nothing (they are
@@ -57,83 +58,45 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
+import dataclasses
 import functools
 import inspect
 import math
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    unset_fake_temporarily,
 )
 from torch.nn import functional as F
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from hbp.errors import CaptureWarning
 from hbp.graph.ir import Graph, Node
+from hbp.runtime.flops import FLOP_FORMULAS as CPU_FLOP_FORMULAS  # noqa: F401 (re-export)
+from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.recompute import frozen_running_stats, stat_tracking_norms
 
 OP = "op"
 MODULE = "module"
 
 _aten = torch.ops.aten
-
-
-def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def _cpu_flash_backward_flops(
-    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
-) -> int:
-    return flop_counter.sdpa_backward_flop_count(
-        grad_out_shape, query_shape, key_shape, value_shape
-    )
-
-
-#: FLOP formulas `FlopCounterMode` lacks: CPU flash attention (the kernel SDPA picks on CPU).
-CPU_FLOP_FORMULAS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
-}
-
-
-class TotalFlops(flop_counter.FlopCounterMode):
-    """`FlopCounterMode` for totals only (FLOPs, 2 per multiply-add), also counting CPU flash
-    attention. Without module attribution it installs no module hooks and keeps no tensor
-    alive, so it can run next to a memory measurement."""
-
-    def __init__(self):
-        super().__init__(display=False, custom_mapping=CPU_FLOP_FORMULAS)
-
-    def __enter__(self):
-        self.flop_counts.clear()
-        self.mode = flop_counter._FlopCounterMode(self)
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *args):
-        exited = self.mode.__exit__(*args)
-        self.mode = None
-        return exited
-
-
-def flop_counter_mode() -> TotalFlops:
-    """A `TotalFlops` counter (what the capture uses for every node's FLOPs)."""
-    return TotalFlops()
 
 
 # CPU loss kernels that return their (0-dim) reduced loss as a view of an unreduced buffer the
@@ -146,8 +109,16 @@ _CPU_UNREDUCED_LOSSES = {
 }
 
 
+# CPU ops whose meta kernel gets the size of an output wrong: oneDNN's LSTM layer returns its
+# workspace (kept for backward, ~15x the layer's output) as an empty tensor.
+_CPU_WRONG_META_SIZES = {_aten.mkldnn_rnn_layer.default}
+
+
 class _RealStorageSizes(TorchDispatchMode):
-    """Records storage sizes real kernels allocate where fake kernels differ (see above)."""
+    """Where fake kernels allocate other sizes than the real ones (see above): records the
+    real size of unreduced loss buffers, and re-makes the outputs of `_CPU_WRONG_META_SIZES`
+    ops at their real sizes (learnt by running the real kernel once on zeros of the same
+    shapes), so that what they save and hold is charged right."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,6 +127,8 @@ class _RealStorageSizes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _CPU_WRONG_META_SIZES and all(t.device.type == "cpu" for t in _tensors(args)):
+            return _resized_like_real(func, args, kwargs, out)
         position = _CPU_UNREDUCED_LOSSES.get(func)
         if position is not None:
             x = args[0]
@@ -163,6 +136,30 @@ class _RealStorageSizes(TorchDispatchMode):
             if x.device.type == "cpu" and reduction != 0:
                 self.sizes[_storage_key(out)] = x.numel() * x.element_size()
         return out
+
+
+def _resized_like_real(func, args, kwargs, fake_out):
+    """`fake_out` with every tensor whose real counterpart has another storage size replaced
+    by a fake copy of the real one (run on zero-filled real inputs of the same shapes)."""
+    fake_mode = next(t.fake_mode for t in _tensors(args) if isinstance(t, FakeTensor))
+
+    def zeros(x):
+        return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+
+    with _disable_current_modes(), unset_fake_temporarily():  # grad mode as is: it matters
+        real_args, real_kwargs = tree_map(zeros, (args, kwargs))
+        real_out = func(*real_args, **real_kwargs)
+    fake_leaves, spec = tree_flatten(fake_out)
+    real_leaves, _ = tree_flatten(real_out)
+    fixed = [
+        fake_mode.from_tensor(r)
+        if isinstance(f, torch.Tensor)
+        and isinstance(r, torch.Tensor)
+        and f.untyped_storage().nbytes() != r.untyped_storage().nbytes()
+        else f
+        for f, r in zip(fake_leaves, real_leaves, strict=True)
+    ]
+    return tree_unflatten(fixed, spec)
 
 
 # Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
@@ -190,6 +187,9 @@ class CapturedGraph:
         module_calls: at module granularity, (module path, occurrence) of IR node i + 1.
         fallback_reason: why op-level capture failed ("" at op granularity).
         capture_time_s: wall time of the capture in seconds.
+        output_template: at op granularity, the forward's return value with `OutputSlot(i)`
+            for the i-th value the graph returns (its output node returns a flat tuple).
+        inlined_checkpoints: `torch.utils.checkpoint` calls in the forward, traced through.
     """
 
     graph: Graph
@@ -203,9 +203,15 @@ class CapturedGraph:
     module_calls: list[tuple[str, int]] = field(default_factory=list)
     fallback_reason: str = ""
     capture_time_s: float = 0.0
+    output_template: Any = None
+    inlined_checkpoints: int = 0
 
     def __post_init__(self) -> None:
         self._fx_index = {n: i for i, n in enumerate(self.fx_nodes)}
+
+    def unflatten_output(self, flat: tuple) -> Any:
+        """The module's return value, in its own containers, from the graph's flat outputs."""
+        return map_output(self.output_template, OutputSlot, lambda slot: flat[slot.index])
 
     def fx_node(self, name: str) -> fx.Node:
         """The fx node of the IR node called `name` (op granularity)."""
@@ -217,6 +223,58 @@ class CapturedGraph:
 
     def ir_node(self, node: fx.Node) -> Node:
         return self.graph.nodes[self._fx_index[node]]
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    """Where the i-th value the captured graph returns goes in the module's return value."""
+
+    index: int
+
+
+def map_output(value: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
+    """`value` with every `leaf_type` instance in it replaced by `fn(leaf)`, containers
+    rebuilt with their own types: tuples, namedtuples, lists, dicts and dict subclasses
+    (`OrderedDict`, HuggingFace's `ModelOutput`), dataclasses. Other objects are kept as
+    they are; one that holds a leaf in its attributes raises TypeError (it cannot be
+    rebuilt)."""
+
+    def rebuild(v: Any) -> Any:
+        if isinstance(v, leaf_type):
+            return fn(v)
+        if isinstance(v, tuple):
+            items = [rebuild(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+        if type(v) is list:
+            return [rebuild(x) for x in v]
+        if type(v) in (dict, OrderedDict):
+            return type(v)((k, rebuild(x)) for k, x in v.items())
+        if isinstance(v, (list, dict)) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
+            return _rebuilt_copy(v, rebuild)
+        if any(isinstance(x, leaf_type) for x in getattr(v, "__dict__", {}).values()):
+            raise TypeError(
+                f"the forward returns a {type(v).__name__} holding tensors: HCModule can rebuild "
+                "tuples, lists, dicts (and subclasses) and dataclasses"
+            )
+        return v
+
+    return rebuild(value)
+
+
+def _rebuilt_copy(v: Any, rebuild: Callable[[Any], Any]) -> Any:
+    """A shallow copy of a list/dict subclass or dataclass with its items and fields rebuilt,
+    set without calling the class's own `__setitem__`/`__setattr__`/`__post_init__`."""
+    new = copy.copy(v)
+    if isinstance(v, list):
+        list.__init__(new, [rebuild(x) for x in v])
+    if isinstance(v, dict):
+        for k, x in v.items():
+            dict.__setitem__(new, k, rebuild(x))
+    if dataclasses.is_dataclass(v):
+        for f in dataclasses.fields(v):
+            if hasattr(v, f.name):
+                object.__setattr__(new, f.name, rebuild(getattr(v, f.name)))
+    return new
 
 
 def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> CapturedGraph:
@@ -466,6 +524,27 @@ class _Tracer(fx.Tracer):
         self.values: dict[fx.Node, Any] = {}
         self.computing = False
         self.value_errors: list[str] = []
+        self.output_template: Any = None  # forward's return value, proxies as `OutputSlot`s
+        self.inlined_checkpoints = 0  # torch.utils.checkpoint calls traced through
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        # The graph returns the forward's proxies as one flat tuple; the containers around
+        # them (dicts, dataclasses, ModelOutput, namedtuples, lists) are kept aside as a
+        # template, so the executor returns exactly the types the module returns (fx would
+        # turn a dict subclass into an immutable_dict and a list into an immutable_list).
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
+        def flat_output(*a):
+            proxies: list[fx.Proxy] = []
+
+            def slot(proxy: fx.Proxy) -> OutputSlot:
+                proxies.append(proxy)
+                return OutputSlot(len(proxies) - 1)
+
+            self.output_template = map_output(fn(*a), fx.Proxy, slot)
+            return tuple(proxies)
+
+        return flat_output, args
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
@@ -529,6 +608,37 @@ class _Tracer(fx.Tracer):
         return v
 
     @contextlib.contextmanager
+    def inlining_checkpoints(self) -> Iterator[None]:
+        """Within: `torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)` (reentrant or not,
+        also through `checkpoint_sequential`) just calls `fn(*args, **kwargs)`, so its ops are
+        traced and hbp's plan decides what is recomputed. Counted in `inlined_checkpoints`."""
+        tracer = self
+
+        class InlinedCheckpointFunction:  # stands in for the reentrant CheckpointFunction
+            @staticmethod
+            def apply(function, preserve_rng_state, *args):
+                tracer.inlined_checkpoints += 1
+                return function(*args)
+
+        def inlined_generator(fn, *args, **kwargs):  # non-reentrant: set-up, yield, tear-down
+            tracer.inlined_checkpoints += 1
+            yield
+
+        originals = (
+            torch_checkpoint.CheckpointFunction,
+            torch_checkpoint._checkpoint_without_reentrant_generator,
+        )
+        torch_checkpoint.CheckpointFunction = InlinedCheckpointFunction
+        torch_checkpoint._checkpoint_without_reentrant_generator = inlined_generator
+        try:
+            yield
+        finally:
+            (
+                torch_checkpoint.CheckpointFunction,
+                torch_checkpoint._checkpoint_without_reentrant_generator,
+            ) = originals
+
+    @contextlib.contextmanager
     def recording_factories(self) -> Iterator[None]:
         """Within: `torch.<factory>(...)` calls made by traced code become graph nodes."""
         originals = {name: getattr(torch, name) for name in _FACTORIES}
@@ -553,8 +663,9 @@ class _Tracer(fx.Tracer):
 
 def _trace(
     module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: _Faker
-) -> tuple[fx.GraphModule, list[str]]:
-    """Trace `module` specialised to `arguments` (forward parameter -> real value)."""
+) -> tuple[fx.GraphModule, list[str], _Tracer]:
+    """Trace `module` specialised to `arguments` (forward parameter -> real value); return
+    the graph module, the forward parameter of each placeholder and the finished tracer."""
     concrete, inputs = {}, {}
     for name, value in arguments.items():
         kind = signature.parameters[name].kind
@@ -572,7 +683,7 @@ def _trace(
     tracer = _Tracer(faker, inputs)
     attrs_before = set(module.__dict__)
     try:
-        with tracer.recording_factories():
+        with tracer.recording_factories(), tracer.inlining_checkpoints():
             graph = tracer.trace(module, concrete_args=concrete or None)
         gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
     finally:  # fx stores tensor constants on the traced module: take them off again
@@ -584,7 +695,7 @@ def _trace(
         if node.op == "placeholder":
             target = node.target.lstrip("*")
             input_names.append(target if target in arguments else target.rsplit("_", 1)[0])
-    return gm, input_names
+    return gm, input_names, tracer
 
 
 def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
@@ -646,6 +757,19 @@ class _FakeLiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         self.ops += 1
         return out
+
+    def will_free(self, tensors: list[torch.Tensor]) -> None:
+        """Count the storages of these tensors, made before this mode, as freed (negative live
+        bytes) when the last of them dies: a composite op's backward (an RNN's, a leaf
+        module's) frees what its forward saved step by step, and its net growth is what
+        comes on top of the saved bytes the IR already charges."""
+        for t in tensors:
+            key = _storage_key(t)
+            if key is None or key in self.known:
+                continue
+            entry = self._tensors.setdefault(key, [t.untyped_storage().nbytes(), 0])
+            entry[1] += 1
+            weakref.finalize(t, self._release, key)
 
     def _release(self, key: int) -> None:
         entry = self._tensors.get(key)
@@ -725,7 +849,7 @@ def _profile_call(
         saved.clear()
         known = persistent_keys | set(input_keys) | set(owners)
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with hooks, flop_counter_mode() as fc, _RealStorageSizes() as real:
+        with hooks, TotalFlopCounterMode() as fc, _RealStorageSizes() as real:
             with _FakeLiveBytes(known) as memory:
                 counters.update(flops=fc, memory=memory)
                 out = run(*call_args, **call_kwargs)
@@ -768,6 +892,7 @@ def _profile_call(
         memory.created.get(key, -1) >= last_save[1] for key in output_keys
     )
     flops_after_last_save = float(fc.get_total_flops()) - last_save[0] if saved else 0.0
+    saved_extra = [t for t in saved if _storage_key(t) in extra]
     saved.clear()
     profile = _Profile(
         output=output,
@@ -785,12 +910,17 @@ def _profile_call(
         value_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
     )
     if detached and not mutated and profile.requires_grad:
-        _profile_backward(profile, output, leaves, inputs, params, persistent_keys)
+        _profile_backward(profile, output, leaves, inputs, params, persistent_keys, saved_extra)
+    saved_extra.clear()
     return profile
 
 
-def _profile_backward(profile, output, leaves, inputs, params, persistent_keys) -> None:
-    """Backpropagate through one node alone (its inputs are leaves): FLOPs and peak bytes."""
+def _profile_backward(
+    profile, output, leaves, inputs, params, persistent_keys, saved_extra: list
+) -> None:
+    """Backpropagate through one node alone (its inputs are leaves): FLOPs and peak bytes
+    (net of the node's own saved tensors, `saved_extra`, that its backward frees as it runs;
+    the list is emptied so that autograd holds the last references)."""
     outs = [t for t in _tensors(output) if t.requires_grad]
     names = {}
     for input_name, value in inputs:
@@ -802,8 +932,11 @@ def _profile_backward(profile, output, leaves, inputs, params, persistent_keys) 
         return
     grad_outputs = [torch.ones_like(t) for t in outs]
     known = persistent_keys | {_storage_key(t) for t in (*outs, *grad_outputs, *wrt)}
+    memory = _FakeLiveBytes(known)
+    memory.will_free(saved_extra)
+    saved_extra.clear()
     try:
-        with flop_counter_mode() as fc, _FakeLiveBytes(known) as memory:
+        with TotalFlopCounterMode() as fc, memory:
             grads = torch.autograd.grad(outs, wrt, grad_outputs, allow_unused=True)
     except RuntimeError:  # no backward formula on fake tensors: the IR's defaults apply
         return
@@ -853,10 +986,12 @@ def _capture_ops(
     module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature
 ) -> CapturedGraph:
     faker = _Faker()
-    gm, input_names = _trace(module, arguments, signature, faker)
+    gm, input_names, tracer = _trace(module, arguments, signature, faker)
     captured = _profile_graph(gm, module, arguments, input_names, signature, faker)
     if _functionalize_inplace(captured):
         captured = _profile_graph(gm, module, arguments, input_names, signature, faker)
+    captured.output_template = tracer.output_template
+    captured.inlined_checkpoints = tracer.inlined_checkpoints
     return captured
 
 

@@ -27,8 +27,9 @@ save event.
 
 The DP runs right to left over (cut, H, flag) with memory discretised into slots of the
 budget (exact when every byte count is a multiple of the slot: the slot is the gcd of the
-graph's byte counts when that gives at most `mem_slots` slots; otherwise rounding is
-conservative: a plan the DP accepts always fits). A separate min-max DP without
+graph's byte counts when that gives at most max(mem_slots, 1024) slots; otherwise
+`mem_slots` equal slots with conservative rounding: a plan the DP accepts always fits).
+Candidate cuts are limited (`candidate_cuts`) so that planning stays at a few seconds. A separate min-max DP without
 discretisation gives the smallest peak reachable with the candidate cuts (BudgetError's
 minimum) and a fallback plan when rounding rejects a budget that is in fact feasible.
 """
@@ -805,11 +806,22 @@ def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
 # candidate cuts
 
 
+# DP work grows like cuts^3 x the number of held-sets per cut (2^crossing groups); this
+# bound keeps planning at 1-3 s of CPU (56 cuts with 1-2 groups crossing each).
+WORK_LIMIT = 56**3 * 3
+
+
 def frontier_bytes(info: GraphInfo) -> np.ndarray:
     """w[c] for c in [0, n]: bytes of storage made before c and touched at or after c
     (forward users, aliases), outputs included."""
+    return _frontier(info)[0]
+
+
+def _frontier(info: GraphInfo) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, number of storage groups) crossing each cut c in [0, n]."""
     n = info.n
     w = np.zeros(n + 2, dtype=np.int64)
+    count = np.zeros(n + 2, dtype=np.int64)
     root = info.root
     lu = np.full(n, -1, dtype=np.int64)
     for j in range(n):
@@ -819,7 +831,9 @@ def frontier_bytes(info: GraphInfo) -> np.ndarray:
         if root[r] == r and info.storage_bytes[r] > 0 and lu[r] > r:
             w[r + 1] += info.storage_bytes[r]
             w[lu[r] + 1] -= info.storage_bytes[r]
-    return np.cumsum(w)[: n + 1]
+            count[r + 1] += 1
+            count[lu[r] + 1] -= 1
+    return np.cumsum(w)[: n + 1], np.cumsum(count)[: n + 1]
 
 
 def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> list[int]:
@@ -828,10 +842,11 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
     Positions inside the leading run of graph inputs are never useful. With block_size k,
     the positions are grouped into windows of k consecutive positions and only the one with
     the smallest frontier (bytes crossing it) is kept per window: a leaf of the interval tree
-    is then about k nodes, cut where it is cheapest. If more than `max_cuts` remain, only
-    the local minima of the frontier are kept, and if still too many, the `max_cuts` with the
-    smallest frontier (ties: evenly spread). Chains and small graphs (positions <= max_cuts,
-    block_size 1) keep every position, so the DP is exact over all cut subsets there.
+    is then about k nodes, cut where it is cheapest. Then at most `max_cuts` positions are
+    kept, fewer where many values cross the cuts (the DP's work, `WORK_LIMIT`, grows with
+    2^(values crossing)): local minima of the frontier bytes first, then positions with fewer
+    crossing values, then fewer bytes (equal ones evenly spread over the graph). Small
+    graphs keep every position, so the DP is exact over all cut subsets there.
     """
     n = info.n
     if n == 0:
@@ -842,27 +857,29 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
     pos = list(range(max(first, 1), n))
     if not pos:
         return [0, n]
-    w = frontier_bytes(info)
+    w, count = _frontier(info)
     if block_size > 1:
         pos = [
             min(pos[i : i + block_size], key=lambda c: (w[c], -c))
             for i in range(0, len(pos), block_size)
         ]
-    if len(pos) > max_cuts:
-        wp = [w[c] for c in pos]
-        minima = {
-            c
-            for k, c in enumerate(pos)
-            if (k == 0 or wp[k] <= wp[k - 1]) and (k == len(pos) - 1 or wp[k] < wp[k + 1])
-        }
-        # local minima first (the smallest frontiers among them), then the other positions by
-        # frontier; equal frontiers are taken evenly spread over the graph
-        ranked = sorted(
-            range(len(pos)),
-            key=lambda k: (pos[k] not in minima, wp[k], _spread(k, len(pos))),
-        )
-        pos = sorted(pos[k] for k in ranked[:max_cuts])
-    return sorted(set([0, *pos, n]))
+    wp = [int(w[c]) for c in pos]
+    minima = {
+        c
+        for k, c in enumerate(pos)
+        if (k == 0 or wp[k] <= wp[k - 1]) and (k == len(pos) - 1 or wp[k] < wp[k + 1])
+    }
+    ranked = sorted(
+        range(len(pos)),
+        key=lambda k: (pos[k] not in minima, count[pos[k]], wp[k], _spread(k, len(pos))),
+    )
+    chosen, states = [], 0.0
+    for k in ranked:
+        states += 2.0 ** min(int(count[pos[k]]), 20)
+        if len(chosen) >= max_cuts or len(chosen) ** 2 * states > WORK_LIMIT:
+            break
+        chosen.append(pos[k])
+    return sorted(set([0, *chosen, n]))
 
 
 def _spread(k: int, n: int) -> int:
@@ -888,7 +905,7 @@ def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -
         if x
     ]
     g = reduce(math.gcd, sizes, 0) or 1
-    if budget // g <= max(mem_slots, 4096):
+    if budget // g <= max(mem_slots, 1024):
         return int(budget // g), float(g)
     return mem_slots, budget / mem_slots
 
@@ -932,7 +949,7 @@ def optimal_plan(
 
     Exact over trees of intervals whose cuts are in `candidate_cuts(info, block_size,
     max_cuts)` (one level only if `nested=False`), up to memory discretisation into at most
-    max(mem_slots, 4096) slots of the gcd of the graph's byte counts (exact when the budget
+    max(mem_slots, 1024) slots of the gcd of the graph's byte counts (exact when the budget
     spans at most that many) or `mem_slots` equal slots of the budget (conservative).
 
     Raises:

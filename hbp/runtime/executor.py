@@ -161,7 +161,8 @@ class PlanExecutor:
         }
         del bound, args, kwargs
         self._run_level(self.blocks, env, self._graph_outputs)
-        return fx.node.map_arg(self._output.args[0], lambda n: self._lookup(env, n))
+        flat = fx.node.map_arg(self._output.args[0], lambda n: self._lookup(env, n))
+        return self.captured.unflatten_output(flat)
 
     def _lookup(self, env: dict, node: fx.Node) -> Any:
         if node.op == "get_attr":

@@ -4,19 +4,78 @@ FLOPs are counted per aten op from shapes (a matmul of (m, k) @ (k, n) is 2·m·
 everything that runs inside the call: forward, the autograd engine's backward and any
 recomputation. Ops without a formula (elementwise, reductions) count 0, as in
 `FlopCounterMode`.
+
+`FLOP_FORMULAS` adds the CPU kernels `FlopCounterMode` has no formula for: flash attention
+(what `F.scaled_dot_product_attention` runs on CPU) and oneDNN's LSTM layer (what `nn.LSTM`
+runs on CPU). Every counter here uses them, and so does the capture
+(`hbp.graph.torch_capture`), so predicted and measured FLOPs follow one definition.
 """
 
 from __future__ import annotations
 
-import pandas as pd
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 GLOBAL = "Global"  # FlopCounterMode's name for "the whole call"
 
+if TYPE_CHECKING:
+    import pandas as pd
+
+_aten = torch.ops.aten
+
+
+def sdpa_cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kw) -> int:
+    """`aten._scaled_dot_product_flash_attention_for_cpu`: as every SDPA kernel,
+    2·b·h·s_q·s_k·(d_qk + d_v) (`flop_counter.sdpa_flop_count`)."""
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def sdpa_cpu_flash_backward_flops(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kw
+) -> int:
+    """Its backward: `flop_counter.sdpa_backward_flop_count` (2.5x the forward)."""
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _rnn_layer_matmul_flops(input_shape, w_ih_shape, w_hh_shape) -> int:
+    """One RNN layer's two matmuls per step: 2·(batch·steps)·gates·(input + hidden)."""
+    steps = math.prod(input_shape[:-1])  # batch x sequence, either layout
+    gates, inputs = w_ih_shape
+    return 2 * steps * gates * (inputs + w_hh_shape[1])
+
+
+def mkldnn_rnn_layer_flops(input_shape, w_ih_shape, w_hh_shape, *args, out_shape=None, **kw):
+    """`aten.mkldnn_rnn_layer` (one layer, one direction of nn.LSTM on CPU): its matmuls
+    (gate nonlinearities are elementwise and count 0, as everywhere)."""
+    return _rnn_layer_matmul_flops(input_shape, w_ih_shape, w_hh_shape)
+
+
+def mkldnn_rnn_layer_backward_flops(input_shape, w_ih_shape, w_hh_shape, *args, **kw):
+    """Its backward: twice the forward (gradients of the inputs and of the weights)."""
+    return 2 * _rnn_layer_matmul_flops(input_shape, w_ih_shape, w_hh_shape)
+
+
+#: aten op -> FLOP formula (on shapes, `FlopCounterMode(custom_mapping=...)` convention).
+FLOP_FORMULAS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_flash_flops,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_flash_backward_flops,
+    _aten.mkldnn_rnn_layer: mkldnn_rnn_layer_flops,
+    _aten.mkldnn_rnn_layer_backward: mkldnn_rnn_layer_backward_flops,
+}
+
+
+def flop_counter_mode(display: bool = False, depth: int = 2) -> FlopCounterMode:
+    """A `FlopCounterMode` (per-module attribution) that also knows `FLOP_FORMULAS`."""
+    return FlopCounterMode(display=display, depth=depth, custom_mapping=FLOP_FORMULAS)
+
 
 def count_flops(fn, *args, **kwargs) -> tuple[object, int]:
-    """Run `fn(*args, **kwargs)` under `FlopCounterMode`; return (result, total FLOPs)."""
-    with FlopCounterMode(display=False) as counter:
+    """Run `fn(*args, **kwargs)` under `TotalFlopCounterMode`; return (result, total FLOPs)."""
+    with TotalFlopCounterMode() as counter:
         result = fn(*args, **kwargs)
     return result, int(counter.get_total_flops())
 
@@ -26,6 +85,8 @@ def flop_breakdown_frame(counter: FlopCounterMode) -> pd.DataFrame:
 
     `module` is the dotted module path FlopCounterMode assigns ("Global" is the whole call;
     a module's rows include its submodules' FLOPs); `op` is the aten op packet name."""
+    import pandas as pd  # only for reports: keep `import hbp.runtime.flops` light
+
     rows = [
         (module, str(op), int(flops))
         for module, per_op in counter.get_flop_counts().items()
@@ -36,24 +97,24 @@ def flop_breakdown_frame(counter: FlopCounterMode) -> pd.DataFrame:
 
 def count_flops_breakdown(fn, *args, **kwargs) -> tuple[object, int, pd.DataFrame]:
     """Like `count_flops`, plus the per-module, per-op breakdown (`flop_breakdown_frame`)."""
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter_mode() as counter:
         result = fn(*args, **kwargs)
     return result, int(counter.get_total_flops()), flop_breakdown_frame(counter)
 
 
 class TotalFlopCounterMode(FlopCounterMode):
-    """`FlopCounterMode` that counts only the total ("Global"), without module attribution.
+    """`FlopCounterMode` (with `FLOP_FORMULAS`) that counts only the total ("Global").
 
     FlopCounterMode's ModuleTracker registers grad hooks on every module's outputs, also on
     outputs recomputed by torch.utils.checkpoint, and those hooks keep tensors alive until the
     garbage collector runs: stacked with a memory measurement it inflates the peak (by
     hundreds of KiB on an 8-block checkpointed MLP, and by a gc-dependent amount). This mode
     installs no hooks and holds no tensor, so it can share a step with `MemoryTracker` or
-    the CUDA allocator statistics. Same totals as FlopCounterMode.
+    the CUDA allocator statistics; the capture counts every node's FLOPs with it too.
     """
 
     def __init__(self):
-        super().__init__(display=False)
+        super().__init__(display=False, custom_mapping=FLOP_FORMULAS)
 
     def __enter__(self):
         self.flop_counts.clear()
