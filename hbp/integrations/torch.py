@@ -5,8 +5,8 @@
     print(model.plan)                              # what is kept, what is recomputed
 
 On the first call for an input signature (shapes, dtypes, devices, requires_grad, None-ness
-and values of non-tensor arguments, train/eval flags, grad mode, the parameters' identity and
-requires_grad) the module is captured (`hbp.graph.torch_capture.capture`), the least-recompute
+and values of non-tensor arguments, train/eval flags, grad and autocast modes, the parameters'
+identity, dtype, device and requires_grad) the module is captured (`hbp.graph.torch_capture.capture`), the least-recompute
 plan that fits the budget is made (`hbp.planner.plan`), and an executor is built
 (`hbp.runtime.executor`); all three are cached per signature. In eval mode, under
 `torch.no_grad()`, or when nothing requires grad, the wrapped module just runs.
@@ -20,6 +20,14 @@ Like `torch.utils.checkpoint`, recomputation re-runs forward code during backwar
 hooks of submodules fire again, Python side effects in forward happen again, and the RNG state
 is replayed (dropout masks are those of the original forward). Global state read in forward
 must not change between forward and backward.
+
+Outputs come back in the module's own containers (tuples, namedtuples, lists, dicts and dict
+subclasses such as HuggingFace's ModelOutput, dataclasses; non-tensor fields as returned at
+capture). `torch.utils.checkpoint` calls inside the module are traced through: the plan
+decides what is recomputed (a warning says so), and a fractional budget is a fraction of the
+peak *without* that checkpointing. `state_dict()` keys carry the "module." prefix (load
+`hc.module.state_dict()` into an unwrapped model); `load_state_dict` also accepts the
+unwrapped module's keys.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ class HCModule(nn.Module):
         self._compiled: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
         self._warned: set[str] = set()
+        self.register_load_state_dict_pre_hook(_accept_unwrapped_keys)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -163,7 +172,7 @@ class HCModule(nn.Module):
 
     def _signature(self, args, kwargs) -> tuple:
         leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
-        parts: list[Any] = [str(spec), self.training, torch.is_grad_enabled()]
+        parts: list[Any] = [str(spec), self.training, torch.is_grad_enabled(), _autocast_state()]
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 parts.append(
@@ -173,8 +182,11 @@ class HCModule(nn.Module):
                 parts.append((type(x).__name__, x))
             else:
                 parts.append((type(x).__name__, id(x)))
-        parts.append(tuple((id(p), p.requires_grad) for p in self.module.parameters()))
-        parts.append(tuple(id(b) for b in self.module.buffers()))
+        # .to()/.half() keep the Parameter objects and change their dtype/device.
+        parts.append(
+            tuple((id(p), p.requires_grad, p.dtype, p.device) for p in self.module.parameters())
+        )
+        parts.append(tuple((id(b), b.dtype, b.device) for b in self.module.buffers()))
         parts.append(tuple(m.training for m in self.module.modules()))
         return tuple(parts)
 
@@ -215,6 +227,14 @@ class HCModule(nn.Module):
         return executed
 
     def _warn_about(self, captured: CapturedGraph, executor) -> None:
+        if captured.inlined_checkpoints:
+            self._warn_once(
+                "checkpoint",
+                f"{type(self.module).__name__} calls torch.utils.checkpoint "
+                f"({captured.inlined_checkpoints}x); HCModule traces through those calls and its "
+                "plan decides what is recomputed (a fractional budget is relative to the peak "
+                "without that checkpointing)",
+            )
         hooked = [
             name
             for name, m in self.module.named_modules()
@@ -246,6 +266,23 @@ class HCModule(nn.Module):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _autocast_state() -> tuple:
+    """(enabled, dtype) of autocast on CPU and CUDA: it changes dtypes, hence sizes."""
+    return tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+
+
+def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:
+    """`load_state_dict` pre-hook: a state dict of the unwrapped module (no key under
+    `prefix` starts with "module.", e.g. a checkpoint saved before wrapping) is loaded into
+    `.module`."""
+    own = [k for k in state_dict if k.startswith(prefix)]
+    if own and not any(k.startswith(prefix + "module.") for k in own):
+        for k in own:
+            state_dict[prefix + "module." + k[len(prefix) :]] = state_dict.pop(k)
 
 
 def plan_summary(compiled: Compiled) -> str:
