@@ -313,7 +313,10 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     if hasattr(mode, "summary"):
         print(mode.summary(), flush=True)
 
-    measured, steps, resources = measure_steps(cfg, workload, module, batch, params, device)
+    allocator = getattr(mode, "measure_with", "tracker") == "allocator"
+    measured, steps, resources = measure_steps(
+        cfg, workload, module, batch, params, device, allocator=allocator
+    )
     row = summary_row(cfg, mode, workload, measured, device)
     row.update(resources)
     row.update(reference_checks(cfg, workload, module, batch, params, device, measured.flops))
@@ -340,9 +343,14 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     return row
 
 
-def measure_steps(cfg, workload, module, batch, params, device):
+def measure_steps(cfg, workload, module, batch, params, device, allocator: bool = False):
     """Warm-up, timed steps and the measured step (`measure_step`) with the resource samplers
-    running. Returns (StepMeasurement, per-step DataFrame, sampler results)."""
+    running. Returns (StepMeasurement, per-step DataFrame, sampler results).
+
+    `allocator`: for compiled modes, which no dispatch mode can observe (their buffers are
+    allocated outside the dispatcher): the peak comes from the allocator (profiler memory
+    events on CPU, max_memory_allocated on CUDA) in one extra step, and FLOPs are not
+    counted."""
     from hbp.runtime.measure import measure_step
 
     label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
@@ -372,8 +380,15 @@ def measure_steps(cfg, workload, module, batch, params, device):
             gpu.start()
         try:
             measured = measure_step(
-                step, params=params, warmup=cfg.warmup, repeats=cfg.steps, device=device
-            )
+                step, params=params, warmup=cfg.warmup, repeats=cfg.steps, device=device,
+                track_memory=not allocator, count_flops=not allocator,
+            )  # fmt: skip
+            if allocator:
+                for p in params:
+                    p.grad = None
+                with PeakMeter(device, cpu="allocator") as meter:
+                    step()
+                measured.peak_bytes = meter.peak_bytes
         finally:
             if gpu is not None:
                 gpu.stop()
@@ -408,19 +423,21 @@ def reference_checks(cfg, workload, module, batch, params, device, flops) -> dic
         result["grad_max_rel_error"] = error
         result["verify_passed"] = bool(error < GRAD_TOLERANCE)
     if result["naive_flops"] is None and cfg.count_naive_flops:
-        with naive_peak_meter(device) as meter, TotalFlopCounterMode() as counter:
+        with PeakMeter(device) as meter, TotalFlopCounterMode() as counter:
             _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
         result["naive_flops"] = int(counter.get_total_flops())
         result["naive_peak_bytes"] = meter.peak_bytes
     return result
 
 
-class naive_peak_meter:
-    """Peak bytes of the naive reference step, measured like the run's own step: the exact
-    tracker on CPU, the CUDA allocator's peak above the level before the step on GPU."""
+class PeakMeter:
+    """Peak bytes of the steps run inside, above the level at entry (`.peak_bytes`). CUDA:
+    max_memory_allocated. CPU: the exact tracker (`cpu="tracker"`, as the run's own measured
+    step) or the allocator's profiler events (`cpu="allocator"`, for compiled code)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu: str = "tracker"):
         self.device = device
+        self.cpu = cpu
         self.peak_bytes: int | None = None
 
     def __enter__(self):
@@ -428,6 +445,10 @@ class naive_peak_meter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
+        elif self.cpu == "allocator":
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            ).__enter__()
         else:
             from hbp.runtime.tracker import MemoryTracker
 
@@ -438,9 +459,14 @@ class naive_peak_meter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-            return False
-        self._tracker.__exit__(*exc)
-        self.peak_bytes = self._tracker.peak_bytes
+        elif self.cpu == "allocator":
+            from hbp.runtime.tracker import profiler_peak_bytes
+
+            self._profiler.__exit__(*exc)
+            self.peak_bytes = profiler_peak_bytes(self._profiler)
+        else:
+            self._tracker.__exit__(*exc)
+            self.peak_bytes = self._tracker.peak_bytes
         return False
 
 

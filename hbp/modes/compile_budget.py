@@ -61,6 +61,8 @@ class CompileBudgetMode:
     describe() -> {"name", "budget", "backend", "chunked_loss", "compile_time_s"};
     compile_time_s is None before `apply`."""
 
+    measure_with = "allocator"  # the bench measures compiled code with the allocator
+
     name = "compile_budget"
 
     def __init__(self, budget: float = 0.5, backend: str = "inductor", chunked_loss: bool = False):

@@ -263,6 +263,14 @@ def allocator_peak(fn, *args, **kwargs) -> tuple[object, int]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         result = fn(*args, **kwargs)
+    return result, profiler_peak_bytes(prof)
+
+
+def profiler_peak_bytes(prof: torch.profiler.profile) -> int:
+    """The most CPU-allocator bytes alive during a finished memory-profiling `prof`, above the
+    level at its start (see `allocator_peak`)."""
+    if _EventType is None:  # pragma: no cover
+        raise RuntimeError("profiler_peak_bytes needs torch._C._profiler._EventType (torch >= 2.1)")
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -274,4 +282,4 @@ def allocator_peak(fn, *args, **kwargs) -> tuple[object, int]:
     for _, delta in sorted(events, key=lambda e: e[0]):
         live += delta
         peak = max(peak, live)
-    return result, peak
+    return peak
