@@ -313,3 +313,19 @@ def test_cuda_matches_cpu_reference(strategy, dtype):
     assert abs(got.double().cpu() - want) / want <= tol
     for g, w in zip(got_grads, want_grads):
         assert ((g.double().cpu() - w).norm() / w.norm()).item() <= tol
+
+
+def test_flops_counted_like_the_naive_head():
+    """Three [N, D] x [D, V] matmuls, like naive autograd (the in-place weight-gradient
+    accumulation must be counted too, or recompute ratios would come out negative)."""
+    from hbp.runtime.flops import count_flops
+
+    n, d, v = 256, 32, 500
+    hidden = torch.randn(n, d, requires_grad=True)
+    weight = torch.randn(v, d, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    _, naive = count_flops(lambda: F.cross_entropy(hidden @ weight.T, target).backward())
+    _, chunked = count_flops(
+        lambda: chunked_cross_entropy(hidden, weight, target, chunk_size=64).backward()
+    )
+    assert naive == chunked == 3 * 2 * n * d * v

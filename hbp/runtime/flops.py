@@ -59,8 +59,21 @@ def mkldnn_rnn_layer_backward_flops(input_shape, w_ih_shape, w_hh_shape, *args, 
     return 2 * _rnn_layer_matmul_flops(input_shape, w_ih_shape, w_hh_shape)
 
 
+def addmm_inplace_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kw) -> int:
+    """`aten.addmm_` (accumulating a matmul in place, e.g. a chunked weight gradient): the
+    matmul's 2·m·k·n, as `addmm` (FlopCounterMode only knows the out-of-place op)."""
+    return flop_counter.addmm_flop(self_shape, a_shape, b_shape)
+
+
+def baddbmm_inplace_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **kw) -> int:
+    """`aten.baddbmm_`: as `baddbmm`."""
+    return flop_counter.baddbmm_flop(self_shape, a_shape, b_shape)
+
+
 #: aten op -> FLOP formula (on shapes, `FlopCounterMode(custom_mapping=...)` convention).
 FLOP_FORMULAS = {
+    _aten.addmm_: addmm_inplace_flops,
+    _aten.baddbmm_: baddbmm_inplace_flops,
     _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_flash_flops,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_flash_backward_flops,
     _aten.mkldnn_rnn_layer: mkldnn_rnn_layer_flops,
