@@ -5,7 +5,7 @@
     python experiments/bench.py --quick         # fewer steps and budgets (a smoke run)
 
 Parts:
-- matrix: profile small, every workload x {naive, checkpoint, tiny at budgets 1.0 ... 0.1,
+- matrix: profile small, every workload x {naive, checkpoint, tiny at budgets 1.0 ... 0.1 and "min",
   sac, compile_budget}, with verify=true; then the Pareto report (pareto.md/.csv/.png).
 - chunked_ce: the chunked LM head + cross-entropy against F.cross_entropy at GPT-2 vocab.
 - medium: GPT-2 124M shape (profile medium): naive, checkpoint, tiny at the budget equal to
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "outputs" / "bench"
 WORKLOADS = "gpt2,resnet,unet,synthetic_dag"
-BUDGETS = "1.0,0.5,0.3,0.2,0.1"
+BUDGETS = "1.0,0.5,0.3,0.2,0.1,min"
 
 
 def sweep(name: str, *overrides: str, steps: int = 5) -> None:

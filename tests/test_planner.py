@@ -250,3 +250,19 @@ def test_parse_budget_rejects(budget):
         parse_budget(budget, 1000)
     assert err.value.field == "budget"
     assert "64MiB" in str(err.value)
+
+
+def test_budget_min_plans_at_the_smallest_feasible_peak():
+    """budget="min" plans at exactly the minimum that BudgetError reports for a lower budget."""
+    from hbp.errors import BudgetError
+    from hbp.graph import synthetic
+    from hbp.planner import min_feasible_peak, plan
+
+    graph = synthetic.residual_net(4)
+    least = plan(graph, "min")
+    minimum, _ = min_feasible_peak(graph)
+    assert least.budget_bytes == minimum
+    assert least.predicted_peak_bytes <= minimum
+    with pytest.raises(BudgetError) as error:
+        plan(graph, minimum - 1)
+    assert error.value.minimum == minimum

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
+from hbp.errors import BudgetError
 from hbp.graph.torch_capture import MODULE, CapturedGraph, capture
 from hbp.planner.budget import parse_budget
 from hbp.planner.plan import MIB, Plan
@@ -69,8 +70,8 @@ class HCModule(nn.Module):
     Args:
         module: any nn.Module; it becomes the submodule `.module` (so `.parameters()`,
             `.state_dict()` (keys prefixed "module."), `.train()`, `.to()` pass through).
-        budget: float in (0, 1] (fraction of the naive step peak), int bytes, or a size
-            string ("64MiB").
+        budget: float in (0, 1] (fraction of the naive step peak), int bytes, a size
+            string ("64MiB"), or "min" (the least memory the planner can reach).
         block_size: granularity of the interval tree's leaves, in graph nodes (planner).
         planner: planner name, see `hbp.planner.plan` ("optimal", ...).
         verbose: print the plan summary whenever a new signature is planned.
@@ -92,7 +93,8 @@ class HCModule(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"HCModule wraps an nn.Module, got {type(module).__name__}")
-        parse_budget(budget, 2**62)  # reject malformed budgets now, not at the first step
+        if budget != "min":  # "min": the least memory the planner can reach
+            parse_budget(budget, 2**62)  # reject malformed budgets now, not at the first step
         self.module = module
         self.budget = budget
         self.block_size = block_size
@@ -198,9 +200,9 @@ class HCModule(nn.Module):
         naive = simulate(graph).peak_bytes
         start = time.perf_counter()
         plan = make_plan(graph, self.budget, block_size=self.block_size, planner=self.planner)
-        plan_time_s = time.perf_counter() - start
         if captured.granularity == MODULE:
-            plan = self._module_level_plan(plan, captured, naive)
+            plan = self._module_level_plan(plan, captured, naive, make_plan)
+        plan_time_s = time.perf_counter() - start
         executor = make_executor(captured, plan, self.module)
         self._warn_about(captured, executor)
         compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
@@ -208,21 +210,40 @@ class HCModule(nn.Module):
             print(plan_summary(compiled))
         return compiled
 
-    def _module_level_plan(self, plan: Plan, captured: CapturedGraph, naive: int) -> Plan:
-        """The module-level executor checkpoints child calls one by one: predict that."""
-        executed = per_call_plan(plan, captured.graph)
-        sim = simulate(captured.graph, executed)
+    def _module_level_plan(
+        self, plan: Plan, captured: CapturedGraph, naive: int, make_plan, tries: int = 6
+    ) -> Plan:
+        """The plan the module-level executor really runs (`per_call_plan`: not every range of
+        child calls can be checkpointed as one), with its predictions. While that is predicted
+        above the budget, plan again for a budget lowered by the excess."""
+        budget_bytes = plan.budget_bytes
+        for _ in range(tries):
+            executed = per_call_plan(plan, captured)
+            sim = simulate(captured.graph, executed)
+            excess = sim.peak_bytes - budget_bytes
+            if excess <= 0:
+                break
+            try:
+                plan = make_plan(
+                    captured.graph,
+                    plan.budget_bytes - excess,
+                    block_size=self.block_size,
+                    planner=self.planner,
+                )
+            except BudgetError:
+                break
+        executed.budget_bytes = budget_bytes
         executed.predicted_peak_bytes = sim.peak_bytes
         executed.predicted_recompute_flops = sim.recompute_flops
         executed.naive_peak_bytes = naive
         executed.naive_flops = plan.naive_flops or captured.graph.total_flops
         executed.kept_bytes = plan.kept_bytes
-        if sim.peak_bytes > plan.budget_bytes:
+        if sim.peak_bytes > budget_bytes:
             self._warn_once(
                 "module-budget",
-                f"module-level fallback: checkpointing child calls one by one is predicted to "
-                f"peak at {sim.peak_bytes / MIB:.1f} MiB, above the budget of "
-                f"{plan.budget_bytes / MIB:.1f} MiB",
+                f"module-level fallback: the child calls it can checkpoint are predicted to "
+                f"peak at {sim.peak_bytes / MIB:.2f} MiB, above the budget of "
+                f"{budget_bytes / MIB:.2f} MiB",
             )
         return executed
 

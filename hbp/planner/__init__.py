@@ -41,7 +41,8 @@ def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal",
 
     Args:
         budget: float in (0, 1] = fraction of the simulated naive peak; int = bytes; str like
-            "64MiB" (see `parse_budget`).
+            "64MiB" (see `parse_budget`); "min" = the smallest peak the planner can reach
+            (the least memory, whatever the recompute).
         block_size: leaf granularity: at most one cut per `block_size` consecutive nodes,
             at the cheapest position (see `candidate_cuts`).
         planner: "optimal", "one_level" or "uniform".
@@ -57,7 +58,12 @@ def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal",
         raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
     info = GraphInfo.of(graph)
     naive = simulate(graph, info=info).peak_bytes
-    budget_bytes = parse_budget(budget, naive)
+    if budget == "min":
+        budget_bytes, _ = min_feasible_peak(
+            graph, block_size=block_size, nested=planner != "one_level", info=info
+        )
+    else:
+        budget_bytes = parse_budget(budget, naive)
     if planner == "uniform":
         segments = options.pop("segments", None) or max(1, round(math.sqrt(info.n)))
         return uniform_plan(graph, segments, budget_bytes=budget_bytes, info=info, **options)

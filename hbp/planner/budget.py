@@ -10,7 +10,8 @@ from hbp.errors import ConfigError
 ACCEPTED = (
     "a fraction of the naive step peak in (0, 1] (e.g. 0.3), a positive int of bytes, "
     "or a size string like '64MiB', '1.5GiB', '500MB', '2e6B' (units B, KB, MB, GB, "
-    "KiB, MiB, GiB; at most the naive peak)"
+    "KiB, MiB, GiB; at most the naive peak), or 'min' (planner entry points: the least "
+    "memory the planner can reach)"
 )
 
 UNITS = {
