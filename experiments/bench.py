@@ -28,11 +28,14 @@ WORKLOADS = "gpt2,resnet,unet,synthetic_dag"
 BUDGETS = "1.0,0.5,0.3,0.2,0.1,min"
 
 
+THREADS = 1  # one torch thread per run: steadier medians on a small shared machine
+
+
 def sweep(name: str, *overrides: str, steps: int = 5) -> None:
     """One Hydra multirun into outputs/bench/matrix/<name>; failures are reported, not fatal."""
     cmd = [
         sys.executable, "run.py", "-m", f"workload={WORKLOADS}", "profile=small", "logger=table",
-        "verify=true", f"steps={steps}", "warmup=1", f"hydra.sweep.dir={OUT / 'matrix' / name}",
+        "verify=true", f"steps={steps}", "warmup=1", f"threads={THREADS}", f"hydra.sweep.dir={OUT / 'matrix' / name}",
         *overrides,
     ]  # fmt: skip
     print("+", " ".join(cmd[1:]), flush=True)

@@ -310,18 +310,68 @@ def test_module_level_fallback_checkpoints_the_planned_child_calls():
     with pytest.warns(CaptureWarning):
         captured = capture(model, (x,))
     assert captured.module_calls == [(f"{m}.{i}", 0) for m in "abc" for i in (0, 1)]
-    plan = per_call_plan(Plan([Segment(0, 1), Segment(1, 5, True), Segment(5, 7)]), captured.graph)
-    assert [s.recompute for s in plan.segments] == [False, True, True, True, True, False]
+    assert [g[:4] for g in captured.module_groups] == [
+        ("a", 0, 1, 3),
+        ("b", 0, 3, 5),
+        ("c", 0, 5, 7),
+    ]
+    # [1, 6) covers the Sequential calls a and b (checkpointed as wholes) and c's first child
+    plan = per_call_plan(Plan([Segment(0, 1), Segment(1, 6, True), Segment(6, 7)]), captured)
+    assert [(s.start, s.stop, s.recompute) for s in plan.segments] == [
+        (0, 1, False), (1, 3, True), (3, 5, True), (5, 6, True), (6, 7, False)
+    ]  # fmt: skip
     executor = make_executor(captured, plan, model)
     assert isinstance(executor, ModuleCallExecutor)
+    assert [(u.key, u.children) for u in executor.units] == [
+        (("a", 0), None), (("b", 0), None), (("c", 0), (0, 1))
+    ]  # fmt: skip
     params = [x, *model.parameters()]
     expected = run_step(lambda: model(x), params)
     for m in (model.a, model.b, model.c):
         m[1].runs = 0
     got = run_step(lambda: executor(x), params)
-    # the checkpointed tanh calls (a.1, b.1) ran again in backward, c.1 did not. (The
-    # checkpointed Linear calls save only their input, which non-reentrant checkpoint's early
-    # stop recovers before running the matmul again.)
+    # a and b ran again in backward (their tanh saves its output: it runs again); c's run of
+    # one Linear saves only its input, which non-reentrant checkpoint's early stop recovers
+    # before running the matmul again, and c's tanh is not checkpointed.
     assert [model.a[1].runs, model.b[1].runs, model.c[1].runs] == [2, 2, 1]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
-    assert "forward" not in model.b[0].__dict__  # the patch is gone
+    assert "forward" not in model.b.__dict__ and "forward" not in model.c.__dict__  # unpatched
+
+
+def test_module_level_fallback_checkpoints_runs_inside_nested_sequentials():
+    """A segment that covers parts of two nested Sequential calls is checkpointed as two runs
+    of children (no code runs between a Sequential's children), and the step matches."""
+    torch.manual_seed(0)
+    body = nn.Sequential(
+        *[nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)) for _ in range(3)]
+    )
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x):
+            return self.body(-x if x.sum() > 0 else x)  # data-dependent: module level
+
+    net = Net()
+    x = torch.randn(16, D, requires_grad=True)
+    with pytest.warns(CaptureWarning):
+        captured = capture(net, (x,))
+    assert len(captured.graph) == 10
+    plan = per_call_plan(Plan([Segment(0, 2), Segment(2, 6, True), Segment(6, 10)]), captured)
+    assert [(s.start, s.stop, s.recompute) for s in plan.segments] == [
+        (0, 2, False), (2, 4, True), (4, 6, True), (6, 10, False)
+    ]  # fmt: skip
+    executor = make_executor(captured, plan, net)
+    assert [(u.key, u.children) for u in executor.units] == [
+        (("body.0", 0), (1, 3)), (("body.1", 0), (0, 2))
+    ]  # fmt: skip
+    params = [x, *net.parameters()]
+    expected = run_step(lambda: net(x), params)
+    got = run_step(lambda: executor(x), params)
+    assert torch.equal(got[0], expected[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    # The module-level graph knows the child calls, not the glue code around them (`-x`, an
+    # input-sized tensor alive during the step): predicted up to that, + the loss and its grad.
+    assert got[2] == simulate(captured.graph, plan).peak_bytes + x.numel() * 4 + 8

@@ -3,7 +3,8 @@ is one of hbp's workloads): a small ViT with nn.MultiheadAttention, a MobileNetV
 an LSTM/GRU tagger, a HuggingFace-style block with `attention_mask=` and a ModelOutput /
 dataclass result, a causal-mask buffer sliced by the sequence length, a frozen backbone, a
 model that calls torch.utils.checkpoint itself, weights tied across non-adjacent layers,
-bfloat16 autocast, integer/boolean inputs, and inputs that are lists or dicts of tensors.
+bfloat16 autocast (around the call, and no_grad/autocast regions inside the forward),
+integer/boolean inputs, and inputs that are lists or dicts of tensors.
 
 For each model and budget (1.0, 0.5, the smallest feasible one): outputs and parameter
 gradients equal the plain model's (same seed), the measured peak (MemoryTracker) is within
@@ -14,16 +15,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import io
 import math
 import pickle
+import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 import hbp
@@ -153,7 +156,11 @@ class HFAttention(nn.Module):
         def split(x):
             return x.view(b, t, self.heads, d // self.heads).transpose(1, 2)
 
-        q, k, v = split(self.q(hidden_states)), split(self.k(hidden_states)), split(self.v(hidden_states))
+        q, k, v = (
+            split(self.q(hidden_states)),
+            split(self.k(hidden_states)),
+            split(self.v(hidden_states)),
+        )
         scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
         if attention_mask is not None:
             scores = scores + attention_mask
@@ -186,14 +193,22 @@ class HFStyleLM(nn.Module):
         self.dataclass_output = dataclass_output
 
     def forward(
-        self, input_ids, attention_mask=None, labels=None, output_hidden_states=False, return_dict=True
+        self,
+        input_ids,
+        attention_mask=None,
+        labels=None,
+        output_hidden_states=False,
+        return_dict=True,
+        **kwargs,
     ):
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device)
         h = self.tok(input_ids) + self.pos(positions)[None]
         extended = None
         if attention_mask is not None:
-            extended = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) * torch.finfo(h.dtype).min
+            extended = (1.0 - attention_mask[:, None, None, :].to(h.dtype)) * torch.finfo(
+                h.dtype
+            ).min
         states = (h,)
         for layer in self.layers:
             h = layer(h, attention_mask=extended)
@@ -201,7 +216,9 @@ class HFStyleLM(nn.Module):
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100
+            )
         if not return_dict:
             return (loss, logits) if loss is not None else (logits,)
         hidden = states if output_hidden_states else ()
@@ -218,7 +235,8 @@ class CausalSelfAttention(nn.Module):
         self.heads = heads
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.register_buffer(
-            "bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+            "bias",
+            torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size),
         )
 
     def forward(self, x):
@@ -242,7 +260,9 @@ class MaskedGPT(nn.Module):
             for _ in range(depth)
         )
         self.mlps = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            nn.Sequential(
+                nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+            )
             for _ in range(depth)
         )
         self.head = nn.Linear(dim, vocab, bias=False)
@@ -264,11 +284,18 @@ class FrozenBackbone(nn.Module):
     def __init__(self, dim=64, depth=6, classes=5):
         super().__init__()
         self.backbone = nn.Sequential(
-            *[nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim), nn.GELU()) for _ in range(depth)]
+            *[
+                nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim), nn.GELU())
+                for _ in range(depth)
+            ]
         )
         self.backbone.requires_grad_(False)
         self.head = nn.Sequential(
-            nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, classes)
+            nn.Linear(dim, 2 * dim),
+            nn.GELU(),
+            nn.Linear(2 * dim, 2 * dim),
+            nn.GELU(),
+            nn.Linear(2 * dim, classes),
         )
 
     def forward(self, x):
@@ -281,7 +308,9 @@ class SelfCheckpointed(nn.Module):
     def __init__(self, dim=64, depth=4):
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim))
+            nn.Sequential(
+                nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * dim, dim)
+            )
             for _ in range(depth)
         )
         self.head = nn.Linear(dim, dim)
@@ -311,7 +340,10 @@ class MLPNet(nn.Module):
     def __init__(self, dim=64, depth=6):
         super().__init__()
         self.layers = nn.Sequential(
-            *[nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(depth)]
+            *[
+                nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                for _ in range(depth)
+            ]
         )
 
     def forward(self, x):
@@ -336,11 +368,30 @@ class DictInput(ListInput):
         return {"h": h, "masked": h.masked_fill(~batch["keep"], 0.0)}
 
 
+class Distill(nn.Module):
+    """A frozen teacher run under `torch.no_grad()` and a student body under bfloat16
+    autocast, both inside the forward (fx records ops, not context managers)."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.teacher = MLPNet(dim, 3)
+        self.body = MLPNet(dim, 4)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.body(x)
+        out = self.head(h.float())
+        return F.mse_loss(out, target), h.dtype
+
+
 class DataDependentNet(nn.Module):
     def __init__(self, dim=64):
         super().__init__()
         self.pre = nn.Linear(dim, dim)
-        self.body = MLPNet(dim, 4)
+        self.body = MLPNet(dim, 4).layers  # an nn.Sequential: its children are cut points
 
     def forward(self, x):
         h = self.pre(x)
@@ -350,25 +401,32 @@ class DataDependentNet(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# Cases: a model factory, an input factory and how exactly results must match
+# Cases: a model, its inputs, how exactly results must match
 # ---------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
 class Case:
     name: str
-    make_model: object  # () -> nn.Module
-    make_inputs: object  # () -> (args tuple, kwargs dict)
+    make_model: Callable[[], nn.Module]
+    make_inputs: Callable[[], tuple[tuple, dict]]
     exact: bool = True  # bitwise equal outputs and gradients
-    autocast: bool = False  # run under torch.autocast("cpu", torch.bfloat16)
+    autocast: bool = False  # run under torch.autocast("cpu", dtype=torch.bfloat16)
+    block_size: int = 1  # HCModule's block_size (coarser on ~100-node graphs: planning time)
+
+    def autocast_context(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast)
+
+    def __str__(self) -> str:
+        return self.name
 
 
-def _tokens(b, t, vocab):
+def tokens(b, t, vocab):
     return torch.randint(0, vocab, (b, t))
 
 
-def _hf_inputs():
-    ids = _tokens(4, 32, 120)
+def hf_inputs():
+    ids = tokens(4, 32, 120)
     mask = torch.ones(4, 32, dtype=torch.long)
     mask[1, 20:] = 0
     mask[3, 5:] = 0
@@ -376,25 +434,36 @@ def _hf_inputs():
     return (ids,), {"attention_mask": mask, "labels": labels, "output_hidden_states": True}
 
 
-def _dict_inputs():
-    x, y = torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)
-    return ({"x": x, "y": y, "keep": torch.rand(64, 64) > 0.5},), {}
+def dict_inputs():
+    x, y = torch.randn(256, 64), torch.randn(256, 64, requires_grad=True)
+    return ({"x": x, "y": y, "keep": torch.rand(256, 64) > 0.5},), {}
 
 
 CASES = [
-    Case("vit", TinyViT, lambda: ((torch.randn(8, 3, 32, 32),), {})),
-    Case("mobilenetv2", TinyMobileNetV2, lambda: ((torch.randn(8, 3, 32, 32),), {})),
-    Case("lstm_gru", RNNTagger, lambda: ((_tokens(8, 24, 100),), {})),
-    Case("hf_modeloutput", HFStyleLM, _hf_inputs),
-    Case("hf_dataclass", lambda: HFStyleLM(dataclass_output=True), _hf_inputs),
-    Case("causal_buffer", MaskedGPT, lambda: ((_tokens(4, 40, 96), _tokens(4, 40, 96)), {})),
-    Case("frozen_backbone", FrozenBackbone, lambda: ((torch.randn(128, 64),), {})),
-    Case("self_checkpointed", SelfCheckpointed, lambda: ((torch.randn(128, 64, requires_grad=True),), {})),
-    Case("tied_across", TiedAcross, lambda: ((torch.randn(128, 64, requires_grad=True),), {})),
-    Case("autocast_bf16", MLPNet, lambda: ((torch.randn(128, 64),), {}), autocast=True),
-    Case("list_input", ListInput, lambda: (([torch.randn(64, 64), torch.randn(64, 64)],), {})),
-    Case("dict_input", DictInput, _dict_inputs),
+    Case("vit", TinyViT, lambda: ((torch.randn(8, 3, 32, 32),), {}), block_size=2),
+    Case("mobilenetv2", TinyMobileNetV2, lambda: ((torch.randn(8, 3, 32, 32),), {}), block_size=2),
+    Case("lstm_gru", RNNTagger, lambda: ((tokens(8, 24, 100),), {})),
+    Case("hf_modeloutput", HFStyleLM, hf_inputs, block_size=4),
+    Case("hf_dataclass", lambda: HFStyleLM(dataclass_output=True), hf_inputs, block_size=4),
+    Case(
+        "causal_buffer",
+        MaskedGPT,
+        lambda: ((tokens(4, 40, 96), tokens(4, 40, 96)), {}),
+        block_size=4,
+    ),
+    Case("frozen_backbone", FrozenBackbone, lambda: ((torch.randn(512, 64),), {})),
+    Case(
+        "self_checkpointed",
+        SelfCheckpointed,
+        lambda: ((torch.randn(512, 64, requires_grad=True),), {}),
+    ),
+    Case("tied_across", TiedAcross, lambda: ((torch.randn(512, 64, requires_grad=True),), {})),
+    Case("autocast_bf16", MLPNet, lambda: ((torch.randn(512, 64),), {}), autocast=True),
+    Case("list_input", ListInput, lambda: (([torch.randn(256, 64), torch.randn(256, 64)],), {})),
+    Case("dict_input", DictInput, dict_inputs),
+    Case("no_grad_autocast_inside", Distill, lambda: ((torch.randn(512, 64),), {})),
 ]
+CASE = {case.name: case for case in CASES}
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,8 +471,8 @@ CASES = [
 # ---------------------------------------------------------------------------------------
 
 
-def leaves(value):
-    """Tensor leaves of nested tuples/lists/dicts and dataclasses."""
+def leaves(value) -> list[torch.Tensor]:
+    """Tensor leaves of nested tuples, lists, dicts and dataclasses."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = [getattr(value, f.name) for f in dataclasses.fields(value)]
     if isinstance(value, dict):
@@ -415,29 +484,30 @@ def leaves(value):
 
 @dataclasses.dataclass
 class StepResult:
-    outputs: list
-    grads: dict
-    buffers: dict
+    outputs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
     peak_bytes: int
     flops: int
 
 
 def train_step(module, model, case, args, kwargs, seed=0) -> StepResult:
-    """One step of `module` (`model` or its wrapper): loss = sum of every float output."""
+    """One training step of `module` (`model` or its wrapper) under the memory tracker and
+    the FLOP counter: loss = sum of every output that requires grad."""
     for p in model.parameters():
         p.grad = None
     for t in leaves((args, kwargs)):
         t.grad = None
     torch.manual_seed(seed)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast)
     with MemoryTracker(record_timeline=False) as tracker, TotalFlopCounterMode() as counter:
-        with autocast:
+        with case.autocast_context():
             out = module(*args, **kwargs)
         loss = sum(t.float().sum() for t in leaves(out) if t.requires_grad)
         loss.backward()
         del loss
     grads = {n: p.grad for n, p in model.named_parameters()}
-    grads.update({f"input{i}": t.grad for i, t in enumerate(leaves((args, kwargs))) if t.requires_grad})
+    inputs = [t for t in leaves((args, kwargs)) if t.requires_grad]
+    grads.update({f"input{i}": t.grad for i, t in enumerate(inputs)})
     return StepResult(
         [t.detach() for t in leaves(out)],
         grads,
@@ -454,7 +524,8 @@ def assert_close(a, b, exact, what):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=what)
 
 
-def assert_same_step(expected: StepResult, got: StepResult, exact: bool):
+def assert_same_step(expected: StepResult, got: StepResult, exact: bool = True):
+    """Same outputs, parameter/input gradients and buffers (BatchNorm statistics)."""
     assert len(expected.outputs) == len(got.outputs)
     for i, (a, b) in enumerate(zip(expected.outputs, got.outputs)):
         assert_close(a, b, exact, f"output {i}")
@@ -468,29 +539,34 @@ def assert_same_step(expected: StepResult, got: StepResult, exact: bool):
         assert torch.equal(a, got.buffers[name]), f"buffer {name}"
 
 
-def minimum_budget(case) -> int:
+@functools.cache
+def minimum_budget(name: str) -> int:
     """The smallest feasible budget in bytes, from the BudgetError of a 1-byte budget."""
-    args, kwargs = case.make_inputs()
-    hc = hbp.HCModule(case.make_model(), budget=1)
-    with pytest.raises(BudgetError, match="MiB") as info:
-        hc.prepare(*args, **kwargs)
-    assert info.value.minimum > 1
+    case = CASE[name]
+    torch.manual_seed(0)
+    model, (args, kwargs) = case.make_model(), case.make_inputs()
+    hc = hbp.HCModule(model, budget=1, block_size=case.block_size)
+    with pytest.raises(BudgetError, match=r"smallest feasible budget is [0-9.]+ MiB") as info:
+        with case.autocast_context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            hc.prepare(*args, **kwargs)
+    assert info.value.budget == 1 and info.value.minimum > 1
     return info.value.minimum
 
 
-def check_case(case, budget, seed=0):
-    """Plain vs HCModule at `budget` on fresh copies; returns a table row."""
-    torch.manual_seed(seed)
+def compare_with_plain(case: Case, budget) -> dict:
+    """Plain model vs HCModule(budget) on fresh copies with the same weights, inputs and
+    seed: assert the same results; return a row of measurements."""
+    torch.manual_seed(0)
     model = case.make_model()
     reference = copy.deepcopy(model)
     args, kwargs = case.make_inputs()
     ref_args, ref_kwargs = copy.deepcopy((args, kwargs))
     expected = train_step(reference, reference, case, ref_args, ref_kwargs)
-    hc = hbp.HCModule(model, budget=budget)
+    hc = hbp.HCModule(model, budget=budget, block_size=case.block_size)
     got = train_step(hc, model, case, args, kwargs)
     assert_same_step(expected, got, case.exact)
     plan = hc.plan
-    recomputed = got.flops > expected.flops
     return dict(
         model=case.name,
         budget=budget,
@@ -499,10 +575,295 @@ def check_case(case, budget, seed=0):
         peak=got.peak_bytes,
         budget_bytes=plan.budget_bytes,
         predicted=plan.predicted_peak_bytes,
-        naive_predicted=plan.naive_peak_bytes,
-        recompute_segments=sum(s.recompute for s in plan.segments),
-        recomputed=recomputed,
-        extra_flops=got.flops - expected.flops,
-        predicted_flops=plan.predicted_recompute_flops,
-        hc=hc,
+        recomputed_segments=sum(s.recompute for s in plan.segments),
+        # FLOPs run on top of one forward and one backward of the captured graph
+        extra_flops=got.flops - plan.naive_flops,
+        predicted_extra_flops=plan.predicted_recompute_flops,
+        plain_flops=expected.flops,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# Every model at budgets 1.0, 0.5 and the smallest feasible one
+# ---------------------------------------------------------------------------------------
+
+_SIMULATOR_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="hbp.analysis.simulate does not charge a node's saved_extra_bytes (dropout mask) "
+    "when it runs with saving off inside a nested recompute: measured 1.15x the prediction",
+)
+_SLOW = {"vit", "mobilenetv2", "hf_modeloutput", "causal_buffer"}
+
+
+def _params() -> list:
+    params = []
+    for case in CASES:
+        for budget in ("1.0", "0.5", "min"):
+            marks = [pytest.mark.slow] if case.name in _SLOW else []
+            if (case.name, budget) == ("self_checkpointed", "min"):
+                marks.append(_SIMULATOR_BUG)
+            params.append(pytest.param(case.name, budget, id=f"{case.name}-{budget}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("name, budget", _params())
+def test_zoo_model_same_results_within_budget(name, budget):
+    case = CASE[name]
+    value = minimum_budget(name) if budget == "min" else float(budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # checkpoint inlining, forward hooks
+        try:
+            row = compare_with_plain(case, value)
+        except BudgetError as err:  # 0.5 below the minimum: consistent with it
+            assert budget == "0.5" and err.minimum == minimum_budget(name) > err.budget
+            return
+    assert row["granularity"] == "op"
+    assert row["peak"] <= 1.05 * row["budget_bytes"], row
+    assert row["peak"] >= 0.85 * row["predicted"], row  # the prediction is not far off
+    if budget == "1.0":
+        assert row["recomputed_segments"] == 0 and row["extra_flops"] == 0, row
+        if name != "self_checkpointed":  # (its own checkpointing is replaced by the plan)
+            assert row["peak"] <= 1.01 * row["plain_peak"], row
+    else:  # tight: recompute really happens, and costs at most what was predicted
+        assert row["recomputed_segments"] > 0, row
+        assert 0 < row["extra_flops"] <= row["predicted_extra_flops"], row
+        if name != "self_checkpointed":
+            assert row["peak"] < row["plain_peak"], row
+
+
+# ---------------------------------------------------------------------------------------
+# The wrapper as a module: modes, dtype, state dicts, pickling, repeated steps, shapes
+# ---------------------------------------------------------------------------------------
+
+
+def count_captures(monkeypatch) -> list:
+    """Every capture HCModule makes from now on appends to the returned list."""
+    import hbp.integrations.torch as hbp_torch
+
+    captures = []
+    real = hbp_torch.capture
+    monkeypatch.setattr(hbp_torch, "capture", lambda *a, **k: captures.append(1) or real(*a, **k))
+    return captures
+
+
+def test_eval_no_grad_train_to_state_dict_and_print(monkeypatch):
+    torch.manual_seed(0)
+    model = TinyMobileNetV2()
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget=0.5, block_size=2)
+    captures = count_captures(monkeypatch)
+    x = torch.randn(4, 3, 32, 32)
+    hc.eval()
+    assert not model.training and not any(m.training for m in model.modules())
+    reference.eval()
+    assert torch.equal(hc(x), reference(x))  # eval: the module just runs
+    hc.train()
+    assert model.training
+    reference.train()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        out = hc(x)
+        torch.manual_seed(1)
+        assert torch.equal(out, reference(x))  # no_grad: just runs (BatchNorm updates)
+    assert captures == []
+    assert hc.plan is None and "not planned yet" in hc.summary()
+
+    case = Case("mobilenetv2", TinyMobileNetV2, lambda: ((x,), {}))
+    got = train_step(hc, model, case, (x,), {})
+    expected = train_step(reference, reference, case, (x,), {})
+    assert_same_step(expected, got)
+    assert captures == [1]
+    text = str(hc.plan)
+    assert "predicted peak" in text and "recompute" in text
+    assert hc.summary().startswith("HCModule: op-level capture") and text in hc.summary()
+    assert "budget=0.5" in repr(hc)
+
+    # .to() keeps the Parameter objects but changes their dtype: planned again, in float64
+    hc.to(torch.float64)
+    reference.to(torch.float64)
+    got = train_step(hc, model, case, (x.double(),), {})
+    expected = train_step(reference, reference, case, (x.double(),), {})
+    assert_same_step(expected, got)
+    assert captures == [1, 1]
+    assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
+
+    # state dicts: "module."-prefixed keys; the unwrapped model's dict loads both ways
+    plain = TinyMobileNetV2().double()
+    assert set(hc.state_dict()) == {f"module.{k}" for k in plain.state_dict()}
+    plain.load_state_dict(hc.module.state_dict())
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    fresh = TinyMobileNetV2().double()
+    hc.load_state_dict(fresh.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    hc.load_state_dict(plain.state_dict())
+    with pytest.raises(RuntimeError, match="Missing key"):
+        hc.load_state_dict({"module.classifier.1.bias": plain.classifier[1].bias}, strict=True)
+
+
+def test_torch_save_pickle_and_deepcopy_round_trip():
+    torch.manual_seed(0)
+    case = CASE["hf_modeloutput"]
+    model = case.make_model()
+    args, kwargs = case.make_inputs()
+    hc = hbp.HCModule(model, budget=0.5, block_size=4)
+    expected = train_step(hc, model, case, args, kwargs)
+    buffer = io.BytesIO()
+    torch.save(hc, buffer)
+    buffer.seek(0)
+    copies = [
+        torch.load(buffer, weights_only=False),
+        pickle.loads(pickle.dumps(hc)),
+        copy.deepcopy(hc),
+    ]
+    for clone in copies:
+        assert isinstance(clone, hbp.HCModule) and clone.plan is None  # plans are rebuilt
+        assert clone.budget == 0.5 and clone.block_size == 4
+        got = train_step(clone, clone.module, case, args, kwargs)
+        assert_same_step(expected, got)
+        assert clone.plan.budget_bytes == hc.plan.budget_bytes
+
+
+def test_repeated_optimizer_steps_match_the_plain_model(monkeypatch):
+    """Three SGD steps with dropout and BatchNorm: same weights and running statistics after
+    every step; one capture for the three."""
+    torch.manual_seed(0)
+    model = TinyMobileNetV2()
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget=minimum_budget("mobilenetv2"), block_size=2)
+    captures = count_captures(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    target = torch.randint(0, 10, (8,))
+    for step in range(3):
+        x = torch.randn(8, 3, 32, 32)
+        for module, optimizer in ((hc, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            torch.manual_seed(step)
+            F.cross_entropy(module(x), target).backward()
+            optimizer.step()
+        for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+    assert captures == [1]
+    assert model.features[1].num_batches_tracked.item() == 3
+
+
+def test_a_new_batch_size_is_planned_again(monkeypatch):
+    torch.manual_seed(0)
+    case = CASE["causal_buffer"]
+    model = case.make_model()
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget=0.7, block_size=4)
+    captures = count_captures(monkeypatch)
+    budgets = []
+    for batch, seq in ((4, 40), (2, 40), (2, 24), (4, 40)):
+        args = (tokens(batch, seq, 96), tokens(batch, seq, 96))
+        got = train_step(hc, model, case, args, {})
+        assert_same_step(train_step(reference, reference, case, args, {}), got)
+        assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
+        budgets.append(hc.plan.budget_bytes)
+    assert len(captures) == 3  # the last shape was planned already
+    assert budgets[0] > budgets[1] > budgets[2] and budgets[3] == budgets[0]
+
+
+def test_autocast_is_part_of_the_input_signature(monkeypatch):
+    torch.manual_seed(0)
+    model = MLPNet()
+    captures = count_captures(monkeypatch)
+    hc = hbp.HCModule(model, budget=0.5)
+    x = torch.randn(512, 64)
+    hc(x).sum().backward()
+    float32 = hc.plan
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hc(x)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and len(captures) == 2
+    assert hc.plan.naive_peak_bytes < 0.7 * float32.naive_peak_bytes  # half-size activations
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs, the model's own checkpointing, untraceable models, infeasible budgets
+# ---------------------------------------------------------------------------------------
+
+
+class Containers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return [h, {"relu": h.relu(), "n": 3}], OrderedDict(a=h.sum()), x.shape[0]
+
+
+def test_outputs_keep_the_modules_own_container_types():
+    torch.manual_seed(0)
+    case = CASE["hf_modeloutput"]
+    args, kwargs = case.make_inputs()
+    for dataclass_output in (False, True):
+        model = HFStyleLM(dataclass_output=dataclass_output)
+        hc = hbp.HCModule(model, budget=0.6, block_size=4)
+        out, expected = hc(*args, **kwargs), model(*args, **kwargs)
+        assert type(out) is type(expected)
+        assert out.loss.requires_grad and len(out.hidden_states) == 4  # attribute access
+        if dataclass_output:
+            assert (out.num_layers, out.note) == (3, "ok")
+        else:
+            assert list(out) == ["loss", "logits", "hidden_states"]
+        out.loss.backward()
+    hc = hbp.HCModule(Containers(), budget=1.0)
+    out = hc(torch.randn(4, 16, requires_grad=True))
+    assert type(out) is tuple and type(out[0]) is list and type(out[0][1]) is dict
+    assert type(out[1]) is OrderedDict and out[2] == 4 and out[0][1]["n"] == 3
+    out[0].append("mutable")  # a real list, not fx's immutable_list
+    out[0][1]["new"] = 1
+
+
+def test_a_model_that_checkpoints_itself_is_planned_as_a_whole():
+    """Its torch.utils.checkpoint calls are traced through, with a warning; with the plain
+    model's own peak as the budget, HCModule fits it with less recompute."""
+    torch.manual_seed(0)
+    case = CASE["self_checkpointed"]
+    model = case.make_model()
+    reference = copy.deepcopy(model)
+    (x,), _ = case.make_inputs()
+    expected = train_step(reference, reference, case, (x.detach().requires_grad_(),), {})
+    hc = hbp.HCModule(model, budget=expected.peak_bytes)
+    with pytest.warns(UserWarning, match=r"calls torch.utils.checkpoint \(4x\); HCModule traces"):
+        got = train_step(hc, model, case, (x,), {})
+    assert_same_step(expected, got)
+    assert got.peak_bytes <= expected.peak_bytes
+    assert got.flops <= expected.flops
+
+
+def test_data_dependent_control_flow_falls_back_to_module_calls_with_a_warning():
+    torch.manual_seed(0)
+    model = DataDependentNet()
+    reference = copy.deepcopy(model)
+    x = torch.randn(512, 64, requires_grad=True)
+    case = Case("data_dependent", DataDependentNet, None)
+    expected = train_step(reference, reference, case, (x,), {})
+    hc = hbp.HCModule(model, budget=0.6)
+    with pytest.warns(CaptureWarning, match=r"could not capture DataDependentNet .*module-level"):
+        got = train_step(hc, model, case, (x,), {})
+    assert hc.captured.granularity == "module"
+    assert "fell back" in hc.summary() or "op-level capture failed" in hc.summary()
+    assert_same_step(expected, got)
+    assert got.flops > expected.flops  # child calls were recomputed
+    assert got.peak_bytes < expected.peak_bytes
+
+
+def test_infeasible_budget_raises_budget_error_with_the_minimum():
+    name = "tied_across"
+    minimum = minimum_budget(name)
+    case = CASE[name]
+    hc = hbp.HCModule(case.make_model(), budget=minimum - 4096)
+    with pytest.raises(BudgetError, match="MiB") as info:
+        hc(*case.make_inputs()[0])
+    assert info.value.minimum == minimum and info.value.budget == minimum - 4096
+    row = compare_with_plain(case, minimum)  # and the minimum itself fits
+    assert row["peak"] <= 1.05 * minimum
+    hc = hbp.HCModule(case.make_model(), budget="min")
+    assert hc.prepare(*case.make_inputs()[0]).budget_bytes == minimum
+    with pytest.raises(hbp.ConfigError, match="budget"):
+        hbp.HCModule(case.make_model(), budget=1.5)

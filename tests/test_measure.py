@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hbp.errors import ConfigError
+from hbp.graph.torch_capture import capture
 from hbp.runtime import (
     Timer,
     count_flops,
@@ -17,6 +18,7 @@ from hbp.runtime import (
     phase,
     summarize_times,
 )
+from hbp.runtime.flops import TotalFlopCounterMode
 
 F32 = 4
 
@@ -44,6 +46,60 @@ def test_linear_forward_backward_flops_are_three_matmuls():
     global_rows = frame[frame["module"] == "Global"]
     assert global_rows["flops"].sum() == flops
     assert set(global_rows["op"]) == {"aten.addmm", "aten.mm"}
+
+
+def test_cpu_flash_attention_flops_are_counted_as_the_capture_counts_them():
+    """F.scaled_dot_product_attention runs CPU flash attention, which FlopCounterMode has no
+    formula for: forward 4·b·h·s²·d (two matmuls), backward 2.5x that; the capture's node
+    FLOPs and the measured step agree."""
+    b, h, s, d = 2, 4, 64, 16
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+
+    def step():
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    forward = 2 * (2 * b * h * s * s * d)
+    _, flops, frame = count_flops_breakdown(step)
+    assert flops == forward + 5 * forward // 2 > 0
+    ops = set(frame[frame["module"] == "Global"]["op"])
+    assert ops == {
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+    assert count_flops(step)[1] == flops
+    with TotalFlopCounterMode() as counter:
+        step()
+    assert counter.get_total_flops() == flops
+
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    node = capture(Attention(), (q, k, v)).graph.nodes[-1]
+    assert (node.flops, node.backward_flops) == (forward, 5 * forward // 2)
+
+
+def test_cpu_lstm_flops_are_its_matmuls_forward_and_backward():
+    """nn.LSTM on CPU runs oneDNN's fused layer: per step 2·4h·(input + h) FLOPs a sample
+    forward, twice that backward; the capture counts the same."""
+    batch, steps, n_in, hidden = 3, 5, 8, 16
+    lstm = nn.LSTM(n_in, hidden, batch_first=True)
+    x = torch.randn(batch, steps, n_in, requires_grad=True)
+    forward = 2 * batch * steps * 4 * hidden * (n_in + hidden)
+    _, flops = count_flops(lambda: lstm(x)[0].sum().backward())
+    assert flops == 3 * forward
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = lstm
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    node = next(n for n in capture(Tagger(), (x,)).graph.nodes if n.op == "LSTM")
+    assert (node.flops, node.backward_flops) == (forward, 2 * forward)
 
 
 def test_measure_step_fields_flops_and_grad_reset():

@@ -294,3 +294,40 @@ def test_validate_plan_reports_budget_and_graph_mismatch():
         validate_plan(chain4(), plan)
     with pytest.raises(ValueError, match="only graph inputs"):
         validate_plan(chain4(), Plan([Segment(0, 1, True), Segment(1, 5)]))
+
+
+def shared_grad_graph():
+    """x -> a(1000), b(1000); t = f(a) (1000, output); s = a + b (1000, output), whose
+    gradient passes through to a and b (autograd's AddBackward returns the same tensor)."""
+    nodes = [
+        x_input(),
+        Node("a", "op", ("x",), 1000),
+        Node("b", "op", ("x",), 1000),
+        Node("t", "op", ("a",), 1000),
+        Node("s", "add", ("a", "b"), 1000),
+    ]
+    meta = {"grad_passthrough": {"s": ("a", "b")}}
+    return Graph(nodes, outputs=["s", "t"], meta=meta)
+
+
+def test_accumulating_into_a_shared_gradient_allocates():
+    # Regression (synthetic_dag measured 256 KiB over the prediction): forward ends with the
+    # outputs s, t (2000); backward seeds grad s, grad t: 4000. backward:s gives a and b
+    # grad s itself (shared, 4000). backward:t then accumulates into a's gradient, which is
+    # also b's: autograd adds out of place (new 1000: 5000, the peak) and b keeps the old one.
+    sim = simulate(shared_grad_graph())
+    events = dict(sim.timeline)
+    assert (events["backward"], events["backward:s"], events["backward:t"]) == (4000, 4000, 5000)
+    assert (sim.peak_bytes, sim.peak_at) == (5000, "t")
+
+
+def test_dp_cost_model_counts_shared_gradient_accumulation():
+    from hbp.planner.dp import CostModel
+
+    graph = shared_grad_graph()
+    info = GraphInfo.of(graph)
+    model = CostModel(info, [0, info.n])
+    t = info.names.index("t")
+    # pos_bwd: gradients and outputs at backward:t: grad t, the shared grad s, a's new
+    # gradient and the outputs s, t: the simulator's 5000 at that event (nothing is saved).
+    assert int(model.pos_bwd[t]) == dict(simulate(graph).timeline)["backward:t"] == 5000

@@ -28,12 +28,16 @@ that are not held are freed when it stops. A pass without save events does not r
 
 At node j's backward (only nodes with a backward, see `hbp.analysis.liveness`): the gradient
 of j's output is live; j allocates the gradients of its inputs that receive one and do not
-have one yet (accumulating is free) and its parameter gradients (kept to the end of the
+have one yet and its parameter gradients (kept to the end of the
 step); the event is recorded; then j releases what it saved and frees its output gradient.
 Gradients of graph inputs are kept to the end of the step. Graph outputs' gradients are
 allocated when backward starts. An input that j passes its gradient through
 (`grad_passthrough`) and that has no gradient yet takes j's output gradient itself (shared
-storage, nothing new). Scratch bytes a capture recorded (`forward_transient_bytes`,
+storage, nothing new). Accumulating into an input's gradient is in place (free) unless
+that gradient's storage is also another value's gradient (shared by passthrough; j's own output
+gradient, which j lets go of before autograd accumulates, does not count): then, like
+autograd's input buffer, the sum is new storage and the input lets go of the shared one.
+Scratch bytes a capture recorded (`forward_transient_bytes`,
 `backward_transient_bytes`) are live during the node's forward (every run of it) / backward
 event only.
 
@@ -262,12 +266,18 @@ class _Run:
         if not info.has_backward[j]:
             return
         for v in info.inputs[j]:
-            if info.receives_grad[v] and self.grad[v] < 0:
+            if not info.receives_grad[v]:
+                continue
+            if self.grad[v] < 0:
                 if v in info.passthrough[j] and self.grad[j] >= 0:
                     self.grad[v] = self.grad[j]
                     self._hold(self.grad[j])
                 else:
                     self.grad[v] = self._new(info.grad_bytes[v])
+            elif self.refs[self.grad[v]] - (self.grad[v] == self.grad[j]) > 1:
+                # shared with another value's gradient: accumulated out of place
+                self._release(self.grad[v])
+                self.grad[v] = self._new(info.grad_bytes[v])
         if info.param_grad_bytes[j]:
             self._new(info.param_grad_bytes[j])  # kept to the end of the step
         scratch = int(info.backward_transient[j])

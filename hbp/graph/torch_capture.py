@@ -23,7 +23,7 @@ Two refinements over plain `torch.fx.symbolic_trace`:
 - None-valued and scalar (bool/int/float/str) keyword arguments are `concrete_args`.
 Then in-place ops are made out of place where no other view of the mutated storage is read
 afterwards (`nn.ReLU(inplace=True)` after BatchNorm, `x.add_(y)`, ...): same values, and an
-op the IR and the executor can cut before without cloning (`_functionalize_inplace`).
+op the IR and the executor can cut before without cloning (`_out_of_place`).
 
 Sizes come from running every node on fake tensors (`FakeTensorMode`: real shapes, dtypes
 and devices, no memory; the device is kept, so device-dependent kernels and decompositions
@@ -63,6 +63,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import operator
 import time
 import warnings
 import weakref
@@ -110,7 +111,8 @@ _CPU_UNREDUCED_LOSSES = {
 
 
 # CPU ops whose meta kernel gets the size of an output wrong: oneDNN's LSTM layer returns its
-# workspace (kept for backward, ~15x the layer's output) as an empty tensor.
+# workspace (kept for backward, ~15x the layer's output) as an empty tensor. Learning the real
+# size runs the real kernel once, on zeros: the capture briefly allocates what the step will.
 _CPU_WRONG_META_SIZES = {_aten.mkldnn_rnn_layer.default}
 
 
@@ -185,6 +187,10 @@ class CapturedGraph:
         mutated_inputs: IR node name -> names of its input nodes it mutates in place.
         mutated_attrs: IR node name -> `get_attr` targets (buffers) it mutates in place.
         module_calls: at module granularity, (module path, occurrence) of IR node i + 1.
+        module_groups: at module granularity, (path, occurrence, start, stop, child_starts)
+            of each nn.Sequential call expanded into its children: IR nodes [start, stop) are
+            the calls of its children (its i-th child's from child_starts[i]), a chain any
+            run of which can be checkpointed as one function.
         fallback_reason: why op-level capture failed ("" at op granularity).
         capture_time_s: wall time of the capture in seconds.
         output_template: at op granularity, the forward's return value with `OutputSlot(i)`
@@ -201,6 +207,7 @@ class CapturedGraph:
     mutated_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     mutated_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     module_calls: list[tuple[str, int]] = field(default_factory=list)
+    module_groups: list[tuple[str, int, int, int, tuple[int, ...]]] = field(default_factory=list)
     fallback_reason: str = ""
     capture_time_s: float = 0.0
     output_template: Any = None
@@ -384,14 +391,45 @@ def _as_if_compiling() -> Iterator[None]:
         torch.compiler.is_compiling = original
 
 
+#: fx node meta key: the (grad, autocast) modes a node ran with in the traced forward, where
+#: they differ from the modes of the call (`with torch.no_grad():`, `with torch.autocast(...)`
+#: inside the forward: fx records the ops, not the context managers around them).
+MODES = "hbp_modes"
+
+
+def ambient_modes() -> tuple:
+    """(grad enabled, (CPU autocast enabled, dtype), (CUDA autocast enabled, dtype))."""
+    autocast = (
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+    return (torch.is_grad_enabled(), *autocast)
+
+
+def enter_modes(modes: tuple) -> contextlib.ExitStack:
+    """Switch to `modes` (an `ambient_modes()` value); the returned stack's close() undoes it."""
+    grad, *autocast = modes
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.set_grad_enabled(grad))
+    for device, state in zip(("cpu", "cuda"), autocast):
+        if (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) != state:
+            stack.enter_context(torch.autocast(device, dtype=state[1], enabled=state[0]))
+    return stack
+
+
+def exit_modes(stack: contextlib.ExitStack) -> None:
+    stack.close()
+
+
 def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
-    """Run one node on fake values; a node whose Python needs a tensor's value (a host sync)
-    is run again as torch.compile would see it."""
-    try:
-        return _run_fx_node_once(node, root, faker, args, kwargs)
-    except (DataDependentOutputException, DynamicOutputShapeException):
-        with _as_if_compiling():
+    """Run one node on fake values, in its own modes (`MODES`); a node whose Python needs a
+    tensor's value (a host sync) is run again as torch.compile would see it."""
+    modes = node.meta.get(MODES)
+    with enter_modes(modes) if modes else contextlib.nullcontext():
+        try:
             return _run_fx_node_once(node, root, faker, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            with _as_if_compiling():
+                return _run_fx_node_once(node, root, faker, args, kwargs)
 
 
 def _run_fx_node_once(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
@@ -524,6 +562,7 @@ class _Tracer(fx.Tracer):
         self.values: dict[fx.Node, Any] = {}
         self.computing = False
         self.value_errors: list[str] = []
+        self.base_modes = ambient_modes()  # nodes created in other modes record theirs
         self.output_template: Any = None  # forward's return value, proxies as `OutputSlot`s
         self.inlined_checkpoints = 0  # torch.utils.checkpoint calls traced through
 
@@ -564,6 +603,9 @@ class _Tracer(fx.Tracer):
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, *rest, **kw):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest, **kw)
         node = proxy.node
+        modes = ambient_modes()
+        if modes != self.base_modes and kind != "placeholder":
+            node.meta[MODES] = modes
         if kind == "placeholder":
             key = target if target in self.inputs else target.rsplit("_", 1)[0]
             self.values[node] = self.inputs.get(key, _MISSING)
@@ -817,6 +859,7 @@ def _profile_call(
     owners: dict[int, str],
     name: str = "",
     params: tuple[torch.Tensor, ...] = (),
+    gradient_view_of: str | None = None,
 ) -> _Profile:
     """Run `run(*args, **kwargs)` (its inputs are `inputs`: (IR name, value)) on detached
     copies of its inputs, and classify its memory; then run its backward (FLOPs, peak bytes).
@@ -825,6 +868,8 @@ def _profile_call(
     owners: storage key -> IR name of the node that created it; new storages are added
         under `name`.
     params: (fake) parameters `run` uses, for the backward.
+    gradient_view_of: the input of a view op whose backward views the output's gradient
+        (`_gradient_view_input`): when the output aliases it, the backward is not run.
     """
     input_keys: dict[int, str] = {}
     versions = []
@@ -910,7 +955,10 @@ def _profile_call(
         value_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
     )
     if detached and not mutated and profile.requires_grad:
-        _profile_backward(profile, output, leaves, inputs, params, persistent_keys, saved_extra)
+        if gradient_view_of is not None and alias_of == gradient_view_of and not profile.flops:
+            profile.grad_passthrough.append(gradient_view_of)  # what the backward would find
+        else:
+            _profile_backward(profile, output, leaves, inputs, params, persistent_keys, saved_extra)
     saved_extra.clear()
     return profile
 
@@ -988,8 +1036,6 @@ def _capture_ops(
     faker = _Faker()
     gm, input_names, tracer = _trace(module, arguments, signature, faker)
     captured = _profile_graph(gm, module, arguments, input_names, signature, faker)
-    if _functionalize_inplace(captured):
-        captured = _profile_graph(gm, module, arguments, input_names, signature, faker)
     captured.output_template = tracer.output_template
     captured.inlined_checkpoints = tracer.inlined_checkpoints
     return captured
@@ -1003,7 +1049,8 @@ def _profile_graph(
     signature: inspect.Signature,
     faker: _Faker,
 ) -> CapturedGraph:
-    """Run every node of `gm` once on fake values and build the IR."""
+    """Run every node of `gm` on fake values and build the IR. An in-place op that can be
+    made out of place (`_out_of_place`) is, right after it ran, and is run again so."""
     persistent = [faker.tensor(t) for t in (*module.parameters(), *module.buffers())]
     persistent += [faker.tensor(t) for t in (*gm.parameters(), *gm.buffers())]
     persistent_keys = {k for k in map(_storage_key, persistent) if k is not None}
@@ -1018,6 +1065,9 @@ def _profile_graph(
     profiles: dict[str, _Profile] = {}
     placeholders = iter(input_names)
     outputs: list[str] = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name: dict[str, Node] = {}
+    changed = False
 
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -1036,6 +1086,13 @@ def _profile_graph(
             ir_node, params, profiles[node.name], attrs = _profile_fx_node(
                 node, gm, faker, values, owners, persistent_keys
             )
+            if _out_of_place(node, ir_node, profiles[node.name], gm, by_name, fx_nodes, order):
+                changed = True
+                for key in [k for k, owner in owners.items() if owner == node.name]:
+                    del owners[key]
+                ir_node, params, profiles[node.name], attrs = _profile_fx_node(
+                    node, gm, faker, values, owners, persistent_keys
+                )
             if profiles[node.name].mutated_inputs:
                 mutated_inputs[node.name] = profiles[node.name].mutated_inputs
             if attrs:
@@ -1043,7 +1100,12 @@ def _profile_graph(
             nodes.append(ir_node)
             fx_nodes.append(node)
             params_used.append(params)
+        if fx_nodes and fx_nodes[-1] is node:
+            by_name[node.name] = nodes[-1]
 
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
     _charge_param_grads(nodes, params_used)
     graph = Graph(
         nodes,
@@ -1091,57 +1153,50 @@ _INPLACE_MODULES: dict[type, Callable[[nn.Module], tuple[Callable, dict]]] = {
 }
 
 
-def _functionalize_inplace(captured: CapturedGraph) -> bool:
-    """Make in-place ops out-of-place where that cannot change any value the program reads.
+def _out_of_place(
+    node: fx.Node,
+    ir_node: Node,
+    profile: _Profile,
+    gm: fx.GraphModule,
+    by_name: dict[str, Node],
+    earlier: list[fx.Node],
+    order: dict[fx.Node, int],
+) -> bool:
+    """Make the in-place op `node` out of place where that cannot change any value the
+    program reads; return whether it did (the fx graph changed, `node` must run again).
 
     An in-place op at a segment boundary would have to be recomputed from its already
     mutated input (the executor then clones the input: memory the plan did not predict). Out
     of place, the op allocates its own output, which the IR models exactly; the old value dies
     as soon as nothing reads it (in-place activations after BatchNorm: right away). Only done
-    when the mutated value is not a graph input and no other view of its storage is read after
-    the op (later readers of the mutated value are redirected to the op's result). Returns
-    whether the fx graph changed."""
-    graph, gm = captured.graph, captured.gm
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    roots = {}
-    for ir in graph.nodes:
-        roots[ir.name] = roots.get(ir.alias_of, ir.alias_of) if ir.alias_of else ir.name
-    changed = False
-    for name, mutated in captured.mutated_inputs.items():
-        node = captured.fx_node(name)
-        if len(mutated) != 1 or graph.node(name).alias_of != mutated[0]:
-            continue
-        value = captured.fx_node(mutated[0])
-        if value.op == "placeholder" or graph.node(roots[value.name]).is_input:
-            continue
-        group = [n for n in captured.fx_nodes if roots[n.name] == roots[value.name]]
-        if any(
-            other is not value
-            and not _aliases_through(graph, other.name, name)
-            and order[user] > order[node]
-            for other in group
-            for user in other.users
-        ):
-            continue  # another view of the storage is read afterwards: it must see the change
-        if not _make_out_of_place(node, gm):
-            continue
-        for user in list(value.users):
-            if user is not node and order[user] > order[node]:
-                user.replace_input_with(value, node)
-        changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return changed
+    when the op mutates one value, that value is not (a view of) a graph input, and no other
+    view of its storage made before the op (`earlier`: the nodes profiled so far, with their
+    IR nodes in `by_name`) is read after it; later readers of the mutated value are
+    redirected to the op's result."""
+    mutated = profile.mutated_inputs
+    if len(mutated) != 1 or ir_node.alias_of != mutated[0]:
+        return False
 
+    def root(name: str) -> str:
+        while by_name[name].alias_of:
+            name = by_name[name].alias_of
+        return name
 
-def _aliases_through(graph: Graph, name: str, via: str) -> bool:
-    """Whether `name` is `via` or a view made (through views) from `via`'s result."""
-    while name is not None:
-        if name == via:
-            return True
-        name = graph.node(name).alias_of
-    return False
+    value = next(n for n in node.all_input_nodes if n.name == mutated[0])
+    if value.op == "placeholder" or by_name[root(value.name)].is_input:
+        return False
+    base = root(value.name)
+    for other in earlier:
+        if other is value or root(other.name) != base:
+            continue
+        if any(order[user] > order[node] for user in other.users):
+            return False  # another view of the storage is read afterwards: it must see the change
+    if not _make_out_of_place(node, gm):
+        return False
+    for user in list(value.users):
+        if user is not node and order[user] > order[node]:
+            user.replace_input_with(value, node)
+    return True
 
 
 def _make_out_of_place(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -1263,6 +1318,41 @@ def _input_node(name: str, value: Any, owners: dict[int, str], persistent_keys: 
     )
 
 
+# View ops whose backward is a view of the output's gradient (no FLOPs, no new memory): their
+# gradient passes through to their input, which profiling their backward would only confirm.
+_GRAD_VIEW_METHODS = set(
+    "view reshape transpose permute t unsqueeze squeeze flatten unflatten contiguous "
+    "swapaxes movedim".split()
+)
+_GRAD_VIEW_FUNCTIONS = {
+    torch.transpose,
+    torch.reshape,
+    torch.flatten,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.permute,
+    torch.t,
+    torch.swapaxes,
+    torch.movedim,
+}
+
+
+def _gradient_view_input(node: fx.Node, values: dict[fx.Node, Any]) -> str | None:
+    """The input of `node` if it is such a view op (or picks an element of a tuple/list)."""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node):
+        return None
+    value = values.get(src)
+    if node.op == "call_function" and node.target is operator.getitem:
+        ok = isinstance(value, (tuple, list)) and isinstance(node.args[1], int)
+    else:
+        ok = isinstance(value, torch.Tensor) and (
+            (node.op == "call_method" and node.target in _GRAD_VIEW_METHODS)
+            or (node.op == "call_function" and node.target in _GRAD_VIEW_FUNCTIONS)
+        )
+    return src.name if ok else None
+
+
 def _profile_fx_node(
     node: fx.Node,
     gm: fx.GraphModule,
@@ -1301,6 +1391,7 @@ def _profile_fx_node(
             owners,
             node.name,
             tuple(faker.tensor(p) for p in params),
+            _gradient_view_input(node, values),
         )
     values[node] = prof.output
     mutated_attrs = tuple(
@@ -1344,9 +1435,10 @@ class _Call:
 
 def _record_calls(
     module: nn.Module, bound: inspect.BoundArguments, faker: _Faker | None
-) -> list[_Call]:
+) -> tuple[list[_Call], list[tuple[str, int, int, int, tuple[int, ...]]]]:
     """The top-level child module calls of one forward (nn.Sequential calls expanded into
-    their children's calls), with their inputs and outputs."""
+    their children's calls), with their inputs and outputs, and the expanded Sequential
+    calls (`_expand_sequential`)."""
     paths = {m: p for p, m in module.named_modules() if p}
     depth = [0]
     calls: list[tuple[int, _Call]] = []
@@ -1380,23 +1472,39 @@ def _record_calls(
         for h in handles:
             h.remove()
     # `calls` is in completion order (children before their parent).
-    return _expand_sequential(calls, 0)
-
-
-def _expand_sequential(calls: list[tuple[int, _Call]], level: int) -> list[_Call]:
     out: list[_Call] = []
+    groups: list[tuple[str, int, int, int, tuple[int, ...]]] = []
+    _expand_sequential(calls, 0, out, groups)
+    return out, groups
+
+
+def _expand_sequential(
+    calls: list[tuple[int, _Call]],
+    level: int,
+    out: list[_Call],
+    groups: list[tuple[str, int, int, int, tuple[int, ...]]],
+) -> list[int]:
+    """Append to `out` the calls at `level`, each nn.Sequential call replaced by its
+    children's calls (recursively), and return where each call at `level` starts in `out`.
+    For each replaced call append to `groups` (path, occurrence, first, end, where each
+    direct child starts) in `out` positions: a Sequential's children form a chain with no
+    other code between them, so any run of them can be checkpointed as one function."""
+    starts: list[int] = []
     pending: list[tuple[int, _Call]] = []
     for d, call in calls:
         if d > level:
             pending.append((d, call))
             continue
         if d == level:
+            starts.append(len(out))
             if type(call.module).forward is nn.Sequential.forward and pending:
-                out.extend(_expand_sequential(pending, level + 1))
+                first = len(out)
+                children = _expand_sequential(pending, level + 1, out, groups)
+                groups.append((call.path, call.occurrence, first, len(out), tuple(children)))
             else:
                 out.append(call)
             pending = []
-    return out
+    return starts
 
 
 def _capture_modules(
@@ -1405,11 +1513,11 @@ def _capture_modules(
     norms = stat_tracking_norms(module)
     faker = _Faker()
     try:
-        calls = _record_calls(module, bound, faker)
+        calls, groups = _record_calls(module, bound, faker)
         recorded_fake = True
     except Exception:  # noqa: BLE001 - data-dependent Python: record a real no-grad run
         with torch.no_grad(), frozen_running_stats(norms):
-            calls = _record_calls(module, bound, None)
+            calls, groups = _record_calls(module, bound, None)
         recorded_fake = False
     if not calls:
         raise RuntimeError(
@@ -1470,6 +1578,10 @@ def _capture_modules(
         input_names=list(bound.arguments),
         signature=signature,
         module_calls=[(c.path, c.occurrence) for c in calls],
+        module_groups=[
+            (path, k, first + 1, end + 1, tuple(c + 1 for c in children))
+            for path, k, first, end, children in groups
+        ],
         fallback_reason=reason,
     )
 

@@ -5,29 +5,31 @@
     print(model.plan)                              # what is kept, what is recomputed
 
 On the first call for an input signature (shapes, dtypes, devices, requires_grad, None-ness
-and values of non-tensor arguments, train/eval flags, grad and autocast modes, the parameters'
-identity, dtype, device and requires_grad) the module is captured (`hbp.graph.torch_capture.capture`), the least-recompute
-plan that fits the budget is made (`hbp.planner.plan`), and an executor is built
-(`hbp.runtime.executor`); all three are cached per signature. In eval mode, under
-`torch.no_grad()`, or when nothing requires grad, the wrapped module just runs.
+and values of non-tensor arguments, train/eval flags, grad and autocast modes, the
+parameters' identity, dtype, device and requires_grad) the module is captured
+(`hbp.graph.torch_capture.capture`), the least-recompute plan that fits the budget is made
+(`hbp.planner.plan`), and an executor is built (`hbp.runtime.executor`); all three are cached
+per signature. In eval mode, under `torch.no_grad()`, or when nothing requires grad, the
+wrapped module just runs.
 
 Budget: float in (0, 1] = fraction of the step's naive peak, as simulated on the captured
 graph (activations, saved tensors, activation and parameter gradients; not the parameters
-themselves nor the inputs); int = bytes; str such as "64MiB". No plan fits ->
-`hbp.BudgetError` with `.minimum` (bytes).
+themselves nor the inputs); int = bytes; str such as "64MiB"; "min" = the least the planner
+can reach. No plan fits -> `hbp.BudgetError` with `.minimum` (bytes).
 
 Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
 hooks of submodules fire again, Python side effects in forward happen again, and the RNG state
 is replayed (dropout masks are those of the original forward). Global state read in forward
 must not change between forward and backward.
 
-Outputs come back in the module's own containers (tuples, namedtuples, lists, dicts and dict
-subclasses such as HuggingFace's ModelOutput, dataclasses; non-tensor fields as returned at
-capture). `torch.utils.checkpoint` calls inside the module are traced through: the plan
-decides what is recomputed (a warning says so), and a fractional budget is a fraction of the
-peak *without* that checkpointing. `state_dict()` keys carry the "module." prefix (load
-`hc.module.state_dict()` into an unwrapped model); `load_state_dict` also accepts the
-unwrapped module's keys.
+What the forward does is kept: `with torch.no_grad():` / `with torch.autocast(...):` blocks
+inside it (the capture records each op's modes); outputs come back in the module's own
+containers (tuples, namedtuples, lists, dicts and dict subclasses such as HuggingFace's
+ModelOutput, dataclasses; non-tensor fields as returned at capture). `torch.utils.checkpoint`
+calls inside the module are traced through: the plan decides what is recomputed (a warning
+says so), and a fractional budget is a fraction of the peak *without* that checkpointing.
+`state_dict()` keys carry the "module." prefix (load `hc.module.state_dict()` into an
+unwrapped model); `load_state_dict` also accepts the unwrapped module's keys.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
-from hbp.graph.torch_capture import MODULE, CapturedGraph, capture
+from hbp.graph.torch_capture import MODULE, CapturedGraph, ambient_modes, capture
 from hbp.planner.budget import parse_budget
 from hbp.planner.plan import MIB, Plan
 from hbp.runtime.executor import make_executor, per_call_plan
@@ -174,7 +176,7 @@ class HCModule(nn.Module):
 
     def _signature(self, args, kwargs) -> tuple:
         leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
-        parts: list[Any] = [str(spec), self.training, torch.is_grad_enabled(), _autocast_state()]
+        parts: list[Any] = [str(spec), self.training, ambient_modes()]  # grad and autocast
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 parts.append(
@@ -287,13 +289,6 @@ class HCModule(nn.Module):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, UserWarning, stacklevel=4)
-
-
-def _autocast_state() -> tuple:
-    """(enabled, dtype) of autocast on CPU and CUDA: it changes dtypes, hence sizes."""
-    return tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
 
 
 def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:

@@ -173,13 +173,19 @@ class CostModel:
         for j in range(n - 1, -1, -1):
             if info.has_backward[j]:
                 for v in info.inputs[j]:
-                    if info.receives_grad[v] and grad[v] < 0:
+                    if not info.receives_grad[v]:
+                        continue
+                    if grad[v] < 0:
                         if v in info.passthrough[j] and grad[j] >= 0:
                             grad[v] = grad[j]
                             refs[grad[j]] += 1
                         else:
                             grad[v] = new(info.grad_bytes[v])
                             live += int(info.grad_bytes[v])
+                    elif refs[grad[v]] - (grad[v] == grad[j]) > 1:  # see the simulator
+                        refs[grad[v]] -= 1
+                        grad[v] = new(info.grad_bytes[v])
+                        live += int(info.grad_bytes[v])
                 live += int(info.param_grad_bytes[j])
                 self.pos_bwd[j] = live + int(info.backward_transient[j])
                 if grad[j] >= 0:

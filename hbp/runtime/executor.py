@@ -26,9 +26,14 @@ later readers (capture already makes most in-place ops out-of-place, so this is 
 other than norm statistics that a recomputed segment updates in place are swapped for
 throw-away copies during the recompute, like norm statistics.
 
-`ModuleCallExecutor` (module granularity, the capture fallback) checkpoints the recorded child
-module calls that the plan recomputes, one call at a time, by patching their `forward` for the
-duration of one forward pass.
+Modes: a node the forward ran under `torch.no_grad()` or `torch.autocast(...)` (recorded by the
+capture, `MODES`) runs in those modes in the generated code, so a cut inside such a region
+changes nothing. Recomputed segments run with autocast's weight-cast cache off (see
+`autocast_cache_disabled`).
+
+`ModuleCallExecutor` (module granularity, the capture fallback) checkpoints what of the plan's
+recomputed segments can be re-run on its own: whole child module calls, and runs of children
+of an nn.Sequential (`checkpointed_units`), by patching `forward`s for one forward pass.
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch.utils import _pytree as pytree
 import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hbp.graph.ir import Graph
-from hbp.graph.torch_capture import MODULE, CapturedGraph
+from hbp.graph.torch_capture import MODES, MODULE, CapturedGraph, enter_modes, exit_modes
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.recompute import checkpoint_context_fn
 
@@ -180,16 +186,24 @@ class PlanExecutor:
                     env.pop(n, None)
             outputs = block.outputs_before(end)
             if block.recompute:
-                outs = checkpoint(
-                    _Checkpointed(block),
-                    *args,
-                    use_reentrant=False,
-                    preserve_rng_state=True,
-                    context_fn=block.context_fn,
-                )
+                # checkpoint() routes only tensor arguments through its saved-tensor hooks;
+                # a container argument (the tuple of `chunk`) would be held by a strong
+                # reference until the segment's backward, keeping its tensors alive. So the
+                # inputs go in as flat tensors and are rebuilt inside.
+                leaves, spec = pytree.tree_flatten(args)
+                del args
+                with autocast_cache_disabled():
+                    outs = checkpoint(
+                        _FlatInputs(_Checkpointed(block), spec),
+                        *leaves,
+                        use_reentrant=False,
+                        preserve_rng_state=True,
+                        context_fn=block.context_fn,
+                    )
+                del leaves
             else:
                 outs = block.call(args, outputs)
-            del args
+                del args
             env.update(zip(outputs, outs))
             del outs
 
@@ -309,9 +323,14 @@ class PlanExecutor:
             for src in node.all_input_nodes:
                 if src.op == "get_attr" and src not in env:
                     env[src] = graph.get_attr("root." + src.target)
+            modes = node.meta.get(MODES)  # e.g. inside a `with torch.no_grad():` of the forward
+            if modes:
+                stack = graph.call_function(enter_modes, (modes,))
             copy = graph.node_copy(node, lambda n: env[n])
             if copy.op == "call_module":
                 copy.target = "root." + copy.target
+            if modes:
+                graph.call_function(exit_modes, (stack,))
             env[node] = copy
             if self.node_hook is not None:
                 graph.call_function(self.node_hook, (node.name,))
@@ -327,6 +346,17 @@ class PlanExecutor:
                 f"[{b.start:4d}, {b.stop:4d}) {kind:9s} in={len(b.inputs)} out={len(b.outputs)}"
             )
         return "\n".join(lines)
+
+
+class _FlatInputs:
+    """Calls `fn` with its positional arguments rebuilt from flat leaves (`pytree` spec)."""
+
+    def __init__(self, fn, spec):
+        self.fn = fn
+        self.spec = spec
+
+    def __call__(self, *leaves):
+        return self.fn(*pytree.tree_unflatten(list(leaves), self.spec))
 
 
 class _Checkpointed:
@@ -378,6 +408,21 @@ class _NestedCall:
         return tuple(env[n] for n in outputs)
 
 
+@contextlib.contextmanager
+def autocast_cache_disabled() -> Iterator[None]:
+    """Inside (and in the recompute of checkpoints started inside, which records the
+    setting): autocast does not cache the low-precision copies of weights. The cache would
+    keep the copy of every weight a segment casts alive until autocast exits (its recompute,
+    in backward: a recompute holds all its weights' copies at once), where the IR, like
+    autograd, keeps a copy only while its op saves it. Same values: a cast is a cast."""
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+
+
 def getattr_path(root: Any, path: str) -> Any:
     for part in path.split("."):
         root = getattr(root, part)
@@ -410,14 +455,14 @@ def _throwaway_attrs(pairs: list[tuple[nn.Module, str]]) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------
 
 
-def recomputed_nodes(plan: Plan) -> set[int]:
-    """Indices of the nodes inside a recomputed segment (outermost ones, at any depth)."""
-    out: set[int] = set()
+def recomputed_ranges(plan: Plan) -> list[tuple[int, int]]:
+    """[start, stop) of each outermost recomputed segment (at any depth under plain ones)."""
+    out: list[tuple[int, int]] = []
 
     def visit(segments: list[Segment]) -> None:
         for seg in segments:
             if seg.recompute:
-                out.update(range(seg.start, seg.stop))
+                out.append((seg.start, seg.stop))
             else:
                 visit(seg.children)
 
@@ -425,20 +470,100 @@ def recomputed_nodes(plan: Plan) -> set[int]:
     return out
 
 
-def per_call_plan(plan: Plan, graph: Graph) -> Plan:
-    """The plan `ModuleCallExecutor` really runs on `graph`: every node of a recomputed
-    segment becomes its own recomputed segment (no nesting). Predictions are left to the
-    caller to redo."""
-    recomputed = recomputed_nodes(plan)
-    names = [n.name for n in graph.nodes]
+def recomputed_nodes(plan: Plan) -> set[int]:
+    """Indices of the nodes inside a recomputed segment (outermost ones, at any depth)."""
+    return {i for a, b in recomputed_ranges(plan) for i in range(a, b)}
+
+
+@dataclass(frozen=True)
+class CallUnit:
+    """A range [start, stop) of module-level graph nodes that `ModuleCallExecutor` runs
+    through one checkpoint: the call `key` = (module path, occurrence) as a whole, or, when
+    `children` = (i, j), the run of that nn.Sequential call's children i..j-1."""
+
+    start: int
+    stop: int
+    key: tuple[str, int]
+    children: tuple[int, int] | None = None
+
+
+def checkpointed_units(plan: Plan, captured: CapturedGraph) -> list[CallUnit]:
+    """What the module-level executor checkpoints for `plan`, left to right. Each recomputed
+    segment is covered by whole calls (a top-level child call, or an expanded nn.Sequential
+    call inside the segment) and by runs of consecutive children of an expanded Sequential
+    that the segment covers in part (a chain with no code in between). Code between
+    top-level calls cannot be re-run on its own, so at the top level a segment is
+    checkpointed call by call. The graph input (node 0) is never in a unit."""
+    groups = captured.module_groups  # inner Sequentials come before the ones around them
+    by_range: dict[tuple[int, int], list[int]] = {}
+    for index, (_, _, a, b, _) in enumerate(groups):
+        by_range.setdefault((a, b), []).append(index)
+
+    def group_at(s: int, e: int, inside: int) -> int | None:
+        """The outermost group with nodes [s, e) nested in group `inside` (len: top level)."""
+        return max((g for g in by_range.get((s, e), ()) if g < inside), default=None)
+
+    def whole(s: int, e: int, inside: int) -> CallUnit:
+        g = group_at(s, e, inside)
+        return CallUnit(s, e, groups[g][:2] if g is not None else captured.module_calls[s - 1])
+
+    def level_items(lo: int, hi: int, g: int | None) -> list[tuple[int, int]]:
+        if g is not None:  # the children of Sequential call g
+            bounds = [*groups[g][4], hi]
+            return list(zip(bounds, bounds[1:]))
+        items, i = [], lo  # the top level: maximal groups and single calls
+        while i < hi:
+            stop = max((b for (a, b) in by_range if a == i), default=i + 1)
+            items.append((i, stop))
+            i = stop
+        return items
+
+    def cover(a: int, b: int, lo: int, hi: int, g: int | None) -> list[CallUnit]:
+        inside = len(groups) if g is None else g
+        units: list[CallUnit] = []
+        run: list[tuple[int, int, int]] = []  # (position, start, stop) of whole children
+
+        def flush() -> None:
+            if run and g is not None:
+                key, children = groups[g][:2], (run[0][0], run[-1][0] + 1)
+                units.append(CallUnit(run[0][1], run[-1][2], key, children))
+            else:
+                units.extend(whole(s, e, inside) for _, s, e in run)
+            run.clear()
+
+        for k, (s, e) in enumerate(level_items(lo, hi, g)):
+            if e <= a or s >= b:
+                continue
+            if a <= s and e <= b:
+                run.append((k, s, e))
+                continue
+            flush()  # [s, e) is a Sequential call the segment covers in part
+            units.extend(cover(a, b, s, e, group_at(s, e, inside)))
+        flush()
+        return units
+
+    n = len(captured.graph)
+    return [u for a, b in recomputed_ranges(plan) for u in cover(max(a, 1), b, 1, n, None)]
+
+
+def per_call_plan(plan: Plan, captured: CapturedGraph) -> Plan:
+    """The plan `ModuleCallExecutor` really runs: every checkpointed unit
+    (`checkpointed_units`) is a recomputed segment of its own (no nesting), the rest plain.
+    Predictions are left to the caller to redo."""
+    names = [n.name for n in captured.graph.nodes]
     segments: list[Segment] = []
-    for i in range(len(names)):
-        if i in recomputed:
-            segments.append(Segment(i, i + 1, True, first=names[i], last=names[i]))
-        elif segments and not segments[-1].recompute:
-            segments[-1].stop, segments[-1].last = i + 1, names[i]
-        else:
-            segments.append(Segment(i, i + 1, False, first=names[i], last=names[i]))
+
+    def add(start: int, stop: int, recompute: bool) -> None:
+        segments.append(Segment(start, stop, recompute, first=names[start], last=names[stop - 1]))
+
+    i = 0
+    for unit in checkpointed_units(plan, captured):
+        if i < unit.start:
+            add(i, unit.start, False)
+        add(unit.start, unit.stop, True)
+        i = unit.stop
+    if i < len(names):
+        add(i, len(names), False)
     return Plan(
         segments,
         budget_bytes=plan.budget_bytes,
@@ -449,16 +574,24 @@ def per_call_plan(plan: Plan, graph: Graph) -> Plan:
 
 
 class ModuleCallExecutor:
-    """Runs a module-granularity plan: the recorded child calls in recomputed segments are
-    each checkpointed (their `forward` is patched during one forward pass)."""
+    """Runs a module-granularity plan: each checkpointed unit (`checkpointed_units`: a whole
+    recorded call, or a run of an nn.Sequential's children) runs through
+    `torch.utils.checkpoint`, by patching the `forward` of the modules involved for the
+    duration of one forward pass (the recompute in backward runs the original code)."""
 
     def __init__(self, captured: CapturedGraph, plan: Plan, module: nn.Module):
         self.captured = captured
         self.plan = plan
         self.module = module
         self._context_fn = checkpoint_context_fn(module)
-        self.checkpointed = {captured.module_calls[i - 1] for i in recomputed_nodes(plan) if i >= 1}
-        self._modules = {path: module.get_submodule(path) for path, _ in captured.module_calls}
+        self.units = checkpointed_units(plan, captured)
+        self.checkpointed = {u.key for u in self.units if u.children is None}
+        self.runs: dict[tuple[str, int], dict[int, int]] = {}  # Sequential call -> {i: j}
+        for u in self.units:
+            if u.children is not None:
+                self.runs.setdefault(u.key, {})[u.children[0]] = u.children[1]
+        paths = {path for path, _ in (*self.checkpointed, *self.runs)}
+        self._modules = {path: module.get_submodule(path) for path in sorted(paths)}
 
     def __call__(self, *args, **kwargs) -> Any:
         counts: dict[str, int] = {}
@@ -466,7 +599,7 @@ class ModuleCallExecutor:
         for path, mod in self._modules.items():
             had_own = "forward" in mod.__dict__
             original = mod.forward
-            mod.forward = self._patched(path, original, counts)
+            mod.forward = self._patched(path, mod, original, counts)
             patched.append((mod, had_own, original))
         try:
             return self.module(*args, **kwargs)
@@ -477,14 +610,10 @@ class ModuleCallExecutor:
                 else:
                     del mod.forward
 
-    def _patched(self, path: str, original: Callable, counts: dict[str, int]) -> Callable:
-        def forward(*args, **kwargs):
-            occurrence = counts.get(path, 0)
-            counts[path] = occurrence + 1
-            if (path, occurrence) not in self.checkpointed:
-                return original(*args, **kwargs)
+    def _checkpoint(self, fn: Callable, *args, **kwargs) -> Any:
+        with autocast_cache_disabled():
             return checkpoint(
-                original,
+                fn,
                 *args,
                 use_reentrant=False,
                 preserve_rng_state=True,
@@ -492,7 +621,45 @@ class ModuleCallExecutor:
                 **kwargs,
             )
 
+    def _patched(
+        self, path: str, mod: nn.Module, original: Callable, counts: dict[str, int]
+    ) -> Callable:
+        def forward(*args, **kwargs):
+            occurrence = counts.get(path, 0)
+            counts[path] = occurrence + 1
+            key = (path, occurrence)
+            if key in self.checkpointed:
+                return self._checkpoint(original, *args, **kwargs)
+            if key in self.runs:
+                return self._run_sequential(list(mod), self.runs[key], *args)
+            return original(*args, **kwargs)
+
         return forward
+
+    def _run_sequential(self, children: list[nn.Module], runs: dict[int, int], x: Any) -> Any:
+        """nn.Sequential.forward with the runs i..j-1 in `runs` checkpointed as one function."""
+        k = 0
+        while k < len(children):
+            j = runs.get(k)
+            if j is None:
+                x = children[k](x)
+                k += 1
+            else:
+                x = self._checkpoint(_Chain(children[k:j]), x)
+                k = j
+        return x
+
+
+class _Chain:
+    """Calls modules one after the other, as nn.Sequential does."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+
+    def __call__(self, x: Any) -> Any:
+        for m in self.modules:
+            x = m(x)
+        return x
 
 
 def make_executor(captured: CapturedGraph, plan: Plan, module: nn.Module):

@@ -38,7 +38,9 @@ def sdpa_cpu_flash_backward_flops(
     grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kw
 ) -> int:
     """Its backward: `flop_counter.sdpa_backward_flop_count` (2.5x the forward)."""
-    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    return flop_counter.sdpa_backward_flop_count(
+        grad_out_shape, query_shape, key_shape, value_shape
+    )
 
 
 def _rnn_layer_matmul_flops(input_shape, w_ih_shape, w_hh_shape) -> int:

@@ -22,8 +22,8 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -32,6 +32,9 @@ from hbp.errors import ConfigError
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.timers import Timer, summarize_times
 from hbp.runtime.tracker import MemoryTracker, measure_callable_peak
+
+if TYPE_CHECKING:  # pandas only types the timeline: importing hbp.runtime need not load it
+    import pandas as pd
 
 __all__ = ["StepMeasurement", "measure_step", "measure_callable_peak"]
 
