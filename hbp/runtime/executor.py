@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from hbp.graph.torch_capture import MODES, MODULE, CapturedGraph, enter_modes, exit_modes
@@ -190,11 +190,11 @@ class PlanExecutor:
                 # a container argument (the tuple of `chunk`) would be held by a strong
                 # reference until the segment's backward, keeping its tensors alive. So the
                 # inputs go in as flat tensors and are rebuilt inside.
-                leaves, spec = pytree.tree_flatten(args)
+                leaves, spec = pytree.tree_flatten((args, {}))
                 del args
                 with autocast_cache_disabled():
                     outs = checkpoint(
-                        _FlatInputs(_Checkpointed(block), spec),
+                        _FlatCall(_Checkpointed(block), spec),
                         *leaves,
                         use_reentrant=False,
                         preserve_rng_state=True,
@@ -348,15 +348,16 @@ class PlanExecutor:
         return "\n".join(lines)
 
 
-class _FlatInputs:
-    """Calls `fn` with its positional arguments rebuilt from flat leaves (`pytree` spec)."""
+class _FlatCall:
+    """Calls `fn(*args, **kwargs)` with (args, kwargs) rebuilt from flat leaves."""
 
     def __init__(self, fn, spec):
         self.fn = fn
         self.spec = spec
 
     def __call__(self, *leaves):
-        return self.fn(*pytree.tree_unflatten(list(leaves), self.spec))
+        args, kwargs = pytree.tree_unflatten(list(leaves), self.spec)
+        return self.fn(*args, **kwargs)
 
 
 class _Checkpointed:
@@ -611,14 +612,17 @@ class ModuleCallExecutor:
                     del mod.forward
 
     def _checkpoint(self, fn: Callable, *args, **kwargs) -> Any:
+        # Flat tensors in (see PlanExecutor._run_level): checkpoint would hold containers and
+        # keyword arguments by strong reference until the call's backward.
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        del args, kwargs
         with autocast_cache_disabled():
             return checkpoint(
-                fn,
-                *args,
+                _FlatCall(fn, spec),
+                *leaves,
                 use_reentrant=False,
                 preserve_rng_state=True,
                 context_fn=self._context_fn,
-                **kwargs,
             )
 
     def _patched(
