@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
     naive = run("naive", ["mode=naive"], common)
     ckpt = run("checkpoint", ["mode=checkpoint"], common)
-    at_ckpt = run("tiny_at_checkpoint_peak", ["mode=tiny", f"mode.budget={ckpt['peak_bytes']}"], common)
+    at_ckpt = run(
+        "tiny_at_checkpoint_peak", ["mode=tiny", f"mode.budget={ckpt['peak_bytes']}"], common
+    )
     quarter = run("tiny_0.25", ["mode=tiny", "mode.budget=0.25"], common)
 
     rows = []
@@ -74,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     table.to_csv(OUT / "table.csv", index=False)
     from hbp.analysis.collect import to_markdown
 
-    text = to_markdown(table) + "\n\n" + "\n".join(
-        f"- {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items()
+    text = (
+        to_markdown(table)
+        + "\n\n"
+        + "\n".join(f"- {name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())
     )
     (OUT / "table.md").write_text(text + "\n")
     print(text)
