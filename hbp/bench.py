@@ -351,7 +351,7 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
     allocated outside the dispatcher): the peak comes from the allocator (profiler memory
     events on CPU, max_memory_allocated on CUDA) in one extra step, and FLOPs are not
     counted."""
-    from hbp.runtime.measure import measure_step
+    from hbp.runtime.measure import measure_step, step_peak
 
     label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
     progress = Progress(cfg.warmup + cfg.steps + 1, label)
@@ -386,9 +386,7 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
             if allocator:
                 for p in params:
                     p.grad = None
-                with PeakMeter(device, cpu="allocator") as meter:
-                    step()
-                measured.peak_bytes = meter.peak_bytes
+                _, measured.peak_bytes = step_peak(step, device, cpu="allocator")
         finally:
             if gpu is not None:
                 gpu.stop()
@@ -409,6 +407,7 @@ def reference_checks(cfg, workload, module, batch, params, device, flops) -> dic
     if not cfg.verify and (result["naive_flops"] is not None or not cfg.count_naive_flops):
         return result
     from hbp.runtime.flops import TotalFlopCounterMode
+    from hbp.runtime.measure import step_peak
 
     reference = build_workload(cfg, with_mode_options=False)
     reference.model.to(device)
@@ -423,51 +422,13 @@ def reference_checks(cfg, workload, module, batch, params, device, flops) -> dic
         result["grad_max_rel_error"] = error
         result["verify_passed"] = bool(error < GRAD_TOLERANCE)
     if result["naive_flops"] is None and cfg.count_naive_flops:
-        with PeakMeter(device) as meter, TotalFlopCounterMode() as counter:
-            _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
+        with TotalFlopCounterMode() as counter:
+            _, result["naive_peak_bytes"] = step_peak(
+                lambda: _step_gradients(reference.model, reference, batch, ref_params, cfg.seed),
+                device,
+            )
         result["naive_flops"] = int(counter.get_total_flops())
-        result["naive_peak_bytes"] = meter.peak_bytes
     return result
-
-
-class PeakMeter:
-    """Peak bytes of the steps run inside, above the level at entry (`.peak_bytes`). CUDA:
-    max_memory_allocated. CPU: the exact tracker (`cpu="tracker"`, as the run's own measured
-    step) or the allocator's profiler events (`cpu="allocator"`, for compiled code)."""
-
-    def __init__(self, device: torch.device, cpu: str = "tracker"):
-        self.device = device
-        self.cpu = cpu
-        self.peak_bytes: int | None = None
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        elif self.cpu == "allocator":
-            self._profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-            ).__enter__()
-        else:
-            from hbp.runtime.tracker import MemoryTracker
-
-            self._tracker = MemoryTracker(record_timeline=False).__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-        elif self.cpu == "allocator":
-            from hbp.runtime.tracker import profiler_peak_bytes
-
-            self._profiler.__exit__(*exc)
-            self.peak_bytes = profiler_peak_bytes(self._profiler)
-        else:
-            self._tracker.__exit__(*exc)
-            self.peak_bytes = self._tracker.peak_bytes
-        return False
 
 
 def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:

@@ -63,6 +63,17 @@ def collect(root: str | Path, *, include_errors: bool = False) -> pd.DataFrame:
     return frame.sort_values(keys, kind="stable").reset_index(drop=True)
 
 
+def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
+    """For each run, `column` of the naive run on the same workload and profile (NaN where
+    there is none), aligned with `runs`' index."""
+    naive = runs[runs["mode"] == "naive"].groupby(["workload", "profile"])[column].first()
+    return pd.Series(
+        [naive.get((w, p), math.nan) for w, p in zip(runs["workload"], runs["profile"])],
+        index=runs.index,
+        dtype=float,
+    )
+
+
 def results_table(frame: pd.DataFrame) -> pd.DataFrame:
     """The README table: per run, workload, mode (with its set parameters), peak MiB, the peak
     relative to naive's on the same workload and profile, GFLOPs, recompute ratio, step time
@@ -85,14 +96,13 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
             shown.append(f"{column.removeprefix('config.mode.')}={value}")
         return f"{row['mode']}({', '.join(shown)})" if shown else row["mode"]
 
-    naive = ok[ok["mode"] == "naive"].groupby(["workload", "profile"])["peak_bytes"].first()
-    naive_peak = [naive.get((w, p), math.nan) for w, p in zip(ok["workload"], ok["profile"])]
+    naive_peak = naive_reference(ok, "peak_bytes")
     return pd.DataFrame(
         {
             "workload": ok["workload"].to_numpy(),
             "mode": [label(row) for _, row in ok.iterrows()],
             "peak MiB": (ok["peak_bytes"] / MIB).to_numpy(),
-            "peak / naive": (ok["peak_bytes"] / pd.Series(naive_peak, index=ok.index)).to_numpy(),
+            "peak / naive": (ok["peak_bytes"] / naive_peak).to_numpy(),
             "GFLOPs": (ok["flops"] / 1e9).to_numpy(),
             "recompute ratio": ok.get("recompute_ratio", pd.Series(math.nan, index=ok.index))
             .astype(float)

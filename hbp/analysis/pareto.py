@@ -11,24 +11,14 @@ one) and writes pareto.md, pareto.csv and pareto.png into --out.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from hbp.analysis.collect import collect, results_table, to_markdown
+from hbp.analysis.collect import collect, naive_reference, results_table, to_markdown
 
 MIB = 1024 * 1024
-
-
-def _naive_reference(ok: pd.DataFrame, column: str) -> pd.Series:
-    naive = ok[ok["mode"] == "naive"].groupby(["workload", "profile"])[column].first()
-    return pd.Series(
-        [naive.get((w, p), math.nan) for w, p in zip(ok["workload"], ok["profile"])],
-        index=ok.index,
-        dtype=float,
-    )
 
 
 def pareto_table(frame: pd.DataFrame) -> pd.DataFrame:
@@ -41,7 +31,7 @@ def pareto_table(frame: pd.DataFrame) -> pd.DataFrame:
     table.insert(
         table.columns.get_loc("step ms") + 1,
         "time / naive",
-        (ok["step_time_s"] / _naive_reference(ok, "step_time_s")).to_numpy(),
+        (ok["step_time_s"] / naive_reference(ok, "step_time_s")).to_numpy(),
     )
     if "mode_predicted_peak_bytes" in ok:
         table["predicted MiB"] = (ok["mode_predicted_peak_bytes"].astype(float) / MIB).to_numpy()

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 from hbp.errors import ConfigError
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.timers import Timer, summarize_times
-from hbp.runtime.tracker import MemoryTracker, measure_callable_peak
+from hbp.runtime.tracker import MemoryTracker, allocator_peak, measure_callable_peak
 
 if TYPE_CHECKING:  # pandas only types the timeline: importing hbp.runtime need not load it
     import pandas as pd
@@ -96,6 +96,20 @@ def _check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(name, value, "an integer >= 0")
     return value
+
+
+def step_peak(step_fn, device, *, cpu: str = "tracker") -> tuple[object, int]:
+    """Run `step_fn()` once; return (output, peak bytes above the level before it).
+
+    CUDA: the allocator's max_memory_allocated. CPU: the exact tracker (`cpu="tracker"`,
+    what `measure_step` uses) or the allocator's profiler events (`cpu="allocator"`, for
+    compiled code whose buffers no dispatch mode can see)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return _cuda_allocator_step(step_fn, dev)
+    if cpu == "allocator":
+        return allocator_peak(step_fn)
+    return measure_callable_peak(step_fn)
 
 
 def _cuda_allocator_step(step_fn, dev: torch.device) -> tuple[object, int]:
