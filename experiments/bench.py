@@ -1,12 +1,15 @@
 """`make bench`: every benchmark behind the README's tables, results under outputs/bench/.
 
     python experiments/bench.py                 # everything (about an hour on 2 cores)
-    python experiments/bench.py --only matrix   # one part: matrix | chunked_ce | medium | jax
+    python experiments/bench.py --only matrix   # one part: matrix | optimum | chunked_ce | medium | jax
     python experiments/bench.py --quick         # fewer steps and budgets (a smoke run)
 
 Parts:
 - matrix: profile small, every workload x {naive, checkpoint, tiny at budgets 1.0 ... 0.1 and "min",
   sac, compile_budget}, with verify=true; then the Pareto report (pareto.md/.csv/.png).
+- optimum: the planner against the MILP optimum on every workload's graph, and on reduced
+  graphs of the same families where the MILP finishes (experiments/bench_optimum.py,
+  optimum.md/.csv); the Pareto plot then gains the optimum's frontier (run after matrix).
 - chunked_ce: the chunked LM head + cross-entropy against F.cross_entropy at GPT-2 vocab.
 - medium: GPT-2 124M shape (profile medium): naive, checkpoint, tiny at the budget equal to
   checkpoint's measured peak, tiny at 0.25 (experiments/gpt2_medium.py).
@@ -65,8 +68,17 @@ def script(name: str, *args: str) -> None:
         print(f"{name} exited {done.returncode}; continuing", file=sys.stderr)
 
 
+def optimum(quick: bool) -> None:
+    script("bench_optimum.py", *(["--quick"] if quick else []))
+    if (OUT / "matrix").exists():  # redraw the Pareto report with the optimum's frontier
+        from hbp.analysis.pareto import write_report
+
+        write_report(OUT / "matrix", OUT)
+
+
 PARTS = {
     "matrix": matrix,
+    "optimum": optimum,
     "chunked_ce": lambda quick: script("bench_chunked_ce.py", *(["--quick"] if quick else [])),
     "medium": lambda quick: script("gpt2_medium.py", *(["--quick"] if quick else [])),
     "jax": lambda quick: script("bench_jax.py", *(["--quick"] if quick else [])),

@@ -35,12 +35,17 @@ class BudgetError(HBPError, ValueError):
         self.budget = int(budget)
         self.minimum = int(minimum)
         msg = (
-            f"no plan fits a budget of {self.budget / MIB:.2f} MiB; "
-            f"the smallest feasible budget is {self.minimum / MIB:.2f} MiB ({self.minimum} bytes)"
+            f"no plan fits a budget of {_mib(self.budget)} MiB ({self.budget} bytes); "
+            f"the smallest feasible budget is {_mib(self.minimum)} MiB ({self.minimum} bytes)"
         )
         if detail:
             msg += f": {detail}"
         super().__init__(msg)
+
+
+def _mib(nbytes: int) -> str:
+    """MiB with two decimals, or six below 0.01 MiB (small models: never "0.00")."""
+    return f"{nbytes / MIB:.2f}" if nbytes >= MIB / 100 else f"{nbytes / MIB:.6f}"
 
 
 class CaptureWarning(UserWarning):

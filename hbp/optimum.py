@@ -4,14 +4,17 @@ Usage (key=value arguments):
     python -m hbp.optimum graph=dag:8:seed=3 budget=0.5
     python -m hbp.optimum graph=chain:10 budget=0.3,0.5,1.0 mode=tensor
     python -m hbp.optimum graph=path/to/graph.json budget=64MiB
-    python -m hbp.optimum workload=gpt2 profile=small budget=0.5
+    python -m hbp.optimum workload=gpt2 profile=small budget=0.5,min time_limit=120
+    python -m hbp.optimum graph=outputs/<run>/graph.json budget=0.3   # a tiny run's graph
 
 graph: "chain:N", "dag:N", "uniform:N", "residual:LAYERS" (optional ":seed=S"), or an IR
 JSON file (`Graph.to_json`); workload/profile: capture a registered workload's model
-(needs torch). budget: as everywhere (fraction of the naive peak, bytes, "64MiB"); a comma
-list gives one row each. mode: "node" (saved tensors come from re-running their op, what a
+(needs torch). budget: as everywhere (fraction of the naive peak, bytes, "64MiB", "min" = the
+planner's smallest feasible peak); a comma list gives one row each. mode: "node" (saved tensors come from re-running their op, what a
 torch executor can do; default) or "tensor" (Checkmate's model). time_limit: seconds per
-solve. max_values: refuse graphs with more forward values (the MILP grows ~quadratically).
+solve (wall time; past it the best schedule found and the proven lower bound are reported).
+max_values: refuse graphs with more forward values (default 150; the MILP grows
+~quadratically and rarely finishes beyond ~50 values in a minute).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph import synthetic
 from hbp.graph.ir import Graph
-from hbp.planner import optimal_plan, parse_budget
+from hbp.planner import min_feasible_peak, optimal_plan, parse_budget
 from hbp.planner.optimum import Schedule
 
 GENERATORS = {
@@ -60,35 +63,46 @@ def capture_workload(name: str, profile: str) -> Graph:
 
 
 def compare(graph: Graph, budget, *, mode: str = "node", time_limit: float = 60.0) -> dict:
-    """Optimal recompute (MILP), its LP bound, and the planner's recompute at one budget."""
+    """The optimum (MILP), its bounds and the planner's recompute at one budget.
+
+    Returns a flat dict (bytes, FLOPs, seconds): budget_bytes, naive_peak_bytes, naive_flops,
+    status ("optimal", "infeasible", "time limit", ...), optimum_flops (None unless optimal),
+    best_found_flops (the MILP's best schedule: an upper bound on the optimum), lp_bound_flops
+    (the LP relaxation), bound_flops (best proven lower bound), planner_flops and
+    planner_peak_bytes (None when the planner finds no plan), gap (planner / optimum - 1; None
+    unless both are known), gap_to_bound (planner / bound - 1: the most the planner can be off
+    when the MILP did not finish), milp_time_s, lp_time_s, planner_time_s, variables.
+    """
     naive = simulate(graph)
-    budget_bytes = parse_budget(budget, naive.peak_bytes)
+    if budget == "min":
+        budget_bytes = min_feasible_peak(graph)[0]
+    else:
+        budget_bytes = parse_budget(budget, naive.peak_bytes)
     sch = Schedule(graph, mode=mode)
     opt = sch.solve(budget_bytes, time_limit=time_limit)
     try:
         plan = optimal_plan(graph, budget_bytes)
-        planner = plan.predicted_recompute_flops
+        planner, planner_peak = plan.predicted_recompute_flops, plan.predicted_peak_bytes
         planner_time = plan.meta["solve_time_s"]
     except BudgetError:
-        planner, planner_time = None, None
-    gap = None
-    if planner is not None and opt.recompute_flops is not None:
-        if abs(planner - opt.recompute_flops) <= 1e-9 * max(1.0, naive.total_flops):
-            planner = opt.recompute_flops  # solver round-off
-        gap = (
-            (planner - opt.recompute_flops) / opt.recompute_flops
-            if opt.recompute_flops
-            else (0.0 if planner == 0 else float("inf"))
-        )
+        planner, planner_peak, planner_time = None, None, None
+    tolerance = 1e-9 * max(1.0, naive.total_flops)  # solver round-off on a FLOP sum
+    if planner is not None and opt.best_found_flops is not None:
+        if abs(planner - opt.best_found_flops) <= tolerance:
+            planner = opt.best_found_flops
     return {
         "budget_bytes": budget_bytes,
         "naive_peak_bytes": naive.peak_bytes,
         "naive_flops": naive.total_flops,
         "status": opt.status,
         "optimum_flops": opt.recompute_flops,
+        "best_found_flops": opt.best_found_flops,
         "lp_bound_flops": opt.lower_bound_flops,
+        "bound_flops": opt.proven_bound_flops,
         "planner_flops": planner,
-        "gap": gap,
+        "planner_peak_bytes": planner_peak,
+        "gap": _relative(planner, opt.recompute_flops, tolerance),
+        "gap_to_bound": _relative(planner, opt.proven_bound_flops, tolerance),
         "milp_time_s": opt.solve_time_s,
         "lp_time_s": opt.lp_time_s,
         "planner_time_s": planner_time,
@@ -96,10 +110,44 @@ def compare(graph: Graph, budget, *, mode: str = "node", time_limit: float = 60.
     }
 
 
+def _relative(value: float | None, reference: float | None, tolerance: float) -> float | None:
+    """value / reference - 1 (0 when both are ~0, inf when only the reference is)."""
+    if value is None or reference is None:
+        return None
+    if reference <= tolerance:
+        return 0.0 if value <= tolerance else float("inf")
+    return (value - reference) / reference
+
+
+def frontier(graph: Graph, budgets, *, mode: str = "node", time_limit: float = 60.0) -> list[dict]:
+    """`compare` at each budget (fractions of the naive peak, bytes, "64MiB", "min" = the
+    planner's smallest feasible peak), each row with `budget` (as given) and the recompute
+    figures also as fractions of one naive step's FLOPs (`*_ratio`)."""
+    rows = []
+    for budget in budgets:
+        row = {"budget": budget, **compare(graph, budget, mode=mode, time_limit=time_limit)}
+        for key in ("optimum", "best_found", "lp_bound", "bound", "planner"):
+            value = row[f"{key}_flops"]
+            row[f"{key}_ratio"] = None if value is None else value / row["naive_flops"]
+        rows.append(row)
+    return rows
+
+
 def _fmt(x, unit=""):
     if x is None:
         return "-"
     return f"{x:.3g}{unit}" if unit == "s" else f"{x:.4g}{unit}"
+
+
+def _budget_value(text: str):
+    """A budget from the command line: "0.5" -> 0.5, "1000000" -> 1000000 bytes, else as
+    written ("64MiB", "min")."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         label = args.get("graph", "dag:8")
     mode = args.get("mode", "node")
     values = Schedule(graph, mode=mode).N
-    limit = int(args.get("max_values", 60))
+    limit = int(args.get("max_values", 150))
     if values > limit:
         raise ConfigError(
             "graph", label, f"at most max_values={limit} forward values for the MILP ({values})"
@@ -127,28 +175,33 @@ def main(argv: list[str] | None = None) -> int:
         f"{naive.peak_bytes} bytes, {naive.total_flops:.4g} step FLOPs, mode={mode}"
     )
     print(
-        f"{'budget':>12} {'optimum':>10} {'LP bound':>10} {'planner':>10} {'gap':>8} "
+        f"{'budget':>12} {'optimum':>10} {'bound':>10} {'planner':>10} {'gap':>8} "
         f"{'gap/step':>9} {'MILP s':>7} {'LP s':>6} {'plan s':>6}"
     )
     for budget in args.get("budget", "0.5").split(","):
         try:
-            value = float(budget) if "." in budget and budget[-1].isdigit() else budget
-            if isinstance(value, str) and value.isdigit():
-                value = int(value)
-            r = compare(graph, value, mode=mode, time_limit=float(args.get("time_limit", 60)))
+            r = compare(
+                graph,
+                _budget_value(budget),
+                mode=mode,
+                time_limit=float(args.get("time_limit", 60)),
+            )
         except ConfigError as err:
             print(f"{budget:>12} {err}")
             continue
-        step_gap = None
-        if r["planner_flops"] is not None and r["optimum_flops"] is not None:
-            step_gap = 100 * (r["planner_flops"] - r["optimum_flops"]) / r["naive_flops"]
+        best, planner = r["best_found_flops"], r["planner_flops"]
+        gap = r["gap"] if r["status"] == "optimal" else r["gap_to_bound"]
+        step_gap = None if best is None or planner is None else (planner - best) / r["naive_flops"]
+        note = "" if r["status"] == "optimal" else f"  ({r['status']}"
+        if r["status"] == "time limit":  # optimum in [bound, best found]; gap is an upper bound
+            note += "; optimum column = best found, gap = planner vs the proven bound"
         print(
-            f"{r['budget_bytes']:>12} {_fmt(r['optimum_flops']):>10} "
-            f"{_fmt(r['lp_bound_flops']):>10} {_fmt(r['planner_flops']):>10} "
-            f"{_fmt(None if r['gap'] is None else 100 * r['gap'], '%'):>8} "
-            f"{_fmt(step_gap, '%'):>9} {r['milp_time_s']:>7.2f} {r['lp_time_s']:>6.2f} "
-            f"{_fmt(r['planner_time_s'], 's'):>6}"
-            + ("" if r["status"] == "optimal" else f"  ({r['status']})")
+            f"{r['budget_bytes']:>12} {_fmt(best):>10} "
+            f"{_fmt(r['bound_flops']):>10} {_fmt(planner):>10} "
+            f"{_fmt(None if gap is None else 100 * gap, '%'):>8} "
+            f"{_fmt(None if step_gap is None else 100 * step_gap, '%'):>9} "
+            f"{r['milp_time_s']:>7.2f} {r['lp_time_s']:>6.2f} "
+            f"{_fmt(r['planner_time_s'], 's'):>6}" + (note + ")" if note else "")
         )
     return 0
 

@@ -13,7 +13,9 @@ from torch.utils._pytree import tree_leaves
 
 import hbp
 import hbp.integrations.torch as hbp_torch
+from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, CaptureWarning
+from hbp.graph.ir import Graph
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.tracker import MemoryTracker
 
@@ -117,7 +119,7 @@ def step(module, params, *inputs, seed=0, **kwargs):
     for p in params:
         p.grad = None
     torch.manual_seed(seed)
-    with MemoryTracker(record_timeline=False) as tracker, TotalFlopCounterMode() as fc:
+    with TotalFlopCounterMode() as fc, MemoryTracker(record_timeline=False) as tracker:
         out = module(*inputs, **kwargs)
         loss = sum(t.float().sum() for t in tree_leaves(out) if t.requires_grad)
         loss.backward()
@@ -310,6 +312,8 @@ def test_tiny_mode_plans_on_apply_and_reports_the_plan():
     assert json.loads(json.dumps(info)) == info  # flat and JSON-serialisable
     plan = json.loads(mode.artifacts()["plan.json"])
     assert plan["predicted_peak_bytes"] == info["predicted_peak_bytes"]
+    graph = Graph.from_json(mode.artifacts()["graph.json"])  # what `hbp.optimum graph=` reads
+    assert simulate(graph).peak_bytes == info["naive_predicted_peak_bytes"]
     torch.manual_seed(1)
     expected = workload.step_loss(model, batch)
     torch.manual_seed(1)

@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 from nbclient import NotebookClient
 
 from hbp import bench
+from hbp.graph import synthetic
+from hbp.optimum import frontier
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "analysis.ipynb"
@@ -39,7 +42,15 @@ def outputs(tmp_path):
                     ],
                 )
             bench.run(cfg, root / "runs" / f"{workload}_{mode}")
+    rows = frontier(synthetic.random_dag(6, seed=3, alias_prob=0.0), [1.0, 0.8], time_limit=60)
+    optimum = pd.DataFrame(rows).assign(graphs="reduced", workload="dag", config="")
+    (root / "bench").mkdir()
+    optimum.to_csv(root / "bench" / "optimum.csv", index=False)  # bench_optimum.py's table
     return root
+
+
+def rows_of(outputs) -> list[dict]:
+    return pd.read_csv(outputs / "bench" / "optimum.csv").to_dict("records")
 
 
 @pytest.fixture
@@ -84,5 +95,7 @@ def test_analysis_notebook_executes(outputs, kernel, tmp_path, monkeypatch):
     assert "checkpoint" in text(code[1]) and "synthetic_dag" in text(code[1])
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (figure.parent / "memory_timeline.png").exists()
+    solved = sum(r["status"] == "optimal" for r in rows_of(outputs))
+    assert f"{solved} of 2 solved to optimality" in text(code[-2])
     markdown = text(code[-1])
     assert "| gpt2 | checkpoint |" in markdown and "| synthetic_dag | naive |" in markdown

@@ -64,18 +64,28 @@ def test_planner_is_optimal_on_uniform_chains():
 
 
 def test_planner_is_mostly_within_five_percent_of_the_optimum():
-    # Measured over 25 DAGs x 4 budgets: 89% within 5%, median ratio 1.00, mean 1.04, worst
-    # 1.55 (per-op remat can rerun one saving op where a segment reruns a longer stretch).
-    within, cases = 0, 0
-    for seed in range(8):
+    # Measured over 40 DAGs of 6 ops x 4 budgets (min, +1/4, +1/2, +3/4 of the way to naive):
+    # 92.5% within 5%, median ratio 1.00, mean 1.03, worst 1.67; over n = 5..8 x 41 seeds
+    # (544 cases) 89%. The gaps are outside the plan space (the DP equals brute force over
+    # all interval trees on them): the MILP keeps one expensive value from the forward while
+    # its neighbours are recomputed (a recomputed segment with a pinned, SAC-saved value
+    # closes most of them), or frees a recomputed segment's input right after the recompute
+    # (torch's checkpoint holds its inputs until the segment's backward is done).
+    within, cases, worst = 0, 0, 1.0
+    for seed in range(30):
         graph = synthetic.random_dag(6, seed=seed, alias_prob=0.0)
         minimum, naive = min_feasible_peak(graph)[0], naive_peak(graph)
-        for budget in {minimum, (minimum + naive) // 2}:
+        for budget in (minimum, (minimum + naive) // 2):
             opt = Schedule(graph).solve(budget, relax=False).recompute_flops
             planned = optimal_plan(graph, budget).predicted_recompute_flops
-            within += planned <= 1.05 * opt + 1e-6
+            assert opt <= planned + 1e-6
+            ratio = planned / opt if opt > 1e-9 else 1.0
+            within += ratio <= 1.05 + 1e-9
+            worst = max(worst, ratio)
             cases += 1
-    assert within / cases >= 0.75
+    # these 60 cases: 53 within 5% (88%), worst 1.58
+    assert within / cases >= 0.85
+    assert worst <= 1.7
 
 
 def test_compare_and_cli(tmp_path, capsys):
@@ -95,3 +105,20 @@ def test_compare_and_cli(tmp_path, capsys):
         main(["graph=residual:1", "max_values=10"])
     with pytest.raises(BudgetError):
         optimal_plan(graph, 1)
+
+
+def test_a_gap_to_the_optimum_lies_outside_the_plan_space():
+    # random_dag(5, seed=15) at 25 bytes: the best tree of intervals (every plan with up to
+    # 3 levels, simulated) recomputes [x op1 op2 op3]: 1 + 8 + 3 = 12 FLOPs, and so does the
+    # planner. The MILP keeps op2 (8 FLOPs) from the forward and recomputes op1 and op3
+    # around it (and op4 for its own backward): 1 + 3 + 4 = 8. A tree cannot keep a value
+    # made inside a recomputed segment; a pinned (SAC-saved) value in the segment could.
+    from test_planner import brute_force, least_recompute
+
+    graph = synthetic.random_dag(5, seed=15, alias_prob=0.0)
+    planned = optimal_plan(graph, 25)
+    assert planned.predicted_recompute_flops == least_recompute(brute_force(graph, 3), 25) == 12
+    opt = Schedule(graph).solve(25, relax=False)
+    assert opt.recompute_flops == pytest.approx(8)
+    recomputed = {name for _, name in opt.recomputed}
+    assert "op2" not in recomputed and {"op1", "op3"} <= recomputed

@@ -47,3 +47,41 @@ def test_no_runs_is_an_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
         write_report(tmp_path / "empty", tmp_path / "out")
+
+
+def test_report_draws_the_optimum_frontier(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from hbp.analysis.pareto import _plot_optimum
+
+    runs, report = tmp_path / "runs", tmp_path / "report"
+    _run(runs, "a", "naive", 100 * 2**20, 1.0)
+    _run(runs, "b", "tiny", 40 * 2**20, 1.2, budget=0.4)
+    optimum = pd.DataFrame(
+        {
+            "graphs": ["small", "small", "reduced"],
+            "workload": ["gpt2"] * 3,
+            "budget_bytes": [50, 30, 10],
+            "naive_peak_bytes": [100, 100, 100],
+            "best_found_ratio": [0.1, 0.3, 0.9],
+            "bound_ratio": [0.05, None, 0.9],
+            "planner_ratio": [0.1, 0.35, 0.9],
+        }
+    )
+    report.mkdir()
+    optimum.to_csv(report / "optimum.csv", index=False)
+    write_report(runs, report)
+    assert (report / "pareto.png").stat().st_size > 0
+
+    fig, ax = plt.subplots()
+    _plot_optimum(ax, optimum, "gpt2")  # the "small" graphs only, sorted by budget
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["MILP best found"].get_xdata()) == [0.3, 0.5]
+    assert list(lines["MILP best found"].get_ydata()) == [0.3, 0.1]
+    assert list(lines["MILP lower bound"].get_xdata()) == [0.5]  # no bound proven at 0.3
+    assert list(lines["planner (predicted)"].get_ydata()) == [0.35, 0.1]
+    plt.close(fig)

@@ -331,3 +331,24 @@ def test_dp_cost_model_counts_shared_gradient_accumulation():
     # pos_bwd: gradients and outputs at backward:t: grad t, the shared grad s, a's new
     # gradient and the outputs s, t: the simulator's 5000 at that event (nothing is saved).
     assert int(model.pos_bwd[t]) == dict(simulate(graph).timeline)["backward:t"] == 5000
+
+
+def test_saved_extras_of_a_node_run_without_saving_are_scratch_of_its_event():
+    # a saves 4 extra bytes (a dropout mask). Recomputed, a runs with saving off: the op still
+    # makes the mask and the pack hook drops it, so it is live during a's event only.
+    g = Graph(
+        [
+            x_input(),
+            Node("a", "op", ("x",), 10, flops=1, saved_inputs=("x",), saved_extra_bytes=4),
+            Node("b", "op", ("a",), 20, flops=1, saved_inputs=("a",)),
+        ],
+        outputs=["b"],
+    )
+    # plain: forward a 10 + 4 = 14. Recomputed [x a]: forward a 10 + 4 scratch = 14 -> 10;
+    # b 30 (a held by b); seed 50; b: +grad a 60 -> 30 (a, grad b go); recompute a:
+    # 10 + 4 (saved this time) = 44, then a itself goes (nothing in the pass reads it, a's
+    # backward does not need it) -> 34; a: 34.
+    sim = simulate(g, [Segment(0, 2, True), Segment(2, 3)])
+    assert sim.timeline[:2] == [("forward:a", 14), ("forward:b", 30)]
+    assert sim.timeline[-2:] == [("recompute:a", 44), ("backward:a", 34)]
+    assert sim.peak_bytes == 60

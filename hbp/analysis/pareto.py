@@ -5,7 +5,9 @@
 reads every run under the root (`hbp.analysis.collect`), expresses each run's measured peak
 and median step time relative to naive's on the same workload and profile, marks the runs on
 the Pareto front (no other run of that workload is at least as good in both and better in
-one) and writes pareto.md, pareto.csv and pareto.png into --out.
+one) and writes pareto.md, pareto.csv and pareto.png into --out. When --out holds
+optimum.csv (experiments/bench_optimum.py), the plot also shows the optimum's predicted
+recompute frontier beside the runs' measured recompute.
 """
 
 from __future__ import annotations
@@ -55,32 +57,44 @@ def pareto_flags(table: pd.DataFrame) -> list[bool]:
     return flags
 
 
-def plot_pareto(table: pd.DataFrame, path: str | Path) -> Path:
-    """One panel per workload: peak / naive (x) against step time / naive (y), one marker
-    style per mode, hbp's budgets joined by a line. Saved as a PNG at `path`."""
+def plot_pareto(table: pd.DataFrame, path: str | Path, optimum: pd.DataFrame | None = None) -> Path:
+    """One column per workload. Top: peak / naive (x) against step time / naive (y), one
+    marker style per mode, hbp's budgets joined by a line. Bottom (runs that count FLOPs):
+    peak / naive against recompute FLOPs / naive step FLOPs, with the optimum's predicted
+    frontier when `optimum` (experiments/bench_optimum.py's table, graphs "small") is given:
+    the MILP's best schedule per budget, its proven lower bound and the planner's
+    prediction. Saved as a PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = list(dict.fromkeys(table["workload"]))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.8), squeeze=False)
-    markers = {"naive": "s", "checkpoint": "^", "tiny": "o", "sac": "D", "compile_budget": "v"}
-    for ax, workload in zip(axes[0], workloads):
+    fig, axes = plt.subplots(
+        2, len(workloads), figsize=(4.2 * len(workloads), 7.4), squeeze=False, sharex="col"
+    )
+    for col, workload in enumerate(workloads):
         rows = table[table["workload"] == workload]
         families = rows["mode"].str.split("(", n=1).str[0]
-        for family in dict.fromkeys(families):
-            pts = rows[families == family].sort_values("peak / naive")
-            style = "-" if family == "tiny" and len(pts) > 1 else ""
-            ax.plot(
-                pts["peak / naive"], pts["time / naive"], style + markers.get(family, "x"),
-                label=family, markersize=6,
-            )  # fmt: skip
-        ax.set_title(workload)
-        ax.set_xlabel("measured peak / naive")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("step time / naive")
-    axes[0][-1].legend(fontsize=8)
+        for ax, y in zip(axes[:, col], ("time / naive", "recompute ratio")):
+            for family in dict.fromkeys(families):
+                pts = rows[families == family].dropna(subset=[y]).sort_values("peak / naive")
+                if pts.empty:
+                    continue
+                style = "-" if family == "tiny" and len(pts) > 1 else ""
+                ax.plot(
+                    pts["peak / naive"], pts[y], style + MARKERS.get(family, "x"),
+                    label=family, markersize=6,
+                )  # fmt: skip
+            ax.grid(alpha=0.3)
+        if optimum is not None:
+            _plot_optimum(axes[1, col], optimum, workload)
+        axes[0, col].set_title(workload)
+        axes[1, col].set_xlabel("peak / naive")
+    axes[0, 0].set_ylabel("step time / naive")
+    axes[1, 0].set_ylabel("recompute FLOPs / naive step")
+    axes[0, -1].legend(fontsize=8)
+    axes[1, -1].legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +103,32 @@ def plot_pareto(table: pd.DataFrame, path: str | Path) -> Path:
     return path
 
 
+MARKERS = {"naive": "s", "checkpoint": "^", "tiny": "o", "sac": "D", "compile_budget": "v"}
+
+
+def _plot_optimum(ax, optimum: pd.DataFrame, workload: str) -> None:
+    """The MILP's frontier for one workload (predicted peak = budget, recompute ratios)."""
+    rows = optimum[(optimum["workload"] == workload) & (optimum["graphs"] == "small")]
+    rows = rows.assign(x=rows["budget_bytes"] / rows["naive_peak_bytes"]).sort_values("x")
+    for column, style, label in (
+        ("best_found_ratio", "k:+", "MILP best found"),
+        ("bound_ratio", "k--", "MILP lower bound"),
+        ("planner_ratio", "C2:x", "planner (predicted)"),
+    ):
+        pts = rows.dropna(subset=[column])
+        if not pts.empty:
+            ax.plot(pts["x"], pts[column], style, label=label, linewidth=1, markersize=5)
+
+
+def read_optimum(path: str | Path) -> pd.DataFrame | None:
+    """experiments/bench_optimum.py's optimum.csv, or None when there is none."""
+    path = Path(path)
+    return pd.read_csv(path) if path.is_file() else None
+
+
 def write_report(root: str | Path, out: str | Path) -> pd.DataFrame:
-    """Collect the runs under `root`; write pareto.md, pareto.csv and pareto.png into `out`."""
+    """Collect the runs under `root`; write pareto.md, pareto.csv and pareto.png into `out`
+    (the plot includes the optimum's frontier when `out`/optimum.csv exists)."""
     table = pareto_table(collect(root))
     if table.empty:
         raise FileNotFoundError(f"no finished runs under {root}")
@@ -98,7 +136,7 @@ def write_report(root: str | Path, out: str | Path) -> pd.DataFrame:
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "pareto.csv", index=False)
     (out / "pareto.md").write_text(to_markdown(table) + "\n")
-    plot_pareto(table, out / "pareto.png")
+    plot_pareto(table, out / "pareto.png", read_optimum(out / "optimum.csv"))
     return table
 
 

@@ -39,7 +39,9 @@ gradient, which j lets go of before autograd accumulates, does not count): then,
 autograd's input buffer, the sum is new storage and the input lets go of the shared one.
 Scratch bytes a capture recorded (`forward_transient_bytes`,
 `backward_transient_bytes`) are live during the node's forward (every run of it) / backward
-event only.
+event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a
+dropout mask, an attention logsumexp: the op makes them, the checkpoint's pack hook drops
+them): they are scratch of that event.
 
 The peak is the largest recorded live-byte count, above the level before the step.
 """
@@ -245,6 +247,8 @@ class _Run:
             if scope is not None:
                 self.recompute_flops += info.flops[j]
             scratch = int(info.forward_transient[j])
+            if not save:  # the op still makes what it would save; the pack hook drops it
+                scratch += int(info.extra_bytes[j])
             self.live += scratch
             self._record(phase, j)
             self.live -= scratch

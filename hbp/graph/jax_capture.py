@@ -10,8 +10,12 @@ Granularity (a choice, made here):
 - `jit`/`pjit`/`closed_call`/`core_call` equations are inlined: their bodies become ordinary
   equations, so cut points can fall inside a jitted helper (jnp functions are often jitted).
 - `custom_jvp_call`, `custom_vjp_call` and `remat` (a user's own `jax.checkpoint`) stay one
-  node each: inlining them would drop their custom differentiation rule or policy. Loops and
-  conditionals (`scan`, `while`, `cond`) are one node each too.
+  node each: inlining them would drop their custom differentiation rule or policy.
+- `scan` (and `fori_loop` with static bounds, which is a scan) is unrolled into its
+  iterations when that makes at most `MAX_UNROLLED_EQUATIONS` equations, so the planner can
+  cut between the layers of a scanned model. Longer scans, `while` and `cond` are one node
+  each; the residuals their backward keeps (a scan's: every iteration's) count as
+  `saved_extra_bytes`.
 
 Graph nodes, in this order: one `is_input` node per argument leaf that is not differentiated
 (data: allocated before the step, never recomputed, no gradient), then one node per
@@ -73,6 +77,7 @@ DATA_MOVEMENT = frozenset(
     }
 )
 NOT_DIFFERENTIABLE = frozenset({"stop_gradient"})
+LOOPS_AND_BRANCHES = frozenset({"scan", "while", "cond"})
 # Fallback of the backward memory model, used only where deriving it from jax.vjp failed.
 _FALLBACK_SAVES = {
     "add": "nothing",
@@ -231,19 +236,24 @@ def _flatten_jaxpr(closed: ClosedJaxpr, diff_mask: tuple[bool, ...]) -> Program:
         def read(a):
             return a if isinstance(a, Literal) else env[a]
 
+        def inline_call(eqn: JaxprEqn, sub_closed: ClosedJaxpr) -> None:
+            sub_env: dict = {}
+            add_consts(sub_closed.jaxpr, sub_closed.consts, sub_env)
+            for v, a in zip(sub_closed.jaxpr.invars, eqn.invars):
+                sub_env[v] = read(a)
+            inline(sub_closed.jaxpr, sub_env)
+            for outer, inner in zip(eqn.outvars, sub_closed.jaxpr.outvars):
+                if isinstance(outer, Var) and not _is_dropvar(outer):
+                    env[outer] = inner if isinstance(inner, Literal) else sub_env[inner]
+
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name in INLINED_CALLS and not eqn.effects:
                 sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                sub_closed = sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ())
-                sub_env: dict = {}
-                add_consts(sub_closed.jaxpr, sub_closed.consts, sub_env)
-                for v, a in zip(sub_closed.jaxpr.invars, eqn.invars):
-                    sub_env[v] = read(a)
-                inline(sub_closed.jaxpr, sub_env)
-                for outer, inner in zip(eqn.outvars, sub_closed.jaxpr.outvars):
-                    if isinstance(outer, Var) and not _is_dropvar(outer):
-                        env[outer] = inner if isinstance(inner, Literal) else sub_env[inner]
+                inline_call(eqn, sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ()))
+                continue
+            if name == "scan" and _should_unroll(eqn):
+                inline_call(eqn, _unrolled_scan(eqn))
                 continue
             ins = tuple(read(a) for a in eqn.invars)
             outs = []
@@ -282,6 +292,56 @@ def _flatten_jaxpr(closed: ClosedJaxpr, diff_mask: tuple[bool, ...]) -> Program:
         n_inputs=len(input_node_vars),
         input_node_vars=input_node_vars,
     )
+
+
+# A `scan` (also what `fori_loop` with static bounds becomes) is unrolled into its iterations
+# when the result has at most this many equations: scanning over layers is the common way to
+# write a deep model, and unrolled, the planner can cut between layers. Longer scans stay one
+# node (whose backward keeps every iteration's residuals: see `backward_residuals`).
+MAX_UNROLLED_EQUATIONS = 4096
+
+
+def _should_unroll(eqn: JaxprEqn) -> bool:
+    body = eqn.params["jaxpr"].jaxpr
+    return not eqn.effects and eqn.params["length"] * _count_eqns(body) <= MAX_UNROLLED_EQUATIONS
+
+
+def _count_eqns(jaxpr: Jaxpr) -> int:
+    return sum(
+        1 + sum(_count_eqns(sub) for sub in jax.extend.core.jaxprs_in_params(e.params))
+        for e in jaxpr.eqns
+    )
+
+
+def _unrolled_scan(eqn: JaxprEqn) -> ClosedJaxpr:
+    """The `scan` equation as a jaxpr of its iterations one after the other: the body
+    evaluated on the carry and a slice of each scanned input; the per-iteration outputs
+    stacked."""
+    p = eqn.params
+    body, length, reverse = p["jaxpr"], p["length"], p["reverse"]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+
+    def unrolled(*args):
+        consts, carry = args[:n_consts], list(args[n_consts : n_consts + n_carry])
+        xs = args[n_consts + n_carry :]
+        ys = []
+        for i in reversed(range(length)) if reverse else range(length):
+            x_i = [jax.lax.index_in_dim(x, i, keepdims=False) for x in xs]
+            out = jax.extend.core.jaxpr_as_fun(body)(*consts, *carry, *x_i)
+            carry, y = list(out[:n_carry]), out[n_carry:]
+            ys.append(y)
+        if reverse:
+            ys.reverse()
+        if not ys:  # length 0
+            empty = eqn.outvars[n_carry:]
+            return [*carry, *(jax.numpy.zeros(v.aval.shape, v.aval.dtype) for v in empty)]
+        return [*carry, *(jax.numpy.stack(list(y)) for y in zip(*ys))]
+
+    avals = [
+        jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype, weak_type=a.aval.weak_type)
+        for a in eqn.invars
+    ]
+    return jax.make_jaxpr(unrolled)(*avals)
 
 
 def _is_dropvar(v) -> bool:
@@ -340,9 +400,9 @@ def _build_graph(p: Program) -> Graph:
         if prim in ALIASING and isinstance(op.inputs[0], int) and op.inputs[0] in node_of_value:
             alias, out_bytes = node_of_value[op.inputs[0]], 0
         saved_inputs: tuple[str, ...] = ()
-        saves_output = False
+        saves_output, extra_bytes = False, 0
         if requires_grad:
-            saved_idx, saves_output = backward_residuals(op, p)
+            saved_idx, saves_output, extra_bytes = backward_residuals(op, p)
             kept = [op.inputs[j] for j in saved_idx if isinstance(op.inputs[j], int)]
             p.saved_values[k] = tuple(kept) + (op.outputs if saves_output else ())
             saved_inputs = tuple(
@@ -360,6 +420,7 @@ def _build_graph(p: Program) -> Graph:
                 requires_grad=requires_grad,
                 saved_inputs=saved_inputs,
                 saves_output=saves_output,
+                saved_extra_bytes=extra_bytes,
                 param_grad_bytes=param_grad[k],
                 alias_of=alias,
                 module=str(op.eqn.source_info.name_stack),
@@ -386,14 +447,17 @@ def _value_inputs(op: Op, p: Program) -> list[int]:
 _RESIDUAL_CACHE: dict = {}
 
 
-def backward_residuals(op: Op, p: Program) -> tuple[list[int], bool]:
+def backward_residuals(op: Op, p: Program) -> tuple[list[int], bool, int]:
     """The primal values `op`'s backward needs, w.r.t. its inputs that need a gradient:
-    (indices into `op.inputs` of the inputs it keeps, whether it keeps its output).
+    (indices into `op.inputs` of the inputs it keeps, whether it keeps its output, bytes of
+    fresh residuals made inside a loop or branch: `scan`, `while`, `cond`).
 
     Derived from JAX: the residuals of `jax.vjp` of the single equation, each traced back to
     the equation's inputs and output it is computed from (a fresh residual such as
     `1 - tanh(x)**2` or a relu mask counts as its sources: hbp's executor saves the primal
-    values and lets the backward piece recompute such cheap functions of them)."""
+    values and lets the backward piece recompute such cheap functions of them). A residual
+    made by a loop or branch (a scan that is not unrolled keeps every iteration's) counts as
+    its own bytes: recomputing it means rerunning the loop."""
     diff = tuple(isinstance(a, int) and a in p.needs_grad for a in op.inputs)
     key = _residual_key(op, diff)
     if key is not None and key in _RESIDUAL_CACHE:
@@ -421,7 +485,7 @@ def _residual_key(op: Op, diff):
     return (eqn.primitive, params, ins, diff)
 
 
-def _derive_residuals(op: Op, diff) -> tuple[list[int], bool]:
+def _derive_residuals(op: Op, diff) -> tuple[list[int], bool, int]:
     eqn = op.eqn
     var_pos = [j for j, a in enumerate(op.inputs) if not isinstance(a, Literal)]
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -453,7 +517,7 @@ def _derive_residuals(op: Op, diff) -> tuple[list[int], bool]:
     n_out = len(eqn.outvars)
     out_vars = jaxpr.outvars[:n_out]
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-    saved, saves_output, seen = set(), False, set()
+    saved, saves_output, seen, extra_bytes = set(), False, set(), 0
     stack = [r for r in jaxpr.outvars[n_out:] if not isinstance(r, Literal)]
     while stack:  # trace every residual back to the primal values it is computed from
         r = stack.pop()
@@ -464,18 +528,20 @@ def _derive_residuals(op: Op, diff) -> tuple[list[int], bool]:
             saves_output = True
         elif r in jaxpr.invars:
             saved.add(var_pos[jaxpr.invars.index(r)])
+        elif r in producer and producer[r].primitive.name in LOOPS_AND_BRANCHES:
+            extra_bytes += aval_bytes(r.aval)  # e.g. every iteration's residuals, stacked
         elif r in producer:
             stack.extend(a for a in producer[r].invars if not isinstance(a, Literal))
-    return sorted(saved), saves_output
+    return sorted(saved), saves_output, extra_bytes
 
 
-def _fallback_residuals(op: Op, diff) -> tuple[list[int], bool]:
+def _fallback_residuals(op: Op, diff) -> tuple[list[int], bool, int]:
     kind = _FALLBACK_SAVES.get(op.eqn.primitive.name, "inputs")
     if kind == "nothing":
-        return [], False
+        return [], False, 0
     if kind == "output":
-        return [], True
-    return [j for j, d in enumerate(diff) if d], False
+        return [], True, 0
+    return [j for j, d in enumerate(diff) if d], False, 0
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -50,8 +50,16 @@ falls back to module-level cut points: the sequence of (top-level) child module 
 recorded with forward hooks during a fake run (a real `no_grad` run if the fake run fails
 too), as a chain of IR nodes, with a `hbp.errors.CaptureWarning` that says why.
 
+Forward code that assigns module attributes: a traced value assigned to a registered buffer
+(`self.count += 1`, `self.ema = 0.9 * self.ema + ...`) is recorded as `buffer.copy_(value)`,
+so every call updates it; in-place updates of buffers (`self.running.mul_(0.9)`) stay in
+place. Assigning a Python value (`self.calls += 1`) is a side effect a graph cannot repeat:
+op-level capture fails and hbp falls back to module level, which runs the forward itself.
+
 Capturing does not change the module: parameters and buffers are only read (fake copies are
-updated instead), train/eval flags are untouched, and the RNG state is restored.
+updated instead; a real no-grad run of the fallback puts buffer values back), attributes the
+forward assigns while traced are put back, train/eval flags are untouched, and the RNG state
+is restored.
 """
 
 from __future__ import annotations
@@ -169,6 +177,16 @@ _FACTORIES = (
     "arange empty empty_strided eye full linspace logspace normal ones rand randint randn "
     "randperm scalar_tensor tensor tril_indices triu_indices zeros"
 ).split()
+
+
+# torch.nn modules traced through rather than kept as leaves (see `_Tracer.is_leaf_module`).
+_TRACED_TORCH_NN = (
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
 
 
 @dataclass
@@ -520,6 +538,9 @@ class _ValueProxy(fx.Proxy):
         v = self._value()
         if isinstance(v, (tuple, list)):
             return iter([self[i] for i in range(len(v))])
+        if isinstance(v, torch.Tensor) and v.dim() > 0:  # `q, k, v = qkv`: eager unbinds dim 0
+            parts = self._symbolic("unbind", 0)
+            return iter([parts[i] for i in range(v.shape[0])])
         return super().__iter__()
 
     def keys(self):
@@ -587,6 +608,13 @@ class _Tracer(fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # torch.nn's transformer stacks are whole models, not ops: as leaves, a ViT built from
+        # nn.TransformerEncoder would be one node, with nothing to cut.
+        if isinstance(m, _TRACED_TORCH_NN):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
 
     # fx patches nn.Module.__call__ / __getattr__ while tracing; computing a value runs real
     # module code on fake tensors, which must not be traced.
@@ -681,6 +709,30 @@ class _Tracer(fx.Tracer):
             ) = originals
 
     @contextlib.contextmanager
+    def recording_buffer_assignments(self) -> Iterator[None]:
+        """Within: assigning a traced value to a registered buffer (`self.count += 1`,
+        `self.ema = 0.9 * self.ema + 0.1 * x`) is recorded as `buffer.copy_(value)`: each call
+        of the graph updates the buffer, as each call of the forward does."""
+        tracer = self
+        original = nn.Module.__setattr__
+
+        def setattr_recorded(mod: nn.Module, name: str, value: Any) -> None:
+            buffers = mod.__dict__.get("_buffers", {})
+            if isinstance(value, fx.Proxy) and buffers.get(name) is not None:
+                path = tracer.path_of_module(mod)
+                target = f"{path}.{name}" if path else name
+                buffer = tracer.create_proxy("get_attr", target, (), {})
+                tracer.create_proxy("call_method", "copy_", (buffer, value), {})
+                return
+            original(mod, name, value)
+
+        nn.Module.__setattr__ = setattr_recorded
+        try:
+            yield
+        finally:
+            nn.Module.__setattr__ = original
+
+    @contextlib.contextmanager
     def recording_factories(self) -> Iterator[None]:
         """Within: `torch.<factory>(...)` calls made by traced code become graph nodes."""
         originals = {name: getattr(torch, name) for name in _FACTORIES}
@@ -723,14 +775,32 @@ def _trace(
     for t in (*module.parameters(), *module.buffers()):
         faker.tensor(t)  # convert now: fx's patching during tracing makes it ~10x slower
     tracer = _Tracer(faker, inputs)
-    attrs_before = set(module.__dict__)
+    state = _ModuleState(module)
     try:
-        with tracer.recording_factories(), tracer.inlining_checkpoints():
+        with (
+            tracer.recording_factories(),
+            tracer.inlining_checkpoints(),
+            tracer.recording_buffer_assignments(),
+        ):
             graph = tracer.trace(module, concrete_args=concrete or None)
         gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
-    finally:  # fx stores tensor constants on the traced module: take them off again
-        for attr in set(module.__dict__) - attrs_before:
-            delattr(module, attr)
+    finally:  # fx stores tensor constants on the traced module; forwards assign attributes
+        changed = state.restore()
+    # Leaf modules (run, not traced) may cache Python state of their own (an RNN's
+    # `_flat_weights`): only traced code's assignments are side effects the graph loses.
+    leaves = tuple(
+        path + "." for path, m in module.named_modules() if path and tracer.is_leaf_module(m, path)
+    )
+    python_state = [
+        name
+        for name, value in changed
+        if not isinstance(value, (fx.Proxy, torch.Tensor)) and not name.startswith(leaves)
+    ]
+    if python_state:
+        raise TypeError(
+            f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced graph "
+            "would not repeat that side effect on later calls"
+        )
     _drop_concrete_arg_asserts(gm, concrete)
     input_names = []
     for node in gm.graph.nodes:
@@ -738,6 +808,47 @@ def _trace(
             target = node.target.lstrip("*")
             input_names.append(target if target in arguments else target.rsplit("_", 1)[0])
     return gm, input_names, tracer
+
+
+class _ModuleState:
+    """The attributes of a module and of every submodule (`__dict__`, parameters, buffers,
+    children), to put back after tracing: traced code runs the forward's Python, so
+    `self.count += 1` or `self.cache = x` would otherwise leave proxies and counts behind,
+    and fx stores tensor constants on the root."""
+
+    def __init__(self, module: nn.Module):
+        self.saved = [
+            (name, m, dict(m.__dict__), {k: dict(getattr(m, k)) for k in self._DICTS})
+            for name, m in module.named_modules(remove_duplicate=True)
+        ]
+
+    _DICTS = ("_parameters", "_buffers", "_modules")
+
+    def restore(self) -> list[tuple[str, Any]]:
+        """Put every attribute back; return (qualified name, assigned value) of each attribute
+        the forward assigned (fx's own tensor constants on the root excluded)."""
+        changed: list[tuple[str, Any]] = []
+        for prefix, m, attrs, dicts in self.saved:
+            now = dict(m.__dict__)
+            for k in self._DICTS:
+                now.update({f"{k}:{n}": v for n, v in getattr(m, k).items()})
+            before = dict(attrs)
+            for k, d in dicts.items():
+                before.update({f"{k}:{n}": v for n, v in d.items()})
+            for key, value in now.items():
+                if key in self._DICTS or (key in before and before[key] is value):
+                    continue
+                if not prefix and key.startswith("_tensor_constant"):
+                    continue
+                name = key.split(":")[-1]
+                changed.append((f"{prefix}.{name}" if prefix else name, value))
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            for k, d in dicts.items():
+                getattr(m, k).clear()
+                getattr(m, k).update(d)
+                m.__dict__[k] = getattr(m, k)
+        return changed
 
 
 def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
@@ -1086,7 +1197,9 @@ def _profile_graph(
             ir_node, params, profiles[node.name], attrs = _profile_fx_node(
                 node, gm, faker, values, owners, persistent_keys
             )
-            if _out_of_place(node, ir_node, profiles[node.name], gm, by_name, fx_nodes, order):
+            if not _mutates_persistent(node, profiles[node.name], values, persistent_keys) and (
+                _out_of_place(node, ir_node, profiles[node.name], gm, by_name, fx_nodes, order)
+            ):
                 changed = True
                 for key in [k for k, owner in owners.items() if owner == node.name]:
                     del owners[key]
@@ -1151,6 +1264,20 @@ _INPLACE_MODULES: dict[type, Callable[[nn.Module], tuple[Callable, dict]]] = {
     nn.Dropout3d: lambda m: (F.dropout3d, {"p": m.p, "training": m.training}),
     nn.AlphaDropout: lambda m: (F.alpha_dropout, {"p": m.p, "training": m.training}),
 }
+
+
+def _mutates_persistent(
+    node: fx.Node, profile: _Profile, values: dict[fx.Node, Any], persistent_keys: set[int]
+) -> bool:
+    """Whether `node` mutates (a view of) a parameter, buffer or constant in place: such an
+    update is the point of the op (`self.running.mul_(0.9).add_(x)`) and must stay in place."""
+    mutated = set(profile.mutated_inputs)
+    return any(
+        _storage_key(t) in persistent_keys
+        for src in node.all_input_nodes
+        if src.name in mutated
+        for t in _tensors(values.get(src))
+    )
 
 
 def _out_of_place(
@@ -1457,25 +1584,37 @@ def _record_calls(
     for mod in paths:
         handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(mod.register_forward_hook(post_hook, with_kwargs=True))
+    state = _ModuleState(module)  # the forward's Python side effects are undone after
     try:
         if faker is None:
-            module.forward(*bound.args, **bound.kwargs)
+            with _buffers_restored(module):
+                module.forward(*bound.args, **bound.kwargs)
         else:
+            args, kwargs = faker.tree((bound.args, bound.kwargs), fresh=True)
             with faker.mode:
-                _call_module(
-                    faker,
-                    module,
-                    faker.tree(bound.args, fresh=True),
-                    faker.tree(bound.kwargs, fresh=True),
-                )
+                _call_module(faker, module, args, kwargs)
     finally:
         for h in handles:
             h.remove()
+        state.restore()
     # `calls` is in completion order (children before their parent).
     out: list[_Call] = []
     groups: list[tuple[str, int, int, int, tuple[int, ...]]] = []
     _expand_sequential(calls, 0, out, groups)
     return out, groups
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Inside, a real forward may update buffers in place (running means, step counters);
+    their values before are put back on exit."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def _expand_sequential(

@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import Literal
@@ -567,6 +568,7 @@ class PiecesExecutor:
                 _, in_cts = self._run_fused(name, info, (), diff_in, nondiff_in, cts)
                 del diff_in, nondiff_in, cts
                 self._accumulate(ct, info.diff_in, in_cts)
+                del in_cts  # else this frame keeps them alive through the next recursion
                 continue
             else:
                 diff_in, nondiff_in = tape.inputs
@@ -578,6 +580,7 @@ class PiecesExecutor:
                 continue
             del tape, cts
             self._accumulate(ct, info.diff_in, in_cts)
+            del in_cts
 
     def run_with_backward(
         self, infos: list[SegmentInfo], env: dict, ct: dict, keep: set[int]
@@ -607,6 +610,7 @@ class PiecesExecutor:
             del diff_in, nondiff_in, cts
             env.update(zip(out_keep, outs))
             self._accumulate(ct, last.diff_in, in_cts)
+            del outs, in_cts  # else they stay alive while `backward` below recurses
         self.backward(tapes, ct)
 
     def _accumulate(self, ct: dict, ids, values) -> None:
@@ -645,7 +649,7 @@ def make_plan(graph, budget, *, block_size: int = 1, planner: str = "optimal") -
 def _check_options(budget, block_size, strategy, plan) -> None:
     from hbp.planner.budget import parse_budget
 
-    if plan is None:
+    if plan is None and not (isinstance(budget, str) and budget == "min"):
         parse_budget(budget, 1 << 62)  # type and range checks; bytes vs naive peak come later
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError("block_size", block_size, "a positive int")
@@ -670,14 +674,22 @@ class _Planned:
         self._plans: dict = {}
         self.plan: Plan | None = None  # the plan of the most recent call
 
-    def _compiled(self, fun, args: tuple, diff_mask) -> Compiled:
+    def _compiled(self, fun, args: tuple, diff_mask, static_key=None, check=None) -> Compiled:
+        """Capture and plan (cached per signature); `check(program)` runs before planning."""
         avals = abstractify(args)
         leaves, treedef = jax.tree.flatten(avals)
-        key = (treedef, tuple((a.shape, a.dtype, a.weak_type) for a in leaves), diff_mask)
+        key = (
+            treedef,
+            tuple((a.shape, a.dtype, a.weak_type) for a in leaves),
+            diff_mask,
+            static_key,
+        )
         if key in self._cache:
             self.plan = self._cache[key].plan
             return self._cache[key]
         captured = capture_program(fun, avals, diff_mask=diff_mask)
+        if check is not None:
+            check(captured.program)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._make_plan(captured)
@@ -711,12 +723,19 @@ class _Planned:
         return not any(isinstance(v, jax.core.Tracer) for v in values)
 
 
-def _check_argnums(argnums) -> None:
+def _check_argnums(argnums):
+    """`argnums` as an int or a non-empty tuple of ints (a list becomes a tuple, as in
+    `jax.grad`); anything else raises ConfigError."""
+    if isinstance(argnums, list):
+        argnums = tuple(argnums)
     ok = isinstance(argnums, int) or (
-        isinstance(argnums, tuple) and all(isinstance(n, int) for n in argnums)
+        isinstance(argnums, tuple)
+        and len(argnums) > 0
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in argnums)
     )
     if isinstance(argnums, bool) or not ok:
-        raise ConfigError("argnums", argnums, "an int or a tuple of ints")
+        raise ConfigError("argnums", argnums, "an int or a non-empty tuple of ints")
+    return argnums
 
 
 def _argnums_mask(args, argnums) -> tuple[bool, ...]:
@@ -724,12 +743,88 @@ def _argnums_mask(args, argnums) -> tuple[bool, ...]:
     nums = (argnums,) if isinstance(argnums, int) else argnums
     for n in nums:
         if not -len(args) <= n < len(args):
-            raise ConfigError("argnums", argnums, f"indices of the {len(args)} arguments")
+            raise ConfigError(
+                "argnums",
+                argnums,
+                f"indices of the {len(args)} positional arguments passed, in "
+                f"[{-len(args)}, {len(args)})",
+            )
     nums = {n % len(args) for n in nums}
     mask: list[bool] = []
     for k, a in enumerate(args):
         mask += [k in nums] * len(jax.tree.leaves(a))
     return tuple(mask)
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """`fun(*args, **kwargs)` split like `jax.grad` splits it: array leaves (arrays, tracers,
+    Python numbers) are traced, everything else (strings, callables, kwargs' non-array
+    values) is static, part of the cache key and closed over.
+
+    `args` are the traced positional arguments, one list of array leaves per positional
+    argument (kwargs' array leaves as one more, never differentiated); `key` identifies the
+    static part; `treedefs` rebuild each positional argument from its leaves."""
+
+    fun: Any
+    args: tuple
+    key: Any
+    treedefs: tuple
+
+
+def _is_array_leaf(x) -> bool:
+    """Whether `jax.jit` would trace this leaf (Python numbers included)."""
+    array_types = jax.Array | jax.core.Tracer | np.ndarray | np.generic | jax.ShapeDtypeStruct
+    return isinstance(x, array_types | int | float | complex)
+
+
+def _bind(fun, args: tuple, kwargs: dict, argnums=None) -> _Bound | None:
+    """None when every leaf is an array and there are no kwargs (nothing to bind)."""
+    flat = [jax.tree.flatten(a) for a in args]
+    kw_leaves, kw_tree = jax.tree.flatten(kwargs)
+    if not kwargs and all(_is_array_leaf(x) for leaves, _ in flat for x in leaves):
+        return None
+    nums = set()
+    if argnums is not None:
+        nums = {n % len(args) for n in ((argnums,) if isinstance(argnums, int) else argnums)}
+    statics = []
+    for i, (leaves, _) in enumerate(flat):
+        for k, x in enumerate(leaves):
+            if not _is_array_leaf(x):
+                if i in nums:
+                    raise TypeError(
+                        f"Argument {x!r} of type {type(x)} is not a valid JAX type (argument "
+                        f"{i} is differentiated: argnums={argnums})"
+                    )
+                statics.append((i, k, x))
+    kw_static = tuple((k, x) for k, x in enumerate(kw_leaves) if not _is_array_leaf(x))
+    treedefs = tuple(t for _, t in flat)
+    key = (treedefs, tuple(statics), kw_tree, kw_static)
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            "height_compressed: non-array arguments (here "
+            f"{[type(x).__name__ for *_, x in statics + list(kw_static)]}) are static: they "
+            "must be hashable (they key the cached plan)"
+        ) from None
+    dyn = tuple([x for x in leaves if _is_array_leaf(x)] for leaves, _ in flat)
+    kw_dyn = [x for x in kw_leaves if _is_array_leaf(x)]
+
+    def merge(dyn_leaves, static_leaves: dict, n: int) -> list:
+        it = iter(dyn_leaves)
+        return [static_leaves[k] if k in static_leaves else next(it) for k in range(n)]
+
+    def bound(*dyn_args):
+        full = []
+        for i, ((leaves, treedef), d) in enumerate(zip(flat, dyn_args)):
+            st = {k: x for j, k, x in statics if j == i}
+            full.append(jax.tree.unflatten(treedef, merge(d, st, len(leaves))))
+        kw_full = merge(dyn_args[len(flat)], dict(kw_static), len(kw_leaves))
+        kw = jax.tree.unflatten(kw_tree, kw_full)
+        return fun(*full, **kw)
+
+    return _Bound(bound, (*dyn, kw_dyn), key, treedefs)
 
 
 def _env(program: Program, leaves) -> dict:
@@ -746,9 +841,7 @@ class HeightCompressed(_Planned):
 
     def __init__(self, fun, budget, argnums, block_size, planner, strategy, plan):
         super().__init__(fun, budget, block_size, planner, strategy, plan)
-        if argnums is not None:
-            _check_argnums(argnums)
-        self.argnums = argnums
+        self.argnums = None if argnums is None else _check_argnums(argnums)
 
     def get_plan(self, *args) -> Plan:
         """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s)."""
@@ -867,12 +960,11 @@ class HeightCompressedGrad(_Planned):
 
     def __init__(self, fun, budget, argnums, has_aux, block_size, planner, strategy, plan):
         super().__init__(fun, budget, block_size, planner, strategy, plan)
-        _check_argnums(argnums)
-        self.argnums = argnums
+        self.argnums = _check_argnums(argnums)
         self.has_aux = bool(has_aux)
 
-    def _mask(self, args) -> tuple[bool, ...]:
-        mask = _argnums_mask(args, self.argnums)
+    def _mask(self, args, argnums) -> tuple[bool, ...]:
+        mask = _argnums_mask(args, argnums)
         for leaf, m in zip(jax.tree.leaves(abstractify(args)), mask):
             if m and not jnp.issubdtype(leaf.dtype, jnp.inexact):
                 raise TypeError(
@@ -886,47 +978,73 @@ class HeightCompressedGrad(_Planned):
         if not has_aux:
             return fun
 
-        def with_aux(*args):
-            out = fun(*args)
+        def with_aux(*args, **kwargs):
+            out = fun(*args, **kwargs)
             if not (isinstance(out, tuple | list) and len(out) == 2):
-                raise TypeError("with has_aux=True, fun must return a pair (loss, aux)")
+                raise TypeError(
+                    "with has_aux=True, fun must return a pair (loss, aux), got "
+                    f"{type(out).__name__}"
+                )
             return tuple(out)
 
         return with_aux
 
-    def get_plan(self, *args) -> Plan:
-        """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s)."""
-        return self._compiled(self._loss_fun(), args, self._mask(args)).plan
+    def _prepare(self, args: tuple, kwargs: dict):
+        """(compiled, traced args, argnums into them, treedefs or None). Raises TypeError
+        like `jax.grad` for a loss that is not a real scalar, before planning."""
+        _argnums_mask(args, self.argnums)  # range check against the caller's arguments
+        nums = (self.argnums,) if isinstance(self.argnums, int) else self.argnums
+        argnums = tuple(n % len(args) for n in nums)
+        fun, traced, static_key, treedefs = self._loss_fun(), args, None, None
+        bound = _bind(fun, args, kwargs, argnums)
+        if bound is not None:
+            fun, traced, static_key, treedefs = bound.fun, bound.args, bound.key, bound.treedefs
+        mask = self._mask(traced, argnums)
+        compiled = self._compiled(
+            fun, traced, mask, static_key, check=partial(_check_loss, has_aux=self.has_aux)
+        )
+        return compiled, traced, argnums, treedefs
 
-    def __call__(self, *args):
-        mask = self._mask(args)
-        compiled = self._compiled(self._loss_fun(), args, mask)
+    def get_plan(self, *args, **kwargs) -> Plan:
+        """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s)."""
+        return self._prepare(args, kwargs)[0].plan
+
+    def __call__(self, *args, **kwargs):
+        compiled, traced_args, argnums, treedefs = self._prepare(args, kwargs)
         program = compiled.program
-        loss = program.outvars[0]
-        loss_aval = loss.aval if isinstance(loss, Literal) else program.avals[loss]
-        if loss_aval.shape != () or not jnp.issubdtype(loss_aval.dtype, jnp.floating):
-            raise TypeError(
-                "height_compressed_grad needs fun to return a real scalar (the loss), got "
-                f"{loss_aval.dtype}{list(loss_aval.shape)}"
-            )
-        leaves = jax.tree.leaves(args)
+        leaves = jax.tree.leaves(traced_args)
         traced = any(isinstance(v, jax.core.Tracer) for v in [*leaves, *program.consts])
         if self.strategy == "remat" or (self.strategy == "auto" and traced):
-            return self._remat_grad(compiled, args, traced)
+            grads, aux = self._remat_grad(compiled, traced_args, argnums, traced)
+        else:
+            grads, aux = self._pieces_grad(compiled, leaves, argnums)
+        if treedefs is not None:
+            grads = tuple(jax.tree.unflatten(treedefs[n], g) for n, g in zip(argnums, grads))
+        result = grads[0] if isinstance(self.argnums, int) else grads
+        return (result, aux) if self.has_aux else result
+
+    def _pieces_grad(self, compiled: Compiled, leaves: list, argnums: tuple):
+        """The "pieces" executor: (gradients per argnum, aux or None)."""
+        program = compiled.program
+        loss = program.outvars[0]
         env = _env(program, leaves)
         ct: dict = {}
         if isinstance(loss, int):
-            ct[loss] = jnp.ones((), loss_aval.dtype)
+            ct[loss] = jnp.ones((), program.avals[loss].dtype)
         keep = {o for o in program.outvars if isinstance(o, int)}
         compiled.pieces.run_with_backward(compiled.infos, env, ct, keep)
         grads = [
-            _grad_or_zeros(ct, i, program) if m else None for i, m in zip(program.invars, mask)
+            _grad_or_zeros(ct, i, program) if m else None
+            for i, m in zip(program.invars, program.diff_mask)
         ]
-        return self._package(program, args, grads, [_read(env, o) for o in program.outvars])
+        per_arg = jax.tree.unflatten(program.in_tree, grads)
+        outs = jax.tree.unflatten(program.out_tree, [_read(env, o) for o in program.outvars])
+        return tuple(per_arg[n] for n in argnums), (outs[1] if self.has_aux else None)
 
-    def _remat_grad(self, compiled: Compiled, args, traced: bool):
-        """The "remat" executor. Traced: evaluated in the caller's trace. Eager: one jitted
-        program, compiled with `compiler_options()` so XLA:CPU keeps the recomputation."""
+    def _remat_grad(self, compiled: Compiled, args, argnums: tuple, traced: bool):
+        """The "remat" executor: (gradients per argnum, aux or None). Traced: evaluated in
+        the caller's trace. Eager: one jitted program, compiled with `compiler_options()`
+        so XLA:CPU keeps the recomputation."""
         program = compiled.program
 
         def run(*a):
@@ -934,22 +1052,38 @@ class HeightCompressedGrad(_Planned):
             run_remat(compiled.infos, env)
             return jax.tree.unflatten(program.out_tree, [_read(env, o) for o in program.outvars])
 
-        grad = jax.grad(run, argnums=self.argnums, has_aux=self.has_aux)
+        grad = jax.grad(run, argnums=argnums, has_aux=self.has_aux)
         if traced:
-            return grad(*args)
-        if compiled.program_fn is None:
-            compiled.program_fn = jit(grad)
-        return run_compiled("one program (remat)", compiled.program_fn, *args)
-
-    def _package(self, program: Program, args, grads, outs):
-        per_arg = jax.tree.unflatten(program.in_tree, grads)
-        if isinstance(self.argnums, int):
-            result = per_arg[self.argnums]
+            out = grad(*args)
         else:
-            result = tuple(per_arg[n] for n in self.argnums)
-        if self.has_aux:
-            return result, jax.tree.unflatten(program.out_tree, outs)[1]
-        return result
+            if compiled.program_fn is None:
+                compiled.program_fn = jit(grad)
+            out = run_compiled("one program (remat)", compiled.program_fn, *args)
+        return out if self.has_aux else (out, None)
+
+
+def _check_loss(program: Program, has_aux: bool) -> None:
+    """Raise `jax.grad`'s TypeError unless the loss (the output, or the first of the pair
+    with `has_aux`) is one real scalar."""
+    tree = program.out_tree
+    loss_tree = jax.tree_util.treedef_children(tree)[0] if has_aux else tree
+    if not jax.tree_util.treedef_is_leaf(loss_tree):
+        raise TypeError(
+            "Gradient only defined for scalar-output functions. Output was a pytree "
+            f"{loss_tree}" + ("" if has_aux else " (return (loss, aux) with has_aux=True)")
+        )
+    loss = program.outvars[0]
+    aval = loss.aval if isinstance(loss, Literal) else program.avals[loss]
+    if aval.shape != ():
+        raise TypeError(
+            f"Gradient only defined for scalar-output functions. Output had shape: {aval.shape}."
+        )
+    if not jnp.issubdtype(aval.dtype, jnp.floating):
+        raise TypeError(
+            "grad requires real-valued outputs (output dtype that is a sub-dtype of "
+            f"np.floating), but got {aval.dtype.name}. For holomorphic differentiation, "
+            "use jax.grad(..., holomorphic=True): hbp does not support it."
+        )
 
 
 def height_compressed(
@@ -1006,7 +1140,11 @@ def height_compressed_grad(
 ) -> HeightCompressedGrad:
     """Like `jax.grad(fun, argnums, has_aux)`, with backward memory held to `budget`.
 
-    `fun` must return a real scalar (or `(scalar, aux)` with `has_aux`). Works eagerly (where
+    `fun` must return a real scalar (or `(scalar, aux)` with `has_aux`; otherwise TypeError,
+    as `jax.grad`, raised before planning). As with `jax.grad`, keyword arguments are passed
+    through undifferentiated and non-array leaves (strings, callables) are static: each
+    static value gets its own capture and plan (they must be hashable). budget="min" plans
+    for the least memory the planner can reach. Works eagerly (where
     "auto" runs separately compiled pieces: the memory saving is real on XLA:CPU) and under
     `jax.jit` (planning happens at trace time from the avals; execution is one program with
     `jax.checkpoint` segments). Other arguments as in `height_compressed`.

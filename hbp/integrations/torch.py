@@ -9,13 +9,17 @@ and values of non-tensor arguments, train/eval flags, grad and autocast modes, t
 parameters' identity, dtype, device and requires_grad) the module is captured
 (`hbp.graph.torch_capture.capture`), the least-recompute plan that fits the budget is made
 (`hbp.planner.plan`), and an executor is built (`hbp.runtime.executor`); all three are cached
-per signature. In eval mode, under `torch.no_grad()`, or when nothing requires grad, the
-wrapped module just runs.
+per signature. Under `torch.no_grad()` / `torch.inference_mode()`, or when nothing requires
+grad, the wrapped module just runs. In eval mode it also just runs (as HuggingFace's gradient
+checkpointing does), unless `plan_in_eval=True`: set it to fine-tune in eval mode (frozen
+BatchNorm statistics, no dropout) within the budget; a one-time warning says when an eval-mode
+call with grad enabled runs without the budget.
 
 Budget: float in (0, 1] = fraction of the step's naive peak, as simulated on the captured
 graph (activations, saved tensors, activation and parameter gradients; not the parameters
-themselves nor the inputs); int = bytes; str such as "64MiB"; "min" = the least the planner
-can reach. No plan fits -> `hbp.BudgetError` with `.minimum` (bytes).
+themselves nor the inputs); int = bytes; str such as "64MiB" (a byte budget above the naive peak
+is met by the naive step: nothing is recomputed); "min" = the least the planner can reach.
+No plan fits -> `hbp.BudgetError` with `.minimum` (bytes).
 
 Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
 hooks of submodules fire again, Python side effects in forward happen again, and the RNG state
@@ -44,8 +48,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
-from hbp.errors import BudgetError
+from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch_capture import MODULE, CapturedGraph, ambient_modes, capture
+from hbp.planner import PLANNERS
 from hbp.planner.budget import parse_budget
 from hbp.planner.plan import MIB, Plan
 from hbp.runtime.executor import make_executor, per_call_plan
@@ -77,6 +82,8 @@ class HCModule(nn.Module):
         block_size: granularity of the interval tree's leaves, in graph nodes (planner).
         planner: planner name, see `hbp.planner.plan` ("optimal", ...).
         verbose: print the plan summary whenever a new signature is planned.
+        plan_in_eval: also plan (and enforce the budget) in eval mode when grad is enabled
+            (eval-mode fine-tuning); by default eval mode runs the plain module.
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
@@ -91,17 +98,23 @@ class HCModule(nn.Module):
         block_size: int = 1,
         planner: str = "optimal",
         verbose: bool = False,
+        plan_in_eval: bool = False,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"HCModule wraps an nn.Module, got {type(module).__name__}")
         if budget != "min":  # "min": the least memory the planner can reach
             parse_budget(budget, 2**62)  # reject malformed budgets now, not at the first step
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError("block_size", block_size, "an int >= 1")
+        if planner not in PLANNERS:
+            raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
         self.module = module
         self.budget = budget
         self.block_size = block_size
         self.planner = planner
         self.verbose = verbose
+        self.plan_in_eval = bool(plan_in_eval)
         self._compiled: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
         self._warned: set[str] = set()
@@ -141,7 +154,11 @@ class HCModule(nn.Module):
         return plan_summary(self._current)
 
     def extra_repr(self) -> str:
-        return f"budget={self.budget!r}, block_size={self.block_size}, planner={self.planner!r}"
+        extra = ", plan_in_eval=True" if self.plan_in_eval else ""
+        return (
+            f"budget={self.budget!r}, block_size={self.block_size}, planner={self.planner!r}"
+            + extra
+        )
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -151,12 +168,22 @@ class HCModule(nn.Module):
     # -- planning ---------------------------------------------------------------------------
 
     def _plans_for(self, args, kwargs) -> bool:
-        if not (self.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():
             return False
-        if any(p.requires_grad for p in self.module.parameters()):
-            return True
-        leaves, _ = tree_flatten((args, kwargs))
-        return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+        differentiable = any(p.requires_grad for p in self.module.parameters())
+        if not differentiable:
+            leaves, _ = tree_flatten((args, kwargs))
+            differentiable = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+        if differentiable and not (self.training or self.plan_in_eval):
+            self._warn_once(
+                "eval",
+                "HCModule in eval mode with grad enabled runs the plain module: the budget is "
+                "not enforced. Use torch.no_grad() to evaluate, or HCModule(..., "
+                "plan_in_eval=True) to train in eval mode within the budget.",
+                stacklevel=6,  # the caller of hc(...), past nn.Module's call wrappers
+            )
+            return False
+        return differentiable
 
     def _prepare(self, args, kwargs) -> Compiled:
         key = self._signature(args, kwargs)
@@ -197,11 +224,34 @@ class HCModule(nn.Module):
     def _compile(self, args, kwargs) -> Compiled:
         from hbp.planner import plan as make_plan  # the planner is pure: import on use
 
+        lazy = [
+            name
+            for name, p in self.module.named_parameters()
+            if isinstance(p, nn.parameter.UninitializedParameter)
+        ]
+        if lazy:
+            raise ConfigError(
+                "module",
+                type(self.module).__name__,
+                f"a module whose parameters are initialised ({', '.join(lazy[:3])} are lazy): "
+                "call it once on a batch before wrapping it in HCModule",
+            )
         captured = capture(self.module, args, kwargs)
         graph = captured.graph
         naive = simulate(graph).peak_bytes
         start = time.perf_counter()
-        plan = make_plan(graph, self.budget, block_size=self.block_size, planner=self.planner)
+        try:
+            plan = make_plan(
+                graph, self._budget_for(naive), block_size=self.block_size, planner=self.planner
+            )
+        except BudgetError as err:
+            if self.budget == 1 and isinstance(self.budget, int):  # not 1.0 (nor True)
+                raise BudgetError(
+                    err.budget,
+                    err.minimum,
+                    "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
+                ) from err
+            raise
         if captured.granularity == MODULE:
             plan = self._module_level_plan(plan, captured, naive, make_plan)
         plan_time_s = time.perf_counter() - start
@@ -211,6 +261,20 @@ class HCModule(nn.Module):
         if self.verbose:
             print(plan_summary(compiled))
         return compiled
+
+    def _budget_for(self, naive_peak_bytes: int) -> float | int | str:
+        """The budget to plan for. A byte budget ("64MiB", 2**26) above the naive step's
+        peak is met without recomputing anything: the naive peak, not an error (the same
+        budget can be below the naive peak of another input signature)."""
+        if self.budget == "min":
+            return self.budget
+        try:
+            parse_budget(self.budget, naive_peak_bytes)
+        except ConfigError:
+            if parse_budget(self.budget, 2**62) > naive_peak_bytes:  # bytes, not a fraction
+                return naive_peak_bytes
+            raise
+        return self.budget
 
     def _module_level_plan(
         self, plan: Plan, captured: CapturedGraph, naive: int, make_plan, tries: int = 6
@@ -285,10 +349,10 @@ class HCModule(nn.Module):
                     "HCModule works on a copy there, so the caller's tensor is left unchanged",
                 )
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
 def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:

@@ -84,7 +84,11 @@ class TinyMode:
         return self.module.summary()
 
     def artifacts(self) -> dict[str, str]:
-        """plan.json for the run directory (empty before `apply`)."""
+        """plan.json and graph.json (the captured graph in hbp's IR, the input of
+        `python -m hbp.optimum graph=...`) for the run directory (empty before `apply`)."""
         if self.module is None or self.module.plan is None:
             return {}
-        return {"plan.json": self.module.plan.to_json()}
+        return {
+            "plan.json": self.module.plan.to_json(),
+            "graph.json": self.module.compiled.captured.graph.to_json(),
+        }

@@ -322,6 +322,8 @@ class _Profile:
             live[: end - e + 1] += m.g_size[g]
         if mode == PLAIN:
             live += m.extra_pre[t + 1] - m.extra_pre[e]
+        else:  # run with saving off: extras are made and dropped within the node's event
+            live += info.extra_bytes[e:]
         if top:
             live += m.out_pre[t + 1]
         live += info.forward_transient[e:]
@@ -845,14 +847,18 @@ def _frontier(info: GraphInfo) -> tuple[np.ndarray, np.ndarray]:
 def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> list[int]:
     """Positions c (cut before node c) the planner may use, plus 0 and n.
 
-    Positions inside the leading run of graph inputs are never useful. With block_size k,
-    the positions are grouped into windows of k consecutive positions and only the one with
-    the smallest frontier (bytes crossing it) is kept per window: a leaf of the interval tree
-    is then about k nodes, cut where it is cheapest. Then at most `max_cuts` positions are
-    kept, fewer where many values cross the cuts (the DP's work, `WORK_LIMIT`, grows with
-    2^(values crossing)): local minima of the frontier bytes first, then positions with fewer
-    crossing values, then fewer bytes (equal ones evenly spread over the graph). Small
-    graphs keep every position, so the DP is exact over all cut subsets there.
+    Positions inside the leading run of graph inputs are never useful. Of the others at most
+    `max_cuts` are kept, fewer where many values cross the cuts (the DP's work,
+    `WORK_LIMIT`, grows with 2^(values crossing)): local minima of the frontier bytes (bytes
+    crossing the cut) first, then positions with fewer crossing values, then fewer bytes
+    (equal ones evenly spread over the graph). Small graphs keep every position, so the DP
+    is exact over all cut subsets there.
+
+    With block size k, the positions are grouped into windows of k consecutive positions and
+    of the kept ones only the one with the smallest frontier is used per window: a leaf of
+    the interval tree is then about k nodes, cut where it is cheapest. The set for
+    block size k is a subset of the set for block size 1, so the planner and its minimum are
+    never worse at block size 1 than at a coarser one.
     """
     n = info.n
     if n == 0:
@@ -864,11 +870,6 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
     if not pos:
         return [0, n]
     w, count = _frontier(info)
-    if block_size > 1:
-        pos = [
-            min(pos[i : i + block_size], key=lambda c: (w[c], -c))
-            for i in range(0, len(pos), block_size)
-        ]
     wp = [int(w[c]) for c in pos]
     minima = {
         c
@@ -885,7 +886,14 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
         if len(chosen) >= max_cuts or len(chosen) ** 2 * states > WORK_LIMIT:
             break
         chosen.append(pos[k])
-    return sorted(set([0, *chosen, n]))
+    if block_size > 1:  # the cheapest kept position per window (the last one on ties)
+        window: dict[int, int] = {}
+        for c in sorted(chosen):
+            k = (c - pos[0]) // block_size
+            if k not in window or w[c] <= w[window[k]]:
+                window[k] = c
+        chosen = list(window.values())
+    return sorted({0, *chosen, n})
 
 
 def _spread(k: int, n: int) -> int:

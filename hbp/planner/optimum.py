@@ -16,8 +16,9 @@ Model (the simulator's accounting as far as a schedule allows):
 - Memory at each op (must be <= budget): the plan-independent part (activation and parameter
   gradients, backward scratch, graph outputs: exactly the simulator's), the values kept, what
   the stage computed so far minus what it freed, the op's own output, saved extras (only if
-  the run saves them: W[t, i]) and forward scratch. Graph outputs live for the whole step; a
-  recomputed output (done only for its saved extras) is a copy freed at once.
+  the run saves them: W[t, i]; a run that does not save them allocates them as scratch, as
+  the simulator charges ops run with saving off) and forward scratch. Graph outputs live for
+  the whole step; a recomputed output (done only for its saved extras) is a copy freed at once.
 Simplification against the simulator: aliases (views, in-place) are folded into their
 storage root (their FLOPs are dropped). Everything else a plan does is a schedule here, so
 on graphs without aliases the optimum is at most the planner's recompute. Objective: FLOPs
@@ -44,11 +45,18 @@ class Optimum:
     """The programme's answer at one budget (bytes, FLOPs, seconds).
 
     Attributes:
-        status: "optimal", "infeasible", or HiGHS's message (time limit, ...).
+        status: "optimal", "infeasible", "time limit", or HiGHS's message.
         recompute_flops: optimal recompute FLOPs (None unless optimal).
-        lower_bound_flops: the LP relaxation's optimum (a lower bound; None if infeasible).
+        best_found_flops: the best schedule's recompute when the solve stopped: the optimum
+            when optimal, the incumbent (an upper bound on the optimum) at a time limit,
+            None when none was found.
+        lower_bound_flops: the LP relaxation's optimum (a lower bound; None if infeasible or
+            not solved).
+        proven_bound_flops: the best proven lower bound on the optimum: the optimum itself
+            when optimal, else the larger of the LP bound and the MILP's dual bound at the
+            time limit (None if infeasible or nothing was proven).
         solve_time_s / lp_time_s: wall time of the MILP / the LP.
-        recomputed: (stage label, node name) of every recomputation in the optimal schedule.
+        recomputed: (stage label, node name) of every recomputation in the best schedule.
     """
 
     budget_bytes: int
@@ -59,6 +67,8 @@ class Optimum:
     lp_time_s: float
     variables: int
     recomputed: list[tuple[str, str]] = field(default_factory=list)
+    best_found_flops: float | None = None
+    proven_bound_flops: float | None = None
 
 
 class Schedule:
@@ -156,7 +166,11 @@ class Schedule:
 
     # -- the integer programme ----------------------------------------------------------------
     def solve(self, budget_bytes: int, *, time_limit: float = 60.0, relax: bool = True) -> Optimum:
-        """Least recompute FLOPs with every op's memory <= budget_bytes."""
+        """Least recompute FLOPs with every op's memory <= budget_bytes.
+
+        The MILP stops after `time_limit` seconds (wall time); it then reports the best
+        schedule found so far and the proven bound (status "time limit"). `relax` also
+        solves the LP relaxation (a lower bound, usually far faster than the MILP)."""
         prog = _Program(self, float(budget_bytes))
         t0 = time.perf_counter()
         res = prog.run(integral=True, time_limit=time_limit)
@@ -167,15 +181,28 @@ class Schedule:
             lres = prog.run(integral=False, time_limit=time_limit)
             lp_time = time.perf_counter() - t1
             if lres.status == 0:
-                lp = max(0.0, float(lres.fun) - prog.constant)
-        status = {0: "optimal", 2: "infeasible"}.get(res.status, str(res.message))
-        value = None
-        if res.status == 0:  # the objective is a FLOP sum: drop the solver's round-off
-            value = max(0.0, float(res.fun) - prog.constant)
-            value = 0.0 if value <= 1e-9 * max(1.0, prog.constant) else value
-        recomputed = prog.recomputations(res.x) if res.status == 0 else []
+                lp = prog.flops(lres.fun)
+        status = {0: "optimal", 1: "time limit", 2: "infeasible"}.get(res.status, str(res.message))
+        found = res.x is not None and res.status in (0, 1)
+        best = prog.flops(res.fun) if found else None
+        if res.status == 0:
+            bound = best
+        else:
+            dual = getattr(res, "mip_dual_bound", None)
+            proven = [b for b in (lp, None if dual is None else prog.flops(dual)) if b is not None]
+            bound = max(proven) if proven and res.status != 2 else None
+            bound = None if bound is None or not np.isfinite(bound) else bound
         return Optimum(
-            int(budget_bytes), status, value, lp, solve_time, lp_time, prog.nvar, recomputed
+            int(budget_bytes),
+            status,
+            best if res.status == 0 else None,
+            lp,
+            solve_time,
+            lp_time,
+            prog.nvar,
+            prog.recomputations(res.x) if found else [],
+            best,
+            bound,
         )
 
     # -- a given schedule (brute force, tests) ------------------------------------------------
@@ -237,7 +264,11 @@ class Schedule:
                 mem += (0.0 if self.is_out[k] else self.size[k]) + sum(
                     self.extra_of[j] for j in made
                 )
-                peak = max(peak, self.base(t, k) + mem + self.transient[k] + self.copy_bytes(t, k))
+                scratch = self.transient[k] + self.copy_bytes(t, k)
+                scratch += sum(  # a run that does not pack allocates the extras transiently
+                    self.extra_of[j] for j in self.packs if self.pack_run[j] == k and j not in made
+                )
+                peak = max(peak, self.base(t, k) + mem + scratch)
                 later = ops[pos + 1 :]
                 for v in [*self.deps[k], k]:
                     if self.is_out[v] or v in main or S[t + 1][v]:
@@ -341,6 +372,10 @@ class _Program:
                         running[W(t, j)] = running.get(W(t, j), 0.0) + sch.extra_of[j]
                 at_op = dict(running)
                 at_op[rk] = at_op.get(rk, 0.0) + sch.transient[k] + sch.copy_bytes(t, k)
+                for j in runs_of.get(k, []):  # a run that does not pack: extras are scratch
+                    at_op[rk] += sch.extra_of[j]
+                    if W(t, j) is not None:
+                        at_op[W(t, j)] = at_op.get(W(t, j), 0.0) - sch.extra_of[j]
                 add(at_op, -np.inf, budget - sch.base(t, k))
                 later = ops[pos + 1 :]
                 for v in [*sch.deps[k], k]:
@@ -377,6 +412,12 @@ class _Program:
             hi.append(b)
         self.A = coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), self.nvar)).tocsr()
         self.lo, self.hi = np.array(lo), np.array(hi)
+
+    def flops(self, objective: float) -> float:
+        """Recompute FLOPs from an objective value (all computations' FLOPs), without the
+        solver's round-off: objectives within 1e-9 of one forward count as no recompute."""
+        value = max(0.0, float(objective) - self.constant)
+        return 0.0 if value <= 1e-9 * max(1.0, self.constant) else value
 
     def run(self, integral: bool, time_limit: float):
         integrality = np.ones(self.nvar) if integral else np.zeros(self.nvar)

@@ -5,21 +5,35 @@ Measurement API (DESIGN.md "Metrics"): `MemoryTracker` (exact live-storage bytes
 FLOPs, median step time).
 """
 
-from hbp.runtime.flops import count_flops, count_flops_breakdown, flop_breakdown_frame
-from hbp.runtime.measure import StepMeasurement, measure_step
-from hbp.runtime.timers import Timer, summarize_times
-from hbp.runtime.tracker import MemoryTracker, allocator_peak, measure_callable_peak, phase
+from __future__ import annotations
 
-__all__ = [
-    "MemoryTracker",
-    "StepMeasurement",
-    "Timer",
-    "allocator_peak",
-    "count_flops",
-    "count_flops_breakdown",
-    "flop_breakdown_frame",
-    "measure_callable_peak",
-    "measure_step",
-    "phase",
-    "summarize_times",
-]
+import importlib
+
+# Submodules load on first use: HCModule users import the executor, not pandas/timers.
+_LAZY = {
+    "MemoryTracker": "hbp.runtime.tracker",
+    "StepMeasurement": "hbp.runtime.measure",
+    "Timer": "hbp.runtime.timers",
+    "allocator_peak": "hbp.runtime.tracker",
+    "count_flops": "hbp.runtime.flops",
+    "count_flops_breakdown": "hbp.runtime.flops",
+    "flop_breakdown_frame": "hbp.runtime.flops",
+    "measure_callable_peak": "hbp.runtime.tracker",
+    "measure_step": "hbp.runtime.measure",
+    "phase": "hbp.runtime.tracker",
+    "summarize_times": "hbp.runtime.timers",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hbp.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hbp.graph.torch_capture import MODES, MODULE, CapturedGraph, enter_modes, exit_modes
 from hbp.planner.plan import Plan, Segment
-from hbp.runtime.recompute import checkpoint_context_fn
+from hbp.runtime.recompute import ReenterableContext, checkpoint_context_fn
 
 _PASS = threading.local()
 
@@ -304,8 +304,8 @@ class PlanExecutor:
 
         def context_fn():
             forward_ctx, recompute_ctx = norm_context_fn()
-            return forward_ctx, _stacked(
-                recompute_ctx, _throwaway_attrs(frozen), _recompute_pass(stop)
+            return forward_ctx, ReenterableContext(
+                lambda: _stacked(recompute_ctx, _throwaway_attrs(frozen), _recompute_pass(stop))
             )
 
         return context_fn

@@ -15,7 +15,7 @@ position).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
@@ -47,12 +47,34 @@ def frozen_running_stats(norms: list[_NormBase]) -> Iterator[None]:
                 setattr(m, n, buf)
 
 
+class ReenterableContext:
+    """A context manager that can be entered again after (or while) it is active: each
+    `__enter__` enters a fresh `make()`. Non-reentrant checkpoint calls `context_fn` once per
+    forward and enters the recompute context once per recompute: more than once when the
+    graph is backpropagated again (`retain_graph=True`, `torch.autograd.grad` then
+    `.backward()`), which a `@contextlib.contextmanager` object cannot do."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self.make = make
+        self._active: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self):
+        context = self.make()
+        value = context.__enter__()
+        self._active.append(context)
+        return value
+
+    def __exit__(self, *exc_info):
+        return self._active.pop().__exit__(*exc_info)
+
+
 def checkpoint_context_fn(module: nn.Module):
     """A `context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`:
-    the original forward runs as is, the recompute runs with `module`'s norm layers frozen."""
+    the original forward runs as is, the recompute runs with `module`'s norm layers frozen
+    (every time it runs: see `ReenterableContext`)."""
     norms = stat_tracking_norms(module)
 
     def context_fn():
-        return contextlib.nullcontext(), frozen_running_stats(norms)
+        return contextlib.nullcontext(), ReenterableContext(lambda: frozen_running_stats(norms))
 
     return context_fn

@@ -35,11 +35,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 try:  # private profiler API, used only by `allocator_peak`
     from torch._C._profiler import _EventType
@@ -226,6 +229,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def timeline_frame(self) -> pd.DataFrame:
         """The timeline as a DataFrame with columns op_index, live_bytes, phase, op."""
+        import pandas as pd
+
         return pd.DataFrame(self.timeline, columns=list(TIMELINE_COLUMNS))
 
 

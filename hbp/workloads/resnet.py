@@ -1,5 +1,5 @@
 """ResNet (He et al. 2016) with BatchNorm, as torchvision builds it: basic blocks for depth
-18/34, bottleneck blocks for depth 50, base width `width` (64 is the standard network).
+10/18/34 (ResNet-10: one block per stage), bottleneck blocks for depth 50, base width `width` (64 is the standard network).
 
 `model(images)` returns class logits [B, num_classes]; the loss is cross-entropy against
 random labels. `blocks` is every residual block of every stage, in order; the stem (conv,
@@ -30,7 +30,7 @@ class ResNetConfig:
     batch_size: int = 32
 
     def validate(self) -> None:
-        require(self.depth in STAGES, "depth", self.depth, "one of 18, 34, 50")
+        require(self.depth in STAGES, "depth", self.depth, "one of " + ", ".join(map(str, STAGES)))
         for name in ("width", "num_classes", "image_size", "batch_size"):
             value = getattr(self, name)
             require(value >= 1, name, value, "an integer >= 1")
@@ -95,6 +95,7 @@ class Bottleneck(nn.Module):
 
 
 STAGES = {
+    10: (BasicBlock, (1, 1, 1, 1)),
     18: (BasicBlock, (2, 2, 2, 2)),
     34: (BasicBlock, (3, 4, 6, 3)),
     50: (Bottleneck, (3, 4, 6, 3)),

@@ -1,0 +1,28 @@
+"""The error contract's messages (DESIGN.md "Errors")."""
+
+import pytest
+
+from hbp.errors import BudgetError, ConfigError
+
+
+def test_budget_error_states_budget_and_minimum_in_mib_and_bytes():
+    err = BudgetError(10 * 2**20, 12 * 2**20)
+    assert str(err) == (
+        "no plan fits a budget of 10.00 MiB (10485760 bytes); "
+        "the smallest feasible budget is 12.00 MiB (12582912 bytes)"
+    )
+    assert (err.budget, err.minimum) == (10 * 2**20, 12 * 2**20)
+
+
+def test_budget_error_on_small_models_never_prints_zero_mib():
+    err = BudgetError(1000, 5000, "activations need more")
+    assert "0.00 MiB" not in str(err)
+    assert "0.004768 MiB (5000 bytes)" in str(err) and str(err).endswith(": activations need more")
+
+
+def test_config_error_names_field_value_and_accepted_values():
+    err = ConfigError("mode.budget", "abc", "a fraction in (0, 1]")
+    assert str(err) == "mode.budget='abc' is not accepted: expected a fraction in (0, 1]"
+    assert isinstance(err, ValueError) and err.field == "mode.budget"
+    with pytest.raises(ValueError, match="mode.budget"):
+        raise err
