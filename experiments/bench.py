@@ -1,6 +1,6 @@
 """`make bench`: every benchmark behind the README's tables, results under outputs/bench/.
 
-    python experiments/bench.py                 # everything (about an hour on 2 cores)
+    python experiments/bench.py                 # everything (about two hours on 2 cores)
     python experiments/bench.py --only matrix   # one part: matrix | optimum | chunked_ce | medium | jax
     python experiments/bench.py --quick         # fewer steps and budgets (a smoke run)
 

@@ -36,10 +36,12 @@ minimum) and a fallback plan when rounding rejects a budget that is in fact feas
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import sys
 import time
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import reduce
 
@@ -62,7 +64,7 @@ class CostModel:
 
     def __init__(self, info: GraphInfo, cuts: list[int]):
         self.info = info
-        self.cuts = cuts
+        self.cuts = [int(c) for c in cuts]
         n = self.n = info.n
         root = info.root
         gid = -np.ones(n, dtype=np.int64)
@@ -139,6 +141,11 @@ class CostModel:
         self.node_event = ~info.is_input
         self._crossing_sets()
         self._crossing_in: dict = {}
+        self._by_first_touch: dict = {}
+        self._crossing_lists: dict = {}
+        self._intervals: dict = {}
+        self._meets: dict = {}
+        self._interned: dict = {}
         self._profiles: dict = {}
         self._first_reader: dict = {}
         self._save_free_mask: dict = {}
@@ -236,11 +243,74 @@ class CostModel:
         key = (c, d, top)
         r = self._crossing_in.get(key)
         if r is None:
-            r = self._crossing_in[key] = frozenset(
-                g
-                for g in self.crossing[c]
-                if not (top and self.g_forced[g]) and self.touched_in(g, c, d)
-            )
+            by_touch = self._by_first_touch.get((c, top))
+            if by_touch is None:
+                by_touch = self._first_touch_order(c, top)
+            touches, groups, sets = by_touch
+            k = bisect_left(touches, d)  # groups touched in [c, d): a prefix
+            r = sets.get(k)
+            if r is None:
+                r = sets[k] = frozenset(groups[:k])
+            self._crossing_in[key] = r
+        return r
+
+    def meet(self, a: frozenset[int], b: frozenset[int]) -> frozenset[int]:
+        """a & b, one shared object per distinct result (cheaper hashing and equality)."""
+        key = (a, b)
+        r = self._meets.get(key)
+        if r is None:
+            r = a & b
+            r = self._meets[key] = self._interned.setdefault(r, r)
+        return r
+
+    def interval(self, e: int, d: int, mode: int) -> dict:
+        """The parts of _Profile.at(d) that do not depend on the held set (memoised; the
+        arrays are shared and read-only): candidate f in (e, d], their offsets f - e - 1,
+        whether [e, f) has a save event and the pass FLOPs by variant (PLAIN: offset of the
+        last save event before f)."""
+        key = (e, d, mode)
+        r = self._intervals.get(key)
+        if r is None:
+            f_list = self.cuts[bisect_right(self.cuts, e) : bisect_right(self.cuts, d)]
+            fs = np.array(f_list, dtype=np.int64)
+            r = {"f_list": f_list, "f": fs, "idx": fs - e - 1}
+            r["flops_full"] = self.flops_pre[fs] - self.flops_pre[e]
+            if mode == PLAIN:
+                ls = self.last_save[fs]
+                has_save = ls >= e
+                r["last_save"] = np.maximum(ls, e) - e
+                r["flops_until"] = np.where(
+                    has_save, self.flops_pre[ls + 1] - self.flops_pre[e], 0.0
+                )
+            else:
+                has_save = self.first_reader_from_before(e) < fs
+                r["zeros"] = np.zeros(len(fs))
+                r["flops_until"] = np.zeros(len(fs))
+            r["has_save"] = has_save
+            for v in r.values():
+                if isinstance(v, np.ndarray):
+                    v.flags.writeable = False
+            self._intervals[key] = r
+        return r
+
+    def crossing_list(self, d: int, top: bool) -> list[frozenset[int]]:
+        """crossing_in(f, d, top) for every cut f <= d, in order (memoised)."""
+        r = self._crossing_lists.get((d, top))
+        if r is None:
+            r = self._crossing_lists[d, top] = [
+                self.crossing_in(f, d, top) for f in self.cuts[: bisect_right(self.cuts, d)]
+            ]
+        return r
+
+    def _first_touch_order(self, c: int, top: bool) -> tuple:
+        """Crossing groups at c (outputs excluded at the top) sorted by their first touch at
+        or after c: (first touches, groups, cache of prefix sets by length)."""
+        pairs = sorted(
+            (self.first_at_or_after(self.g_touch[g], c), g)
+            for g in self.crossing[c]
+            if not (top and self.g_forced[g])
+        )
+        r = self._by_first_touch[c, top] = ([t for t, _ in pairs], [g for _, g in pairs], {})
         return r
 
     def save_free_tiling(self, e: int, d: int) -> bool:
@@ -356,6 +426,9 @@ class _Profile:
         self._at: dict[int, dict] = {}
         self._held: dict = {}
         self._held_lists: dict = {}
+        self._held_full: dict = {}
+        self._held_fulls: list | None = None
+        self._first_cut = 0
 
     def at(self, d: int) -> dict:
         """Per candidate f in (e, d]: arrays f, need (bytes, by variant), kept, H_out, flops."""
@@ -363,7 +436,8 @@ class _Profile:
         if r is not None:
             return r
         m, e, mode, top = self.m, self.e, self.mode, self.top
-        fs = np.array([f for f in m.cuts if e < f <= d], dtype=np.int64)
+        shared = m.interval(e, d, mode)
+        f_list, fs, idx = shared["f_list"], shared["f"], shared["idx"]
         live = self.live[: d - e].copy()
         if not top:  # groups that the level does not use after their last touch before d
             for g in m.crossing[d]:
@@ -383,28 +457,21 @@ class _Profile:
                     lo = max(m.lu_in(g, d), start - 1) + 1
                     live[lo - e :] -= m.g_size[g]
         fwd_max = np.maximum.accumulate(live) if len(live) else live
-        idx = fs - e - 1
-        out = {"f": fs, "f_list": fs.tolist(), "kept": self.kept[idx].astype(np.int64)}
+        out = {"f": fs, "f_list": f_list, "kept": self.kept[idx].astype(np.int64)}
         pos_pass = 0 if top else int(m.pos_after[d])
         full = fwd_max[idx] + pos_pass
         if mode == PLAIN:
             bwd = self.bwd_max[idx]
             out["need_full"] = np.maximum(np.maximum(full, bwd), 0)
-            ls = m.last_save[fs]
-            has_save = ls >= e
-            ls_need = np.where(has_save, fwd_max[np.maximum(ls, e) - e] + pos_pass, -INF)
+            has_save = shared["has_save"]
+            ls_need = np.where(has_save, fwd_max[shared["last_save"]] + pos_pass, -INF)
             out["need_until"] = np.maximum(np.maximum(ls_need, bwd), 0)
             out["need_none"] = np.maximum(bwd, 0)
-            out["flops_full"] = m.flops_pre[fs] - m.flops_pre[e]
-            out["flops_until"] = np.where(has_save, m.flops_pre[ls + 1] - m.flops_pre[e], 0.0)
         else:
             out["need_full"] = np.maximum(full, 0)
-            out["need_until"] = np.zeros(len(fs))
-            out["need_none"] = np.zeros(len(fs))
-            out["flops_full"] = m.flops_pre[fs] - m.flops_pre[e]
-            out["flops_until"] = np.zeros(len(fs))
-            has_save = self.first_input_reader < fs
-        out["has_save"] = has_save
+            out["need_until"] = out["need_none"] = shared["zeros"]
+        out["flops_full"], out["flops_until"] = shared["flops_full"], shared["flops_until"]
+        out["has_save"] = shared["has_save"]
         out["d"] = d
         self._at[d] = out
         return out
@@ -413,7 +480,19 @@ class _Profile:
         """held_after(f, d) for every candidate f in (e, d], in order."""
         r = self._held_lists.get(d)
         if r is None:
-            r = self._held_lists[d] = [self.held_after(f, d) for f in self.at(d)["f_list"]]
+            m = self.m
+            if self._held_fulls is None:  # _held_at(f) for every cut f > e
+                first = bisect_right(m.cuts, self.e)
+                self._first_cut = first
+                self._held_fulls = [
+                    self._held_full[f] if f in self._held_full else self._held_at(f)
+                    for f in m.cuts[first:]
+                ]
+            first, last = self._first_cut, bisect_right(m.cuts, d)
+            crossing = m.crossing_list(d, self.top)[first:last]
+            meet = m.meet
+            r = [meet(a, b) if a else a for a, b in zip(self._held_fulls[: last - first], crossing)]
+            self._held_lists[d] = r
         return r
 
     def held_after(self, f: int, d: int) -> frozenset[int]:
@@ -421,13 +500,20 @@ class _Profile:
         key = (f, d)
         r = self._held.get(key)
         if r is None:
-            r = self._held[key] = self._held_after(f, d)
+            held = self._held_full.get(f)
+            if held is None:
+                held = self._held_at(f)
+            r = self._held[key] = held & self.m.crossing_in(f, d, self.top) if held else held
         return r
 
-    def _held_after(self, f: int, d: int) -> frozenset[int]:
+    def _held_at(self, f: int) -> frozenset[int]:
+        """Groups crossing f (outputs excluded at the top) that are held after [e, f),
+        whatever the level's end: held_after(f, d) is this set within crossing_in(f, d)."""
         m, e = self.m, self.e
         held = []
-        for g in m.crossing_in(f, d, self.top):
+        for g in m.crossing[f]:
+            if self.top and m.g_forced[g]:
+                continue
             if g in self.H:
                 held.append(g)
             elif m.g_root[g] < e:
@@ -438,7 +524,8 @@ class _Profile:
                 # else: made before the level and not held: impossible for a real state
             elif self.mode == PLAIN and m.g_hmin[g] < f:
                 held.append(g)
-        return frozenset(held)
+        r = self._held_full[f] = frozenset(held)
+        return r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,6 +561,7 @@ class Solver:
         self._rec: dict = {}
         self._rec_plain: dict = {}
         self._rec_need: dict = {}
+        self._first_finite: dict = {}  # id(table) -> first slot with a finite value
 
     def sl(self, x):
         """Bytes -> slots, rounded up (conservative)."""
@@ -565,56 +653,122 @@ class Solver:
 
         Option value at m: pass FLOPs + T(e, f)[m - kept] (recomputed child) + the tail's
         value at m - kept, if m >= the child's own need and m >= kept; else infinite."""
+        slots, keep, rows, states = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
         M = self.M
-        need = self.sl(p[("need_full", "need_until", "need_none")[variant]])
-        kept = self.sl(p["kept"])
-        ok = sel & (need <= M) & (kept <= M)
-        if sub_flag == 0:  # the rest must be a tail without save events
-            ok &= self.m.save_free_mask(d)[p["f"]]
-        idx = np.flatnonzero(ok)
-        rows, keep, states = [], [], []
-        memo = self._top if top else self._tail
-        f_list, H_list = p["f_list"], prof.held_list(d)
-        limit = (M - kept[idx]).astype(np.int64).tolist()
-        for i, lim in zip(idx.tolist(), limit):
-            f, H2 = f_list[i], H_list[i]
-            sub = memo.get((f, H2) if top else (d, f, H2, sub_flag))
-            if sub is None:
-                sub = self.top(f, H2) if top else self.tail(d, f, H2, sub_flag)
-            if sub[lim] < INF:  # tables are non-increasing in m
-                rows.append(sub)
-                keep.append(i)
-                states.append(H2)
+        need = slots[1][variant]
+        f_list = p["f_list"]
         if not keep:
-            return idx[:0], states, None
+            return np.zeros(0, dtype=np.int64), states, None
         idx = np.array(keep)
         k = len(idx)
-        kept_i = kept[idx].astype(np.int64)
-        cols = self.mi[None, :] - kept_i[:, None]
-        flat = (np.arange(k) * (M + 1))[:, None] + np.clip(cols, 0, M)
-        cost = np.array(rows).ravel()[flat]
-        cost[(cols < 0) | (self.mi[None, :] < need[idx][:, None])] = INF
+        kept_i = slots[5][idx]
+        mi = self.mi
+        cols = mi[None, :] - kept_i[:, None]
+        flat = (np.arange(k) * (M + 1))[:, None] + np.minimum(np.maximum(cols, 0), M)
+        table_rows = np.array(rows)
+        cost = table_rows.ravel()[flat]
+        # infeasible below the child's kept slots and below its own need
+        cost[mi[None, :] < np.maximum(kept_i, need[idx])[:, None]] = INF
         if not top and variant != NOT_RUN:
             flops = p["flops_full" if variant == FULL else "flops_until"][idx]
             cost += flops[:, None]
         if mode == REC:
             # the smallest slot count each row's recompute is asked about
-            first_sub = np.array([np.argmax(r < INF) for r in rows])
+            first_sub = np.argmax(table_rows < INF, axis=1)
             lowest = np.maximum(np.maximum(need[idx], kept_i), kept_i + first_sub) - kept_i
+            rec = self.rec
             recs = np.array(
-                [self.rec(e, int(p["f"][i]), int(lo)) for i, lo in zip(idx, lowest)]
+                [rec(e, f_list[i], int(lo)) for i, lo in zip(keep, lowest.tolist())]
             ).ravel()
             cost += recs[flat]
         return idx, states, cost
+
+    def _feasible_rows(self, d, top, variant, sub_flag, prof, p, sel):
+        """The selected f whose rest can be feasible: (slot arrays, f indices, rest tables,
+        next states)."""
+        M = self.M
+        slots = p.get("slots")
+        if slots is None or slots[0] != (M, self.slot):
+            slots = p["slots"] = self._slot_arrays(p)
+        ok = sel & slots[3][variant]  # the child's need and kept bytes fit in M slots
+        if sub_flag == 0:  # the rest must be a tail without save events
+            save_free = p.get("save_free")
+            if save_free is None:
+                save_free = p["save_free"] = self.m.save_free_mask(d)[p["f"]]
+            ok &= save_free
+        idx = np.flatnonzero(ok)
+        rows, keep, states = [], [], []
+        f_list, H_list = p["f_list"], prof.held_list(d)
+        limit = slots[4][idx].tolist()
+        if top:
+            memo, table = self._top, self.top
+            for i, lim in zip(idx.tolist(), limit):
+                f, H2 = f_list[i], H_list[i]
+                sub = memo.get((f, H2))
+                if sub is None:
+                    sub = table(f, H2)
+                if sub.item(lim) < INF:  # tables are non-increasing in m
+                    rows.append(sub)
+                    keep.append(i)
+                    states.append(H2)
+        else:
+            memo, table = self._tail, self.tail
+            for i, lim in zip(idx.tolist(), limit):
+                f, H2 = f_list[i], H_list[i]
+                sub = memo.get((d, f, H2, sub_flag))
+                if sub is None:
+                    sub = table(d, f, H2, sub_flag)
+                if sub.item(lim) < INF:  # tables are non-increasing in m
+                    rows.append(sub)
+                    keep.append(i)
+                    states.append(H2)
+        return slots, keep, rows, states
+
+    def _slot_arrays(self, p: dict) -> tuple:
+        """A profile's byte arrays at d in slots: (key, need by variant, kept, need and kept
+        within M by variant, M - kept as int, kept as int, max(kept, need) as int lists by
+        variant, kept as an int list)."""
+        M = self.M
+        need = tuple(self.sl(p[k]) for k in ("need_full", "need_until", "need_none"))
+        kept = self.sl(p["kept"])
+        fits = tuple((x <= M) & (kept <= M) for x in need)
+        kept_int = kept.astype(np.int64)
+        lows = tuple(np.maximum(kept_int, x).astype(np.int64).tolist() for x in need)
+        if "flops_lists" not in p:
+            p["flops_lists"] = (p["flops_full"].tolist(), p["flops_until"].tolist())
+        M_minus_kept = (M - kept).astype(np.int64)
+        return (M, self.slot), need, kept, fits, M_minus_kept, kept_int, lows, kept_int.tolist()
 
     def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
         best = np.full(self.M + 1, INF)
         if flag == 0 and not self.m.save_free_tiling(e, d):
             return best
+        M = self.M
+        first_finite = self._first_finite
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top, only):
-            _, _, cost = self._option_costs(d, e, top, mode, variant, sub_flag, prof, p, sel)
-            if cost is not None:
-                np.minimum(best, cost.min(axis=0), out=best)
+            slots, keep, rows, _ = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
+            if not keep:
+                continue
+            # row by row, the same sums as _option_costs: (rest + pass FLOPs) + recompute
+            lows, kept_list = slots[6][variant], slots[7]
+            flops = None
+            if not top and variant != NOT_RUN:
+                flops = p["flops_lists"][variant]
+            f_list = p["f_list"]
+            for i, sub in zip(keep, rows):
+                kept = kept_list[i]
+                lo = lows[i]  # max(kept, need): below it the option is infeasible
+                part = sub[lo - kept : M + 1 - kept]
+                if flops is not None:
+                    part = part + flops[i]
+                if mode == REC:
+                    first = first_finite.get(id(sub))
+                    if first is None:
+                        first = first_finite[id(sub)] = int(np.argmax(sub < INF))
+                    lowest = max(lo, kept + first) - kept
+                    part = part + self.rec(e, f_list[i], lowest)[lo - kept : M + 1 - kept]
+                low_best = best[lo:]
+                np.minimum(low_best, part, out=low_best)
         return best
 
     # reconstruction ---------------------------------------------------------------------------
@@ -708,7 +862,8 @@ class PeakSolver:
 
     def _evaluate(self, d, e, H, flag, top, only=None):
         m = self.m
-        best = (INF, INF, None)
+        memo = self._memo
+        best_peak, best_cost, best_choice = INF, INF, None
         for mode in (PLAIN, REC):
             if mode == REC and not self.nested and not top and only is None:
                 continue
@@ -716,38 +871,54 @@ class PeakSolver:
                 continue
             prof = m.profile(e, H, mode, top)
             p = prof.at(d)
-            for i, f in enumerate(p["f"]):
-                f = int(f)
+            lists = p.get("peak_lists")
+            if lists is None:
+                lists = p["peak_lists"] = _peak_lists(p)
+            f_list, kept_list, needs, flops, has_save = lists
+            H_list = prof.held_list(d)
+            skip_whole = mode == REC and not top and H == m.crossing_in(e, d, False)
+            for i, f in enumerate(f_list):
                 if only is not None and f != only:
                     continue
-                if mode == REC and not top and f == d and H == m.crossing_in(e, d, False):
+                if skip_whole and f == d:
                     continue  # see Solver._options
                 if top:
-                    variants = [(FULL, None)]
+                    variants = _TOP_VARIANTS
                 elif flag == 1:
-                    variants = [(FULL, 1)] + ([(UNTIL_SAVE, 0)] if p["has_save"][i] else [])
+                    variants = _FLAG1_VARIANTS if has_save[i] else _FLAG1_NOSAVE_VARIANTS
                 elif flag == 0:
-                    variants = [] if p["has_save"][i] else [(NOT_RUN, 0)]
+                    variants = _NO_VARIANTS if has_save[i] else _NOT_RUN_VARIANTS
                 else:
-                    variants = [(FULL, 1), (UNTIL_SAVE, 0)] if p["has_save"][i] else [(NOT_RUN, 0)]
+                    variants = _FLAG1_VARIANTS if has_save[i] else _NOT_RUN_VARIANTS
+                kept = kept_list[i]
+                H2 = H_list[i]
                 for variant, sub_flag in variants:
-                    need = float(p[("need_full", "need_until", "need_none")[variant]][i])
-                    kept = float(p["kept"][i])
-                    H2 = prof.held_after(f, d)
-                    sub = self.top(f, H2) if top else self.tail(d, f, H2, sub_flag)
-                    peak = max(need, kept + sub[0])
+                    need = needs[variant][i]
+                    if top:
+                        sub = memo.get(("top", f, H2))
+                        if sub is None:
+                            sub = self.top(f, H2)
+                    else:
+                        sub = memo.get((d, f, H2, sub_flag))
+                        if sub is None:
+                            sub = self.tail(d, f, H2, sub_flag)
+                    x = kept + sub[0]
+                    peak = x if x > need else need  # max(need, x)
                     cost = sub[1]
                     if not top and variant != NOT_RUN:
-                        key = "flops_full" if variant == FULL else "flops_until"
-                        cost += float(p[key][i])
+                        cost += flops[variant][i]
                     if mode == REC:
-                        r = self.rec(e, f)
-                        peak = max(peak, kept + r[0])
+                        r = memo.get(("rec", e, f))
+                        if r is None:
+                            r = self.rec(e, f)
+                        x = kept + r[0]
+                        if x > peak:
+                            peak = x
                         cost += r[1]
-                    cand = (peak, cost, _Choice(f, mode, variant, H2, sub_flag))
-                    if _order(cand) < _order(best):
-                        best = cand
-        return best
+                    if peak < best_peak or (peak == best_peak and cost < best_cost):
+                        best_peak, best_cost = peak, cost
+                        best_choice = _Choice(f, mode, variant, H2, sub_flag)
+        return (best_peak, best_cost, best_choice)
 
     def top_plan(self) -> list[Segment]:
         segs, e, H = [], 0, frozenset()
@@ -774,6 +945,21 @@ class PeakSolver:
             kids.append(seg)
             e, H, flag = c.f, c.H, c.sub_flag
         return simplify(kids)
+
+
+_TOP_VARIANTS = ((FULL, None),)
+_FLAG1_VARIANTS = ((FULL, 1), (UNTIL_SAVE, 0))
+_FLAG1_NOSAVE_VARIANTS = ((FULL, 1),)
+_NOT_RUN_VARIANTS = ((NOT_RUN, 0),)
+_NO_VARIANTS = ()
+
+
+def _peak_lists(p: dict) -> tuple:
+    """A profile's arrays at d as Python lists (floats), for PeakSolver's scalar loop."""
+    needs = tuple(p[k].astype(float).tolist() for k in ("need_full", "need_until", "need_none"))
+    flops = (p["flops_full"].astype(float).tolist(), p["flops_until"].astype(float).tolist())
+    kept = p["kept"].astype(float).tolist()
+    return p["f_list"], kept, needs, flops, p["has_save"].tolist()
 
 
 def _order(v):
@@ -924,12 +1110,27 @@ def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -
     return mem_slots, budget / mem_slots
 
 
+@contextlib.contextmanager
+def _planning(num_cuts: int):
+    """Raise the recursion limit for the memoised recursion and pause the cyclic garbage
+    collector: the DP allocates millions of small tuples and sets that live until it ends,
+    and the collector's repeated scans of them cost 20-40% of the planning time."""
+    old = sys.getrecursionlimit()
+    was_enabled = gc.isenabled()
+    sys.setrecursionlimit(max(old, 20 * num_cuts + 1000))
+    gc.disable()
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+        if was_enabled:
+            gc.enable()
+
+
 def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, nested: bool):
     """Run the DP; returns (segments, slots, slot bytes, how it was solved)."""
     model = CostModel(info, cuts)
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 20 * len(cuts) + 1000))
-    try:
+    with _planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
         solver = Solver(model, slots, slot_bytes, nested)
         if solver.top(0, frozenset())[slots] < INF:
@@ -945,8 +1146,6 @@ def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, 
             )
         # the slot rounding rejected a feasible budget: the least-peak plan fits
         return peak_solver.top_plan(), slots, slot_bytes, "min-peak"
-    finally:
-        sys.setrecursionlimit(old)
 
 
 def optimal_plan(
@@ -1022,14 +1221,10 @@ def min_feasible_peak(
     """The smallest simulated peak over the planner's plan space, and a plan reaching it."""
     info = info or GraphInfo.of(graph)
     model = CostModel(info, candidate_cuts(info, block_size, max_cuts))
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 20 * len(model.cuts) + 1000))
-    try:
+    with _planning(len(model.cuts)):
         solver = PeakSolver(model, nested)
         peak = int(solver.top(0, frozenset())[0])
         segments = absorb_inputs(info, simplify(solver.top_plan()) or [Segment(0, info.n)])
-    finally:
-        sys.setrecursionlimit(old)
     return peak, segments
 
 
