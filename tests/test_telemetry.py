@@ -1,6 +1,5 @@
 """Telemetry: run-dir files, samplers, environment capture, logger selection."""
 
-import gc
 import json
 import math
 import time
@@ -8,14 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import psutil
 import pytest
 import torch
 
 from hbp.errors import ConfigError
 from hbp.telemetry import make_loggers
 from hbp.telemetry.environment import capture_environment, git_revision
-from hbp.telemetry.samplers import GpuSampler, RssSampler
+from hbp.telemetry.samplers import GpuSampler
 from hbp.telemetry.tables import (
     TableLogger,
     jsonable,
@@ -119,18 +117,38 @@ def test_table_logger_writes_parquet(tmp_path):
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "memory_timeline.parquet"), timeline)
 
 
+RSS_PROBE = """
+import time
+import numpy as np
+import psutil
+from hbp.telemetry.samplers import RssSampler
+
+MIB = 2**20
+with RssSampler(interval_s=0.005) as sampler:
+    baseline = psutil.Process().memory_info().rss
+    block = np.ones(64 * MIB // 8)  # touched pages: resident
+    seen, deadline = sampler.samples, time.monotonic() + 10
+    while sampler.samples < seen + 3 and time.monotonic() < deadline:
+        time.sleep(0.01)  # a loaded machine may not schedule the sampler for a while
+    del block
+assert sampler.results()["rss_peak_mb"] == sampler.peak_bytes / MIB
+print(sampler.samples, sampler.peak_bytes - baseline)
+"""
+
+
 def test_rss_sampler_sees_a_64_mib_allocation():
-    gc.collect()  # garbage of earlier tests freed now, not while the sampler runs
-    with RssSampler(interval_s=0.005) as sampler:
-        baseline = psutil.Process().memory_info().rss  # not the peak: RSS may have been higher
-        block = np.ones(64 * MIB // 8)  # touched pages: resident
-        seen, deadline = sampler.samples, time.monotonic() + 10
-        while sampler.samples < seen + 3 and time.monotonic() < deadline:
-            time.sleep(0.01)  # a loaded machine may not schedule the sampler for a while
-        del block
-    assert sampler.samples >= 3
-    assert sampler.peak_bytes - baseline >= 60 * MIB
-    assert sampler.results()["rss_peak_mb"] == sampler.peak_bytes / MIB
+    # A fresh process: in a long test session the allocator may serve 64 MiB from pages that
+    # are already resident, and RSS would not move.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    samples, growth = map(int, done.stdout.split())
+    assert samples >= 3
+    assert growth >= 60 * MIB
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
