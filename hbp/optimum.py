@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from hbp.analysis.simulate import simulate
+from hbp.analysis.simulate import Simulation, simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph import synthetic
 from hbp.graph.ir import Graph
@@ -62,7 +62,15 @@ def capture_workload(name: str, profile: str) -> Graph:
     return capture(wl.model, batch.args, batch.kwargs).graph
 
 
-def compare(graph: Graph, budget, *, mode: str = "node", time_limit: float = 60.0) -> dict:
+def compare(
+    graph: Graph,
+    budget,
+    *,
+    mode: str = "node",
+    time_limit: float = 60.0,
+    schedule: Schedule | None = None,
+    naive: Simulation | None = None,
+) -> dict:
     """The optimum (MILP), its bounds and the planner's recompute at one budget.
 
     Returns a flat dict (bytes, FLOPs, seconds): budget_bytes, naive_peak_bytes, naive_flops,
@@ -72,13 +80,15 @@ def compare(graph: Graph, budget, *, mode: str = "node", time_limit: float = 60.
     planner_peak_bytes (None when the planner finds no plan), gap (planner / optimum - 1; None
     unless both are known), gap_to_bound (planner / bound - 1: the most the planner can be off
     when the MILP did not finish), milp_time_s, lp_time_s, planner_time_s, variables.
+    `schedule` (`Schedule(graph, mode=mode)`) and `naive` (`simulate(graph)`) may be passed
+    in when comparing at several budgets, so that they are built once.
     """
-    naive = simulate(graph)
+    naive = naive or simulate(graph)
     if budget == "min":
         budget_bytes = min_feasible_peak(graph)[0]
     else:
         budget_bytes = parse_budget(budget, naive.peak_bytes)
-    sch = Schedule(graph, mode=mode)
+    sch = schedule or Schedule(graph, mode=mode)
     opt = sch.solve(budget_bytes, time_limit=time_limit)
     try:
         plan = optimal_plan(graph, budget_bytes)
@@ -123,9 +133,10 @@ def frontier(graph: Graph, budgets, *, mode: str = "node", time_limit: float = 6
     """`compare` at each budget (fractions of the naive peak, bytes, "64MiB", "min" = the
     planner's smallest feasible peak), each row with `budget` (as given) and the recompute
     figures also as fractions of one naive step's FLOPs (`*_ratio`)."""
-    rows = []
+    rows, sch, naive = [], Schedule(graph, mode=mode), simulate(graph)
     for budget in budgets:
-        row = {"budget": budget, **compare(graph, budget, mode=mode, time_limit=time_limit)}
+        result = compare(graph, budget, time_limit=time_limit, schedule=sch, naive=naive)
+        row = {"budget": budget, **result}
         for key in ("optimum", "best_found", "lp_bound", "bound", "planner"):
             value = row[f"{key}_flops"]
             row[f"{key}_ratio"] = None if value is None else value / row["naive_flops"]
@@ -163,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         graph = load_graph(args.get("graph", "dag:8"))
         label = args.get("graph", "dag:8")
     mode = args.get("mode", "node")
-    values = Schedule(graph, mode=mode).N
+    sch = Schedule(graph, mode=mode)
+    values = sch.N
     limit = int(args.get("max_values", 150))
     if values > limit:
         raise ConfigError(
@@ -183,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             r = compare(
                 graph,
                 _budget_value(budget),
-                mode=mode,
                 time_limit=float(args.get("time_limit", 60)),
+                schedule=sch,
+                naive=naive,
             )
         except ConfigError as err:
             print(f"{budget:>12} {err}")

@@ -24,3 +24,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def count_captures(monkeypatch):
+    """`count_captures()` returns a list that every capture HCModule makes from then on
+    appends to (how tests check that plans are cached per input signature)."""
+    import hbp.integrations.torch as hbp_torch
+
+    def start() -> list:
+        captures = []
+        real = hbp_torch.capture
+        monkeypatch.setattr(
+            hbp_torch, "capture", lambda *a, **k: captures.append(1) or real(*a, **k)
+        )
+        return captures
+
+    return start

@@ -12,7 +12,6 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import hbp
-import hbp.integrations.torch as hbp_torch
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, CaptureWarning
 from hbp.graph.ir import Graph
@@ -251,13 +250,9 @@ def test_infeasible_budget_raises_budget_error_with_the_minimum():
         hbp.HCModule(model, budget="lots")
 
 
-def test_plans_once_per_signature_and_runs_plainly_in_eval_or_no_grad(monkeypatch):
+def test_plans_once_per_signature_and_runs_plainly_in_eval_or_no_grad(count_captures):
     model = DropoutMLP(depth=2)
-    captures = []
-    real_capture = hbp_torch.capture
-    monkeypatch.setattr(
-        hbp_torch, "capture", lambda *a, **k: captures.append(1) or real_capture(*a, **k)
-    )
+    captures = count_captures()
     hc = hbp.HCModule(model, budget=1.0)
     x = torch.randn(16, D)
     hc(x).sum().backward()

@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import hbp
-import hbp.integrations.torch as hbp_torch
 from hbp.errors import BudgetError, CaptureWarning, ConfigError
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.tracker import MemoryTracker
@@ -360,13 +359,6 @@ def assert_within_budget(hc, got: Step, plain: Step, *, recomputes: bool = True)
         assert got.peak_bytes < 0.8 * plain.peak_bytes
 
 
-def count_captures(monkeypatch) -> list:
-    captures = []
-    real = hbp_torch.capture
-    monkeypatch.setattr(hbp_torch, "capture", lambda *a, **k: captures.append(1) or real(*a, **k))
-    return captures
-
-
 def images(n=4):
     return torch.randn(n, 3, 32, 32)
 
@@ -407,8 +399,8 @@ def test_dict_output_with_an_aux_loss():
     assert list(out) == ["logits", "loss", "aux"] and out["aux"].requires_grad
 
 
-def test_keyword_arguments_and_a_boolean_flag_are_part_of_the_signature(monkeypatch):
-    captures = count_captures(monkeypatch)
+def test_keyword_arguments_and_a_boolean_flag_are_part_of_the_signature(count_captures):
+    captures = count_captures()
     x, mask = torch.randn(256, 64), torch.rand(256, 128)
     for use_extra in (True, False):
         kwargs = {"scale": 0.5, "use_extra": use_extra, "mask": mask}
@@ -506,8 +498,8 @@ def test_gru_and_embedding_bag_at_full_and_minimal_budget(make_model, make_args)
         assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
 
 
-def test_python_control_flow_on_shapes_plans_per_shape(monkeypatch):
-    captures = count_captures(monkeypatch)
+def test_python_control_flow_on_shapes_plans_per_shape(count_captures):
+    captures = count_captures()
     for batch in (256, 64):
         hc, plain, got = compare(ShapeBranches, (torch.randn(batch, 64),), budget=0.85)
         assert_within_budget(hc, got, plain, recomputes=False)
@@ -521,8 +513,8 @@ def test_python_control_flow_on_shapes_plans_per_shape(monkeypatch):
 # ---------------------------------------------------------------------------------------
 
 
-def test_eval_and_no_grad_run_the_plain_module_with_the_same_memory(monkeypatch):
-    captures = count_captures(monkeypatch)
+def test_eval_and_no_grad_run_the_plain_module_with_the_same_memory(count_captures):
+    captures = count_captures()
     torch.manual_seed(0)
     model = Mixer()
     hc, x = hbp.HCModule(model, budget=0.5), images()
@@ -538,7 +530,7 @@ def test_eval_and_no_grad_run_the_plain_module_with_the_same_memory(monkeypatch)
     assert captures == [] and hc.plan is None
 
 
-def test_eval_mode_fine_tuning_plans_only_when_asked(monkeypatch):
+def test_eval_mode_fine_tuning_plans_only_when_asked(count_captures):
     """Eval mode with grad enabled runs the plain module (with a one-time warning) unless
     plan_in_eval=True; then the eval-mode step (BatchNorm on running statistics, no dropout)
     has the plain eval step's gradients within the budget."""
@@ -550,7 +542,7 @@ def test_eval_mode_fine_tuning_plans_only_when_asked(monkeypatch):
     assert len([w for w in record if "plan_in_eval" in str(w.message)]) == 1
     assert hc.plan is None
 
-    captures = count_captures(monkeypatch)
+    captures = count_captures()
     torch.manual_seed(0)
     model = BatchNormMLP().eval()
     reference = copy.deepcopy(model)
@@ -606,12 +598,12 @@ def test_bfloat16_weights_after_wrapping():
 
 
 @pytest.mark.slow
-def test_adamw_three_steps_match_plain_training(monkeypatch):
+def test_adamw_three_steps_match_plain_training(count_captures):
     torch.manual_seed(0)
     model = ViT()
     reference = copy.deepcopy(model)
     hc = hbp.HCModule(model, budget=0.5, block_size=2)
-    captures = count_captures(monkeypatch)
+    captures = count_captures()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
     for step in range(3):
         x, y = images(), torch.randint(0, 10, (4,))
@@ -639,8 +631,8 @@ def test_deepcopy_and_state_dict_after_training_continue_identically():
     assert_same(run_step(hc, hc.module, (x,)), run_step(fresh, fresh.module, (x,)))
 
 
-def test_a_new_sequence_length_is_planned_again(monkeypatch):
-    captures = count_captures(monkeypatch)
+def test_a_new_sequence_length_is_planned_again(count_captures):
+    captures = count_captures()
     torch.manual_seed(0)
     model = CausalAttention()
     reference = copy.deepcopy(model)

@@ -629,22 +629,12 @@ def test_zoo_model_same_results_within_budget(name, budget):
 # ---------------------------------------------------------------------------------------
 
 
-def count_captures(monkeypatch) -> list:
-    """Every capture HCModule makes from now on appends to the returned list."""
-    import hbp.integrations.torch as hbp_torch
-
-    captures = []
-    real = hbp_torch.capture
-    monkeypatch.setattr(hbp_torch, "capture", lambda *a, **k: captures.append(1) or real(*a, **k))
-    return captures
-
-
-def test_eval_no_grad_train_to_state_dict_and_print(monkeypatch):
+def test_eval_no_grad_train_to_state_dict_and_print(count_captures):
     torch.manual_seed(0)
     model = TinyMobileNetV2()
     reference = copy.deepcopy(model)
     hc = hbp.HCModule(model, budget=0.5, block_size=2)
-    captures = count_captures(monkeypatch)
+    captures = count_captures()
     x = torch.randn(4, 3, 32, 32)
     hc.eval()
     assert not model.training and not any(m.training for m in model.modules())
@@ -717,14 +707,14 @@ def test_torch_save_pickle_and_deepcopy_round_trip():
         assert clone.plan.budget_bytes == hc.plan.budget_bytes
 
 
-def test_repeated_optimizer_steps_match_the_plain_model(monkeypatch):
+def test_repeated_optimizer_steps_match_the_plain_model(count_captures):
     """Three SGD steps with dropout and BatchNorm: same weights and running statistics after
     every step; one capture for the three."""
     torch.manual_seed(0)
     model = TinyMobileNetV2()
     reference = copy.deepcopy(model)
     hc = hbp.HCModule(model, budget=minimum_budget("mobilenetv2"), block_size=2)
-    captures = count_captures(monkeypatch)
+    captures = count_captures()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     target = torch.randint(0, 10, (8,))
@@ -741,13 +731,13 @@ def test_repeated_optimizer_steps_match_the_plain_model(monkeypatch):
     assert model.features[1].num_batches_tracked.item() == 3
 
 
-def test_a_new_batch_size_is_planned_again(monkeypatch):
+def test_a_new_batch_size_is_planned_again(count_captures):
     torch.manual_seed(0)
     case = CASE["causal_buffer"]
     model = case.make_model()
     reference = copy.deepcopy(model)
     hc = hbp.HCModule(model, budget=0.7, block_size=4)
-    captures = count_captures(monkeypatch)
+    captures = count_captures()
     budgets = []
     for batch, seq in ((4, 40), (2, 40), (2, 24), (4, 40)):
         args = (tokens(batch, seq, 96), tokens(batch, seq, 96))
@@ -759,10 +749,10 @@ def test_a_new_batch_size_is_planned_again(monkeypatch):
     assert budgets[0] > budgets[1] > budgets[2] and budgets[3] == budgets[0]
 
 
-def test_autocast_is_part_of_the_input_signature(monkeypatch):
+def test_autocast_is_part_of_the_input_signature(count_captures):
     torch.manual_seed(0)
     model = MLPNet()
-    captures = count_captures(monkeypatch)
+    captures = count_captures()
     hc = hbp.HCModule(model, budget=0.5)
     x = torch.randn(512, 64)
     hc(x).sum().backward()
