@@ -66,8 +66,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import copy
-import dataclasses
 import functools
 import inspect
 import math
@@ -75,13 +73,13 @@ import operator
 import time
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx._pytree as fx_pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import (
@@ -98,6 +96,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from hbp.errors import CaptureWarning
 from hbp.graph.ir import Graph, Node
+from hbp.graph.torch_export import export_trace
+from hbp.graph.torch_modes import MODES, ambient_modes, enter_modes, exit_modes  # noqa: F401
+from hbp.graph.torch_outputs import OutputSlot, map_output  # noqa: F401
 from hbp.runtime.flops import FLOP_FORMULAS as CPU_FLOP_FORMULAS  # noqa: F401 (re-export)
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.recompute import frozen_running_stats, stat_tracking_norms
@@ -214,6 +215,10 @@ class CapturedGraph:
         output_template: at op granularity, the forward's return value with `OutputSlot(i)`
             for the i-th value the graph returns (its output node returns a flat tuple).
         inlined_checkpoints: `torch.utils.checkpoint` calls in the forward, traced through.
+        tracer: how the op-level graph was made: "fx" (symbolic tracing) or "export"
+            (non-strict torch.export, `hbp.graph.torch_export`); "" at module granularity.
+        in_spec: for "export" graphs, the pytree spec of `(args, kwargs)` whose leaves the
+            placeholders are (None: placeholders are forward parameters, `input_names`).
     """
 
     graph: Graph
@@ -230,6 +235,8 @@ class CapturedGraph:
     capture_time_s: float = 0.0
     output_template: Any = None
     inlined_checkpoints: int = 0
+    tracer: str = ""
+    in_spec: Any = None
 
     def __post_init__(self) -> None:
         self._fx_index = {n: i for i, n in enumerate(self.fx_nodes)}
@@ -237,6 +244,14 @@ class CapturedGraph:
     def unflatten_output(self, flat: tuple) -> Any:
         """The module's return value, in its own containers, from the graph's flat outputs."""
         return map_output(self.output_template, OutputSlot, lambda slot: flat[slot.index])
+
+    def placeholder_values(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The values of the graph's placeholders for a call `module(*args, **kwargs)`."""
+        if self.in_spec is not None:
+            return fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return [bound.arguments[name] for name in self.input_names]
 
     def fx_node(self, name: str) -> fx.Node:
         """The fx node of the IR node called `name` (op granularity)."""
@@ -248,58 +263,6 @@ class CapturedGraph:
 
     def ir_node(self, node: fx.Node) -> Node:
         return self.graph.nodes[self._fx_index[node]]
-
-
-@dataclass(frozen=True)
-class OutputSlot:
-    """Where the i-th value the captured graph returns goes in the module's return value."""
-
-    index: int
-
-
-def map_output(value: Any, leaf_type: type, fn: Callable[[Any], Any]) -> Any:
-    """`value` with every `leaf_type` instance in it replaced by `fn(leaf)`, containers
-    rebuilt with their own types: tuples, namedtuples, lists, dicts and dict subclasses
-    (`OrderedDict`, HuggingFace's `ModelOutput`), dataclasses. Other objects are kept as
-    they are; one that holds a leaf in its attributes raises TypeError (it cannot be
-    rebuilt)."""
-
-    def rebuild(v: Any) -> Any:
-        if isinstance(v, leaf_type):
-            return fn(v)
-        if isinstance(v, tuple):
-            items = [rebuild(x) for x in v]
-            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
-        if type(v) is list:
-            return [rebuild(x) for x in v]
-        if type(v) in (dict, OrderedDict):
-            return type(v)((k, rebuild(x)) for k, x in v.items())
-        if isinstance(v, (list, dict)) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
-            return _rebuilt_copy(v, rebuild)
-        if any(isinstance(x, leaf_type) for x in getattr(v, "__dict__", {}).values()):
-            raise TypeError(
-                f"the forward returns a {type(v).__name__} holding tensors: HCModule can rebuild "
-                "tuples, lists, dicts (and subclasses) and dataclasses"
-            )
-        return v
-
-    return rebuild(value)
-
-
-def _rebuilt_copy(v: Any, rebuild: Callable[[Any], Any]) -> Any:
-    """A shallow copy of a list/dict subclass or dataclass with its items and fields rebuilt,
-    set without calling the class's own `__setitem__`/`__setattr__`/`__post_init__`."""
-    new = copy.copy(v)
-    if isinstance(v, list):
-        list.__init__(new, [rebuild(x) for x in v])
-    if isinstance(v, dict):
-        for k, x in v.items():
-            dict.__setitem__(new, k, rebuild(x))
-    if dataclasses.is_dataclass(v):
-        for f in dataclasses.fields(v):
-            if hasattr(v, f.name):
-                object.__setattr__(new, f.name, rebuild(getattr(v, f.name)))
-    return new
 
 
 def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> CapturedGraph:
@@ -315,10 +278,17 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
     # Dispatch modes the caller has active (a memory tracker, a FLOP counter) must not see
     # the capture's fake computations.
     with _disable_current_modes(), _rng_preserved(module, bound.arguments), torch.enable_grad():
-        try:
-            captured = _capture_ops(module, bound.arguments, signature)
-        except Exception as err:  # noqa: BLE001 - any tracing failure means "fall back"
-            reason = f"{type(err).__name__}: {err}".strip().splitlines()[0][:300]
+        failures = []
+        captured = None
+        for tracer in _TRACERS:
+            try:
+                captured = tracer(module, bound, signature, args, kwargs)
+                break
+            except Exception as err:  # noqa: BLE001 - any tracing failure means "try the next"
+                reason = f"{type(err).__name__}: {err}".strip().splitlines()[0][:300]
+                failures.append(f"{tracer.__name__.strip('_')}: {reason}")
+        if captured is None:
+            reason = "; ".join(failures)
             warnings.warn(
                 f"hbp could not capture {type(module).__name__} at operator level ({reason}); "
                 "falling back to module-level cut points (child module calls): the plan is "
@@ -407,35 +377,6 @@ def _as_if_compiling() -> Iterator[None]:
         yield
     finally:
         torch.compiler.is_compiling = original
-
-
-#: fx node meta key: the (grad, autocast) modes a node ran with in the traced forward, where
-#: they differ from the modes of the call (`with torch.no_grad():`, `with torch.autocast(...)`
-#: inside the forward: fx records the ops, not the context managers around them).
-MODES = "hbp_modes"
-
-
-def ambient_modes() -> tuple:
-    """(grad enabled, (CPU autocast enabled, dtype), (CUDA autocast enabled, dtype))."""
-    autocast = (
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return (torch.is_grad_enabled(), *autocast)
-
-
-def enter_modes(modes: tuple) -> contextlib.ExitStack:
-    """Switch to `modes` (an `ambient_modes()` value); the returned stack's close() undoes it."""
-    grad, *autocast = modes
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.set_grad_enabled(grad))
-    for device, state in zip(("cpu", "cuda"), autocast):
-        if (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) != state:
-            stack.enter_context(torch.autocast(device, dtype=state[1], enabled=state[0]))
-    return stack
-
-
-def exit_modes(stack: contextlib.ExitStack) -> None:
-    stack.close()
 
 
 def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
@@ -836,7 +777,7 @@ class _ModuleState:
             for k, d in dicts.items():
                 before.update({f"{k}:{n}": v for n, v in d.items()})
             for key, value in now.items():
-                if key in self._DICTS or (key in before and before[key] is value):
+                if key in self._DICTS or (key in before and _same(before[key], value)):
                     continue
                 if not prefix and key.startswith("_tensor_constant"):
                     continue
@@ -849,6 +790,19 @@ class _ModuleState:
                 getattr(m, k).update(d)
                 m.__dict__[k] = getattr(m, k)
         return changed
+
+
+def _same(before: Any, after: Any) -> bool:
+    """Whether assigning `after` over `before` changed nothing (the same object, or an equal
+    plain Python value: torch.export re-assigns copies of a module's plain dicts)."""
+    if before is after:
+        return True
+    if type(before) is not type(after) or isinstance(before, (torch.Tensor, nn.Module)):
+        return False
+    try:
+        return bool(before == after)
+    except Exception:  # noqa: BLE001 - no meaningful equality
+        return False
 
 
 def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
@@ -1141,15 +1095,46 @@ def _op_label(node: fx.Node, root: nn.Module) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def _capture_ops(
-    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature
+def _symbolic_trace(
+    module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
+    """Op level by torch.fx symbolic tracing, specialised to this call (module docstring)."""
     faker = _Faker()
-    gm, input_names, tracer = _trace(module, arguments, signature, faker)
-    captured = _profile_graph(gm, module, arguments, input_names, signature, faker)
+    gm, input_names, tracer = _trace(module, bound.arguments, signature, faker)
+    captured = _profile_graph(gm, module, bound.arguments, input_names, signature, faker)
     captured.output_template = tracer.output_template
     captured.inlined_checkpoints = tracer.inlined_checkpoints
+    captured.tracer = "fx"
     return captured
+
+
+def _export_trace(
+    module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
+) -> CapturedGraph:
+    """Op level by running the forward on fake tensors (`hbp.graph.torch_export`)."""
+    state = _ModuleState(module)
+    try:
+        with _buffers_restored(module):
+            exported = export_trace(module, args, kwargs, ambient_modes())
+    finally:
+        changed = state.restore()
+    python_state = [name for name, value in changed if not isinstance(value, torch.Tensor)]
+    if python_state:
+        raise TypeError(
+            f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced graph "
+            "would not repeat that side effect on later calls"
+        )
+    faker = _Faker()
+    inputs = exported.inputs
+    captured = _profile_graph(exported.gm, module, inputs, list(inputs), signature, faker)
+    captured.output_template = exported.output_template
+    captured.in_spec = exported.in_spec
+    captured.tracer = "export"
+    return captured
+
+
+#: Op-level tracers, tried in order; module-level cut points if every one fails.
+_TRACERS = (_symbolic_trace, _export_trace)
 
 
 def _profile_graph(

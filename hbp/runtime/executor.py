@@ -52,7 +52,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from hbp.graph.torch_capture import MODES, MODULE, CapturedGraph, enter_modes, exit_modes
+from hbp.graph.torch_capture import MODULE, CapturedGraph
+from hbp.graph.torch_modes import MODES, enter_modes, exit_modes
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.recompute import ReenterableContext, checkpoint_context_fn
 
@@ -159,13 +160,8 @@ class PlanExecutor:
     # -- running ----------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs) -> Any:
-        bound = self.captured.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        env = {
-            ph: bound.arguments[name]
-            for ph, name in zip(self._placeholders, self.captured.input_names)
-        }
-        del bound, args, kwargs
+        env = dict(zip(self._placeholders, self.captured.placeholder_values(args, kwargs)))
+        del args, kwargs
         self._run_level(self.blocks, env, self._graph_outputs)
         flat = fx.node.map_arg(self._output.args[0], lambda n: self._lookup(env, n))
         return self.captured.unflatten_output(flat)

@@ -1,0 +1,238 @@
+"""Trace stage for eager-only Python: a module's forward captured by running it on fake tensors.
+
+`export_trace(module, args, kwargs) -> ExportedTrace` is the capture's second way to get an
+op-level fx graph, used where `torch.fx` symbolic tracing fails (hbp.graph.torch_capture
+tries that first). Real models are written for eager PyTorch: decorated forwards
+(`functools.wraps`), `**kwargs`, `torch.is_tensor(x)` / `isinstance` / `len(x.shape)` on
+arguments, output dataclasses, attention-mask construction. A symbolic proxy cannot answer
+those questions; running the forward's Python on fake tensors can. That is non-strict
+`torch.export` (`strict=False`): the forward runs as plain Python, every tensor op is recorded
+at the pre-dispatch ATen level (`aten.linear`, `aten.layer_norm`, `aten.dropout`,
+`aten.scaled_dot_product_attention`, `aten.batch_norm`: the ops eager runs, not their
+decompositions), and the result is specialised to the input signature, as hbp's plans are.
+
+The exported program is unlifted (`ExportedProgram.module()`): parameters and buffers are
+`get_attr` nodes on the *module's own* tensor objects (gradients reach the user's
+parameters; in-place buffer updates such as BatchNorm's running statistics hit the real
+buffers). Then it is normalised into the shape the rest of the capture expects
+(`_normalise`, see NOTE [ Exported graphs ]).
+
+# NOTE [ Exported graphs ]
+What differs from a symbolic-traced graph, and what `_normalise` does about it:
+- Inputs: placeholders are the pytree leaves of `(args, kwargs)` (`ExportedTrace.in_spec`),
+  not forward parameters.
+- Outputs: the forward's return value may hold objects pytree does not know (transformers'
+  `DynamicCache` when `use_cache` is on). The module is exported through `_FlatOutputs`,
+  which returns the tensors of the output as a flat tuple and keeps the rest as a template
+  (`OutputSlot`s where tensors were; objects rebuilt by `torch_capture.map_output`).
+- `with torch.no_grad()` / `torch.autocast(...)` regions become higher-order ops around
+  submodules: they are inlined, each node recording its modes in `MODES` as the symbolic
+  tracer does, so a plan can cut inside them.
+- Export's own guard call and metadata asserts are dropped (the plan cache keys on the
+  input signature already).
+- In-place ATen ops (`relu_`, `dropout_`, `add_`) stay; the profile stage makes them out of
+  place where that is exact, as for symbolic graphs.
+
+Capturing does not change the module: parameters and buffers are fakes during the trace,
+Python attributes the forward assigns are put back by the caller (`torch_capture`), and the
+caller restores the RNG state.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["ExportedTrace", "export_trace", "OUTPUT_ROOT"]
+
+#: Attribute path of the user's module inside the exported graph module (see `_FlatOutputs`).
+OUTPUT_ROOT = "inner"
+
+_aten = torch.ops.aten
+_higher_order = torch.ops.higher_order
+
+# Nodes that only check what the plan cache already guarantees (shapes, dtypes, devices).
+_ASSERTS = {
+    _aten._assert_tensor_metadata.default,
+    _aten._assert_scalar.default,
+    _aten._assert_async.msg,
+    _aten.sym_constrain_range_for_size.default,
+    _aten.sym_constrain_range.default,
+}
+
+
+@dataclass
+class ExportedTrace:
+    """An op-level fx graph of one forward, ready for the profile stage.
+
+    Attributes:
+        gm: the graph module; its parameters and buffers are the module's own tensors (under
+            `OUTPUT_ROOT.`); placeholders are the leaves of `(args, kwargs)`.
+        in_spec: the pytree spec of `(args, kwargs)` the placeholders flatten.
+        inputs: placeholder name -> the real leaf value of this call.
+        output_template: the forward's return value with `OutputSlot(i)` for the i-th tensor
+            the graph returns.
+    """
+
+    gm: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    inputs: dict[str, Any]
+    output_template: Any
+
+
+def export_trace(module: nn.Module, args: tuple, kwargs: dict, modes: tuple) -> ExportedTrace:
+    """Trace `module(*args, **kwargs)` with non-strict `torch.export` and normalise the graph.
+
+    `modes` is `torch_capture.ambient_modes()` of the call: the base the inlined no-grad and
+    autocast regions record their differences from. Raises whatever export raises (the
+    capture then falls back)."""
+    flat_module = _FlatOutputs(module)
+    exported = torch.export.export(flat_module, tuple(args), dict(kwargs), strict=False)
+    gm = exported.module()
+    leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    _normalise(gm, modes)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(leaves):
+        raise RuntimeError(
+            f"the exported graph has {len(placeholders)} inputs for {len(leaves)} argument leaves"
+        )
+    return ExportedTrace(gm, in_spec, dict(zip(placeholders, leaves)), flat_module.template)
+
+
+class _FlatOutputs(nn.Module):
+    """`module` returning the tensors of its output as one flat tuple; the rest of the output
+    (containers, caches, non-tensor fields) is kept as a template (see NOTE [ Exported graphs ]).
+
+    The template goes to a closure, not a module attribute: export puts module attributes
+    back (and may copy the module) after tracing; a function is never copied."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        setattr(self, OUTPUT_ROOT, module)
+        templates: list[Any] = []
+
+        def record(template: Any = None) -> Any:
+            if template is not None:
+                templates.append(template)
+            return templates[-1] if templates else None
+
+        self.__dict__["_record"] = record
+
+    @property
+    def template(self) -> Any:
+        return self.__dict__["_record"]()
+
+    def forward(self, *args, **kwargs):
+        from hbp.graph.torch_outputs import OutputSlot, map_output
+
+        tensors: list[torch.Tensor] = []
+
+        def slot(t: torch.Tensor) -> OutputSlot:
+            tensors.append(t)
+            return OutputSlot(len(tensors) - 1)
+
+        out = getattr(self, OUTPUT_ROOT)(*args, **kwargs)
+        self.__dict__["_record"](map_output(out, torch.Tensor, slot, objects=True))
+        return tuple(tensors)
+
+
+def _normalise(gm: fx.GraphModule, modes: tuple) -> None:
+    """Drop export's guards and asserts, inline no-grad/autocast regions with their modes."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target.startswith("_guards"):
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target in _ASSERTS and not node.users:
+            graph.erase_node(node)
+    while _inline_first_region(gm, modes):
+        pass
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def _inline_first_region(gm: fx.GraphModule, base: tuple) -> bool:
+    """Inline the first `wrap_with_set_grad_enabled` / `wrap_with_autocast` node of `gm`; its
+    nodes run in the region's modes (`MODES`). Returns whether there was one."""
+    from hbp.graph.torch_capture import MODES  # the meta key the executor reads
+
+    graph = gm.graph
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _higher_order.wrap_with_set_grad_enabled:
+            enabled, sub_node, *operands = node.args
+            outer = node.meta.get(MODES, base)
+            region = (bool(enabled), *outer[1:])
+        elif node.target is _higher_order.wrap_with_autocast:
+            device, dtype, enabled, _cache, sub_node, *operands = node.args
+            outer = node.meta.get(MODES, base)
+            grad, cpu, cuda = outer
+            state = (bool(enabled), dtype if dtype is not None else _default_autocast(device))
+            region = (grad, state, cuda) if device == "cpu" else (grad, cpu, state)
+        else:
+            continue
+        sub = getattr(gm, sub_node.target)
+        env: dict[fx.Node, Any] = {}
+        inputs = iter(operands)
+        results: Any = None
+        with graph.inserting_before(node):
+            for inner in sub.graph.nodes:
+                if inner.op == "placeholder":
+                    env[inner] = next(inputs)
+                elif inner.op == "output":
+                    results = fx.node.map_arg(inner.args[0], lambda n: env[n])
+                elif inner.op == "get_attr":
+                    env[inner] = _lift_attr(gm, sub, inner.target, graph)
+                else:
+                    copy = graph.node_copy(inner, lambda n: env[n])
+                    copy.meta = dict(inner.meta)
+                    if region != base:
+                        copy.meta.setdefault(MODES, region)
+                    elif MODES in copy.meta and copy.meta[MODES] == base:
+                        del copy.meta[MODES]
+                    env[inner] = copy
+        results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            raise RuntimeError(f"cannot inline {node.format_node()}: its tuple is used whole")
+        graph.erase_node(node)
+        if not sub_node.users:
+            graph.erase_node(sub_node)
+        return True
+    return False
+
+
+def _lift_attr(gm: fx.GraphModule, sub: nn.Module, target: str, graph: fx.Graph) -> fx.Node:
+    """A `get_attr` inside an inlined region, re-registered on `gm` (constants of the region)."""
+    value = sub
+    for part in target.split("."):
+        value = getattr(value, part)
+    name = f"_inlined_{target.replace('.', '_')}"
+    suffix = 0
+    while (
+        hasattr(gm, f"{name}{suffix or ''}") and getattr(gm, f"{name}{suffix or ''}") is not value
+    ):
+        suffix += 1
+    name = f"{name}{suffix or ''}"
+    if isinstance(value, nn.Parameter):
+        gm.register_parameter(name, value)
+    elif isinstance(value, torch.Tensor):
+        gm.register_buffer(name, value)
+    else:
+        setattr(gm, name, value)
+    return graph.get_attr(name)
+
+
+def _default_autocast(device: str) -> torch.dtype:
+    return torch.get_autocast_dtype(device)
