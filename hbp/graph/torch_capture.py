@@ -909,6 +909,14 @@ class _Profile:
     output_after_last_save: bool = False
 
 
+def _leaf_rooted(value: Any) -> bool:
+    """Whether a tensor of `value` that requires grad is a leaf or a view of one."""
+    return any(
+        t.requires_grad and (t.grad_fn is None or (t._base is not None and t._base.is_leaf))
+        for t in _tensors(value)
+    )
+
+
 def _leaf(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.requires_grad:
         return x.detach().requires_grad_(True)
@@ -1311,6 +1319,45 @@ def _out_of_place(
     return True
 
 
+# ATen norms that update running statistics in place without saying so in their schema (they
+# are composite): op -> (positions of running mean and var, position of the training flag).
+_RUNNING_STATS_ARGS = {
+    _aten.batch_norm.default: ((3, 4), 5),
+    _aten.instance_norm.default: ((3, 4), 5),
+}
+
+
+def _updated_running_stats(node: fx.Node) -> list[str]:
+    """`get_attr` targets of the running statistics an ATen norm node updates (exported
+    graphs: BatchNorm is `aten.batch_norm` on the module's buffers, not a module call)."""
+    spec = _RUNNING_STATS_ARGS.get(node.target) if node.op == "call_function" else None
+    if spec is None:
+        return []
+    positions, training = spec
+    if len(node.args) <= training or not node.args[training]:
+        return []
+    stats = [node.args[i] for i in positions]
+    return [a.target for a in stats if isinstance(a, fx.Node) and a.op == "get_attr"]
+
+
+def _functional_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """`aten.relu.default` for `aten.relu_.default`: the out-of-place twin of an ATen op that
+    writes its first argument only and returns it, with the same other arguments."""
+    schema = op._schema
+    name = schema.name.split("::")[-1]
+    if not name.endswith("_") or name.endswith("__") or name in _NOT_FUNCTIONAL:
+        return None
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if len(written) != 1 or written[0] is not schema.arguments[0]:
+        return None
+    packet = getattr(_aten, name[:-1], None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    if twin is None:
+        return None
+    same = [a.name for a in twin._schema.arguments] == [a.name for a in schema.arguments]
+    return twin if same and not twin._schema.is_mutable else None
+
+
 def _make_out_of_place(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_method":
         name = node.target
@@ -1330,6 +1377,12 @@ def _make_out_of_place(node: fx.Node, gm: fx.GraphModule) -> bool:
         node.meta["hbp_module"] = node.target
         node.op, node.target = "call_function", fn
         node.kwargs = {**node.kwargs, **kwargs}
+        return True
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        twin = _functional_overload(node.target)
+        if twin is None:
+            return False
+        node.target = twin
         return True
     if node.op == "call_function":
         fn = node.target
@@ -1506,11 +1559,23 @@ def _profile_fx_node(
             _gradient_view_input(node, values),
         )
     values[node] = prof.output
+    if prof.alias_of is not None and not prof.mutated_inputs and _leaf_rooted(prof.output):
+        # A view profiled on a leaf copy of its input is a view of a leaf: an in-place op on it
+        # later (`torch.flatten` then `nn.Dropout(inplace=True)`, `nn.Identity` then
+        # `nn.ReLU(inplace=True)`) would fail where the real forward does not. Keep the view
+        # of the real (non-leaf) input instead.
+        with faker.mode:
+            values[node] = _run_fx_node(node, gm, faker, args, kwargs)
     mutated_attrs = tuple(
         dict.fromkeys(
-            k
-            for k, b, v in buffer_versions
-            if faker.tensor(b)._version != v and id(b) not in guarded
+            [
+                *(
+                    k
+                    for k, b, v in buffer_versions
+                    if faker.tensor(b)._version != v and id(b) not in guarded
+                ),
+                *_updated_running_stats(node),
+            ]
         )
     )
     ir_node = Node(
@@ -1722,7 +1787,9 @@ def _profile_module_call(
                 return x
             y = convert(x.detach())
             if y.is_floating_point() and (x.requires_grad or upstream_requires_grad):
-                y = y.requires_grad_(True)
+                # Not a leaf: the child may update its input in place (`nn.ReLU(inplace=True)`
+                # after an `nn.Identity`), which autograd forbids on a leaf.
+                y = y.requires_grad_(True).clone()
             return y
 
         return tree_map(leaf, (call.args, call.kwargs))

@@ -49,6 +49,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hbp.graph.torch_modes import MODES
+from hbp.graph.torch_outputs import OutputSlot, map_output
+
 __all__ = ["ExportedTrace", "export_trace", "OUTPUT_ROOT"]
 
 #: Attribute path of the user's module inside the exported graph module (see `_FlatOutputs`).
@@ -129,8 +132,6 @@ class _FlatOutputs(nn.Module):
         return self.__dict__["_record"]()
 
     def forward(self, *args, **kwargs):
-        from hbp.graph.torch_outputs import OutputSlot, map_output
-
         tensors: list[torch.Tensor] = []
 
         def slot(t: torch.Tensor) -> OutputSlot:
@@ -161,56 +162,59 @@ def _normalise(gm: fx.GraphModule, modes: tuple) -> None:
 def _inline_first_region(gm: fx.GraphModule, base: tuple) -> bool:
     """Inline the first `wrap_with_set_grad_enabled` / `wrap_with_autocast` node of `gm`; its
     nodes run in the region's modes (`MODES`). Returns whether there was one."""
-    from hbp.graph.torch_capture import MODES  # the meta key the executor reads
-
-    graph = gm.graph
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is _higher_order.wrap_with_set_grad_enabled:
-            enabled, sub_node, *operands = node.args
-            outer = node.meta.get(MODES, base)
-            region = (bool(enabled), *outer[1:])
-        elif node.target is _higher_order.wrap_with_autocast:
-            device, dtype, enabled, _cache, sub_node, *operands = node.args
-            outer = node.meta.get(MODES, base)
-            grad, cpu, cuda = outer
-            state = (bool(enabled), dtype if dtype is not None else _default_autocast(device))
-            region = (grad, state, cuda) if device == "cpu" else (grad, cpu, state)
-        else:
-            continue
-        sub = getattr(gm, sub_node.target)
-        env: dict[fx.Node, Any] = {}
-        inputs = iter(operands)
-        results: Any = None
-        with graph.inserting_before(node):
-            for inner in sub.graph.nodes:
-                if inner.op == "placeholder":
-                    env[inner] = next(inputs)
-                elif inner.op == "output":
-                    results = fx.node.map_arg(inner.args[0], lambda n: env[n])
-                elif inner.op == "get_attr":
-                    env[inner] = _lift_attr(gm, sub, inner.target, graph)
-                else:
-                    copy = graph.node_copy(inner, lambda n: env[n])
-                    copy.meta = dict(inner.meta)
-                    if region != base:
-                        copy.meta.setdefault(MODES, region)
-                    elif MODES in copy.meta and copy.meta[MODES] == base:
-                        del copy.meta[MODES]
-                    env[inner] = copy
-        results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(results[user.args[1]])
-                graph.erase_node(user)
-        if node.users:
-            raise RuntimeError(f"cannot inline {node.format_node()}: its tuple is used whole")
-        graph.erase_node(node)
-        if not sub_node.users:
-            graph.erase_node(sub_node)
-        return True
+    for node in gm.graph.nodes:
+        region = _region_modes(node, base) if node.op == "call_function" else None
+        if region is not None:
+            _inline(gm, node, region, base)
+            return True
     return False
+
+
+def _region_modes(node: fx.Node, base: tuple) -> tuple | None:
+    """The modes inside a no-grad / autocast region node (None for any other node)."""
+    outer = node.meta.get(MODES, base)
+    grad, cpu, cuda = outer
+    if node.target is _higher_order.wrap_with_set_grad_enabled:
+        return (bool(node.args[0]), cpu, cuda)
+    if node.target is _higher_order.wrap_with_autocast:
+        device, dtype, enabled = node.args[:3]
+        state = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
+        return (grad, state, cuda) if device == "cpu" else (grad, cpu, state)
+    return None
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, region: tuple, base: tuple) -> None:
+    """Replace the region `node` by a copy of its submodule's nodes, run in `region` modes."""
+    graph = gm.graph
+    first = 1 if node.target is _higher_order.wrap_with_set_grad_enabled else 4
+    sub_node, operands = node.args[first], iter(node.args[first + 1 :])
+    sub = getattr(gm, sub_node.target)
+    env: dict[fx.Node, Any] = {}
+    results: Any = ()
+    with graph.inserting_before(node):
+        for inner in sub.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(operands)
+            elif inner.op == "output":
+                results = fx.node.map_arg(inner.args[0], env.__getitem__)
+            elif inner.op == "get_attr":
+                env[inner] = _lift_attr(gm, sub, inner.target, graph)
+            else:
+                copy = graph.node_copy(inner, env.__getitem__)
+                copy.meta = dict(inner.meta)
+                if region != base:
+                    copy.meta.setdefault(MODES, region)
+                env[inner] = copy
+    results = tuple(results) if isinstance(results, (tuple, list)) else (results,)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        raise RuntimeError(f"cannot inline {node.format_node()}: its tuple is used whole")
+    graph.erase_node(node)
+    if not sub_node.users:
+        graph.erase_node(sub_node)
 
 
 def _lift_attr(gm: fx.GraphModule, sub: nn.Module, target: str, graph: fx.Graph) -> fx.Node:
@@ -232,7 +236,3 @@ def _lift_attr(gm: fx.GraphModule, sub: nn.Module, target: str, graph: fx.Graph)
     else:
         setattr(gm, name, value)
     return graph.get_attr(name)
-
-
-def _default_autocast(device: str) -> torch.dtype:
-    return torch.get_autocast_dtype(device)

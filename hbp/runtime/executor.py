@@ -315,10 +315,15 @@ class PlanExecutor:
         values = graph.call_function(_take_all, (graph.placeholder("inputs"),))
         for i, node in enumerate(inputs):
             env[node] = graph.call_function(operator.getitem, (values, i))
+        # Parameters and buffers are looked up on the traced module when the segment runs, not
+        # copied into the segment at build time (what `get_attr` of a dotted path would do):
+        # a buffer swapped for a throw-away copy during a recompute (`_throwaway_attrs`) must
+        # be the one the segment updates.
+        root = graph.get_attr("root")
         for node in nodes:
             for src in node.all_input_nodes:
                 if src.op == "get_attr" and src not in env:
-                    env[src] = graph.get_attr("root." + src.target)
+                    env[src] = graph.call_function(getattr_path, (root, src.target))
             modes = node.meta.get(MODES)  # e.g. inside a `with torch.no_grad():` of the forward
             if modes:
                 stack = graph.call_function(enter_modes, (modes,))
