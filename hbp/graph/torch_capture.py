@@ -1121,12 +1121,14 @@ def _export_trace(
 ) -> CapturedGraph:
     """Op level by running the forward on fake tensors (`hbp.graph.torch_export`)."""
     state = _ModuleState(module)
+    assigned: list[str] = []
     try:
-        with _buffers_restored(module):
+        with _buffers_restored(module), _python_assignments_recorded(module, assigned):
             exported = export_trace(module, args, kwargs, ambient_modes())
     finally:
         changed = state.restore()
     python_state = [name for name, value in changed if not isinstance(value, torch.Tensor)]
+    python_state += [name for name in assigned if name not in python_state]
     if python_state:
         raise TypeError(
             f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced graph "
@@ -1139,6 +1141,32 @@ def _export_trace(
     captured.in_spec = exported.in_spec
     captured.tracer = "export"
     return captured
+
+
+@contextlib.contextmanager
+def _python_assignments_recorded(module: nn.Module, names: list[str]) -> Iterator[None]:
+    """Within: the qualified names of Python (non-tensor) values the forward assigns to
+    `module` or its submodules, where they change the attribute, are appended to `names`
+    (torch.export puts module attributes back after tracing, so comparing the state before
+    and after cannot see them)."""
+    paths = {id(m): p for p, m in module.named_modules()}
+    original = nn.Module.__setattr__
+
+    def recording(mod: nn.Module, name: str, value: Any) -> None:
+        path = paths.get(id(mod))
+        if (
+            path is not None
+            and not isinstance(value, (torch.Tensor, nn.Module))
+            and not _same(mod.__dict__.get(name, _MISSING), value)
+        ):
+            names.append(f"{path}.{name}" if path else name)
+        original(mod, name, value)
+
+    nn.Module.__setattr__ = recording
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = original
 
 
 #: Op-level tracers, tried in order; module-level cut points if every one fails.
