@@ -231,7 +231,7 @@ def test_data_dependent_model_falls_back_to_module_level_with_a_warning():
     x = torch.randn(256, D, requires_grad=True)
     params = [x, *model.parameters()]
     expected = step(model, params, x)
-    hc = hbp.HCModule(model, budget=0.7)
+    hc = hbp.HCModule(model, budget="min")
     with pytest.warns(CaptureWarning, match="module-level"):
         got = step(hc, params, x)
     assert hc.captured.granularity == "module"

@@ -826,7 +826,7 @@ def test_data_dependent_control_flow_falls_back_to_module_calls_with_a_warning()
     x = torch.randn(512, 64, requires_grad=True)
     case = Case("data_dependent", DataDependentNet, None)
     expected = train_step(reference, reference, case, (x,), {})
-    hc = hbp.HCModule(model, budget=0.6)
+    hc = hbp.HCModule(model, budget="min")
     with pytest.warns(CaptureWarning, match=r"could not capture DataDependentNet .*module-level"):
         got = train_step(hc, model, case, (x,), {})
     assert hc.captured.granularity == "module"
@@ -834,6 +834,12 @@ def test_data_dependent_control_flow_falls_back_to_module_calls_with_a_warning()
     assert_same_step(expected, got)
     assert got.flops > expected.flops  # child calls were recomputed
     assert got.peak_bytes < expected.peak_bytes
+    # "min" is the plan that runs: its prediction is what was measured, and a budget below it
+    # is refused with it as the minimum.
+    assert got.peak_bytes == pytest.approx(hc.plan.predicted_peak_bytes, rel=0.02)
+    with pytest.raises(BudgetError) as info:
+        hbp.HCModule(model, budget=hc.plan.predicted_peak_bytes - 4096)(x)
+    assert info.value.minimum == hc.plan.predicted_peak_bytes
 
 
 def test_infeasible_budget_raises_budget_error_with_the_minimum():

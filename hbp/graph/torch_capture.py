@@ -296,7 +296,7 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
                 CaptureWarning,
                 stacklevel=3,
             )
-            captured = _capture_modules(module, bound, signature, reason)
+            captured = _capture_modules(module, bound, signature, reason, args, kwargs)
     captured.capture_time_s = time.perf_counter() - start
     captured.graph.meta["capture_time_s"] = captured.capture_time_s
     return captured
@@ -1639,11 +1639,12 @@ class _Call:
 
 
 def _record_calls(
-    module: nn.Module, bound: inspect.BoundArguments, faker: _Faker | None
+    module: nn.Module, args: tuple, kwargs: dict, faker: _Faker | None
 ) -> tuple[list[_Call], list[tuple[str, int, int, int, tuple[int, ...]]]]:
-    """The top-level child module calls of one forward (nn.Sequential calls expanded into
-    their children's calls), with their inputs and outputs, and the expanded Sequential
-    calls (`_expand_sequential`)."""
+    """The child module calls of one forward `module(*args, **kwargs)` (the caller's own
+    arguments: decorators that fill defaults into `**kwargs` must not see them twice), down
+    to the repeated blocks (`_expand_sequential`), with their inputs and outputs, and the
+    expanded Sequential calls."""
     paths = {m: p for p, m in module.named_modules() if p}
     depth = [0]
     calls: list[tuple[int, _Call]] = []
@@ -1666,11 +1667,11 @@ def _record_calls(
     try:
         if faker is None:
             with _buffers_restored(module):
-                module.forward(*bound.args, **bound.kwargs)
+                module.forward(*args, **kwargs)
         else:
-            args, kwargs = faker.tree((bound.args, bound.kwargs), fresh=True)
+            fake_args, fake_kwargs = faker.tree((args, kwargs), fresh=True)
             with faker.mode:
-                _call_module(faker, module, args, kwargs)
+                _call_module(faker, module, fake_args, fake_kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -1678,8 +1679,26 @@ def _record_calls(
     # `calls` is in completion order (children before their parent).
     out: list[_Call] = []
     groups: list[tuple[str, int, int, int, tuple[int, ...]]] = []
-    _expand_sequential(calls, 0, out, groups)
+    _expand_sequential(calls, 0, out, groups, _holding_blocks(module))
     return out, groups
+
+
+def _holding_blocks(module: nn.Module) -> set[int]:
+    """Ids of the submodules to look inside for cut points: those with repeated blocks below
+    them (an nn.ModuleList / nn.Sequential of two or more modules, at any depth) that are not
+    themselves such a block. GPT-2 -> its transformer -> the blocks `h.0`, `h.1`, ...: the
+    cut points the libraries' own checkpointing uses."""
+    containers = [
+        m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1
+    ]
+    blocks = {id(item) for c in containers for item in c}
+    holding = set()
+    for m in module.modules():
+        if id(m) in blocks:
+            continue
+        if any(d is not m and any(d is c for c in containers) for d in m.modules()):
+            holding.add(id(m))
+    return holding
 
 
 @contextlib.contextmanager
@@ -1700,12 +1719,15 @@ def _expand_sequential(
     level: int,
     out: list[_Call],
     groups: list[tuple[str, int, int, int, tuple[int, ...]]],
+    holding: set[int] = frozenset(),
 ) -> list[int]:
-    """Append to `out` the calls at `level`, each nn.Sequential call replaced by its
-    children's calls (recursively), and return where each call at `level` starts in `out`.
-    For each replaced call append to `groups` (path, occurrence, first, end, where each
-    direct child starts) in `out` positions: a Sequential's children form a chain with no
-    other code between them, so any run of them can be checkpointed as one function."""
+    """Append to `out` the calls at `level`, each nn.Sequential call, and each call of a
+    module in `holding` (`_holding_blocks`), replaced by its children's calls (recursively),
+    and return where each call at `level` starts in `out`. For each replaced Sequential call
+    append to `groups` (path, occurrence, first, end, where each direct child starts) in
+    `out` positions: a Sequential's children form a chain with no other code between them,
+    so any run of them can be checkpointed as one function (the calls inside another module
+    are checkpointed one by one: its own code runs between them)."""
     starts: list[int] = []
     pending: list[tuple[int, _Call]] = []
     for d, call in calls:
@@ -1716,8 +1738,10 @@ def _expand_sequential(
             starts.append(len(out))
             if type(call.module).forward is nn.Sequential.forward and pending:
                 first = len(out)
-                children = _expand_sequential(pending, level + 1, out, groups)
+                children = _expand_sequential(pending, level + 1, out, groups, holding)
                 groups.append((call.path, call.occurrence, first, len(out), tuple(children)))
+            elif id(call.module) in holding and pending:
+                _expand_sequential(pending, level + 1, out, groups, holding)
             else:
                 out.append(call)
             pending = []
@@ -1725,23 +1749,28 @@ def _expand_sequential(
 
 
 def _capture_modules(
-    module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, reason: str
+    module: nn.Module,
+    bound: inspect.BoundArguments,
+    signature: inspect.Signature,
+    reason: str,
+    args: tuple = (),
+    kwargs: dict | None = None,
 ) -> CapturedGraph:
     norms = stat_tracking_norms(module)
     faker = _Faker()
     try:
-        calls, groups = _record_calls(module, bound, faker)
+        calls, groups = _record_calls(module, args, kwargs or {}, faker)
         recorded_fake = True
     except Exception:  # noqa: BLE001 - data-dependent Python: record a real no-grad run
         with torch.no_grad(), frozen_running_stats(norms):
-            calls, groups = _record_calls(module, bound, None)
+            calls, groups = _record_calls(module, args, kwargs or {}, None)
         recorded_fake = False
     if not calls:
         raise RuntimeError(
             f"hbp cannot capture {type(module).__name__}: op-level capture failed ({reason}) "
             "and its forward calls no child modules to cut at"
         )
-    real_inputs = _tensors((bound.args, bound.kwargs))
+    real_inputs = _tensors((args, kwargs))
     input_requires_grad = any(t.requires_grad for t in real_inputs)
     nodes = [
         Node(

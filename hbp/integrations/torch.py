@@ -47,12 +47,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch_capture import MODULE, CapturedGraph, ambient_modes, capture
 from hbp.planner import PLANNERS
 from hbp.planner.budget import parse_budget
-from hbp.planner.plan import MIB, Plan
+from hbp.planner.plan import Plan, Segment
 from hbp.runtime.executor import make_executor, per_call_plan
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
@@ -240,20 +241,21 @@ class HCModule(nn.Module):
         graph = captured.graph
         naive = simulate(graph).peak_bytes
         start = time.perf_counter()
-        try:
-            plan = make_plan(
-                graph, self._budget_for(naive), block_size=self.block_size, planner=self.planner
-            )
-        except BudgetError as err:
-            if self.budget == 1 and isinstance(self.budget, int):  # not 1.0 (nor True)
-                raise BudgetError(
-                    err.budget,
-                    err.minimum,
-                    "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
-                ) from err
-            raise
         if captured.granularity == MODULE:
-            plan = self._module_level_plan(plan, captured, naive, make_plan)
+            plan = self._module_level_plan(captured, naive)
+        else:
+            try:
+                plan = make_plan(
+                    graph, self._budget_for(naive), block_size=self.block_size, planner=self.planner
+                )
+            except BudgetError as err:
+                if self.budget == 1 and isinstance(self.budget, int):  # not 1.0 (nor True)
+                    raise BudgetError(
+                        err.budget,
+                        err.minimum,
+                        "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
+                    ) from err
+                raise
         plan_time_s = time.perf_counter() - start
         executor = make_executor(captured, plan, self.module)
         self._warn_about(captured, executor)
@@ -276,42 +278,88 @@ class HCModule(nn.Module):
             raise
         return self.budget
 
-    def _module_level_plan(
-        self, plan: Plan, captured: CapturedGraph, naive: int, make_plan, tries: int = 6
-    ) -> Plan:
-        """The plan the module-level executor really runs (`per_call_plan`: not every range of
-        child calls can be checkpointed as one), with its predictions. While that is predicted
-        above the budget, plan again for a budget lowered by the excess."""
-        budget_bytes = plan.budget_bytes
-        for _ in range(tries):
-            executed = per_call_plan(plan, captured)
-            sim = simulate(captured.graph, executed)
-            excess = sim.peak_bytes - budget_bytes
-            if excess <= 0:
-                break
+    def _module_level_plan(self, captured: CapturedGraph, naive: int) -> Plan:
+        """The plan at module level, chosen among those the module-level executor runs as
+        planned (NOTE [ Module-level plans ])."""
+        from hbp.planner import plan as make_plan  # the planner is pure: import on use
+
+        graph = captured.graph
+        info = GraphInfo.of(graph)
+        n = len(graph)
+
+        def executed(segments: list[Segment]) -> tuple[Plan, Any]:
+            plan = per_call_plan(Plan(segments), captured)
+            return plan, simulate(graph, plan, info=info)
+
+        def calls(recomputed: list[int]) -> list[Segment]:
+            """Call i checkpointed alone for each i in `recomputed`, the rest plain."""
+            marks = set(recomputed)
+            return [Segment(0, 1)] + [Segment(i, i + 1, i in marks) for i in range(1, n)]
+
+        def planned(budget: int | str) -> tuple[Plan, Any] | None:
+            """The planner's plan for `budget`, as executed; None if it has none."""
             try:
-                plan = make_plan(
-                    captured.graph,
-                    plan.budget_bytes - excess,
-                    block_size=self.block_size,
-                    planner=self.planner,
+                return executed(
+                    make_plan(
+                        graph, budget, block_size=self.block_size, planner=self.planner
+                    ).segments
                 )
             except BudgetError:
-                break
-        executed.budget_bytes = budget_bytes
-        executed.predicted_peak_bytes = sim.peak_bytes
-        executed.predicted_recompute_flops = sim.recompute_flops
-        executed.naive_peak_bytes = naive
-        executed.naive_flops = plan.naive_flops or captured.graph.total_flops
-        executed.kept_bytes = plan.kept_bytes
-        if sim.peak_bytes > budget_bytes:
-            self._warn_once(
-                "module-budget",
-                f"module-level fallback: the child calls it can checkpoint are predicted to "
-                f"peak at {sim.peak_bytes / MIB:.2f} MiB, above the budget of "
-                f"{budget_bytes / MIB:.2f} MiB",
-            )
-        return executed
+                return None
+
+        least = min(
+            [executed(calls(list(range(1, n)))), *filter(None, [planned("min")])],
+            key=lambda option: option[1].peak_bytes,
+        )
+        if self.budget == "min":
+            chosen, budget_bytes = least, least[1].peak_bytes
+        else:
+            budget_bytes = parse_budget(self._budget_for(naive), naive)
+            if least[1].peak_bytes > budget_bytes:
+                raise BudgetError(
+                    budget_bytes,
+                    least[1].peak_bytes,
+                    f"module-level fallback ({captured.fallback_reason}): what it can "
+                    "checkpoint (whole child calls) peaks there at the least",
+                )
+            options = [least]
+            target = budget_bytes
+            for _ in range(6):  # the planner's plan, lowered while its execution is over
+                option = planned(target)
+                if option is None:
+                    break
+                if option[1].peak_bytes <= budget_bytes:
+                    options.append(option)
+                    break
+                target -= option[1].peak_bytes - budget_bytes
+            recomputed = list(range(1, n))  # every call alone, then plain while it fits
+            for i in sorted(recomputed, key=lambda i: -info.flops[i]):
+                trial = [j for j in recomputed if j != i]
+                if executed(calls(trial))[1].peak_bytes <= budget_bytes:
+                    recomputed = trial
+            options.append(executed(calls(recomputed)))
+            fitting = [o for o in options if o[1].peak_bytes <= budget_bytes]
+            chosen = min(fitting, key=lambda option: option[1].recompute_flops)
+        plan, sim = chosen
+        plan.budget_bytes = budget_bytes
+        plan.predicted_peak_bytes = sim.peak_bytes
+        plan.predicted_recompute_flops = sim.recompute_flops
+        plan.naive_peak_bytes = naive
+        plan.naive_flops = graph.total_flops
+        plan.meta.update(planner="module-level (executable plans)")
+        return plan
+
+    # NOTE [ Module-level plans ]
+    # Where op-level capture fails, the graph is the chain of recorded child-module calls
+    # (repeated blocks at any depth). The executor can only checkpoint whole calls, or runs of
+    # an nn.Sequential's children: code between the calls cannot be re-run on its own, so
+    # nested plans and segments spanning such code are not executable. The plan is therefore
+    # chosen among the executable ones. The least memory the fallback reaches is the lesser of every call checkpointed alone and the planner's least
+    # plan as executed (budget="min", and BudgetError.minimum below it, are that plan's
+    # peak). For a budget: the planner's plan (planned again for a budget lowered by the
+    # excess while its execution is over), and every call checkpointed alone then run plainly,
+    # the most expensive first, while the simulated peak stays within the budget; the one of
+    # these that fits with the least recompute runs.
 
     def _warn_about(self, captured: CapturedGraph, executor) -> None:
         if captured.inlined_checkpoints:
