@@ -1783,6 +1783,7 @@ def _capture_modules(
     ]
     params_used: list[list[nn.Parameter]] = [[]]
     profiles: dict[str, _Profile] = {}
+    mutated_inputs: dict[str, tuple[str, ...]] = {}
     upstream_requires_grad = input_requires_grad
     prev = "input"
     for call in calls:
@@ -1792,6 +1793,8 @@ def _capture_modules(
         )
         name = f"{call.path.replace('.', '_')}_{call.occurrence}"
         profiles[name] = prof
+        if prof.mutated_inputs:  # checkpointing this call would save an input it overwrites
+            mutated_inputs[name] = (prev,)
         nodes.append(
             Node(
                 name=name,
@@ -1823,6 +1826,7 @@ def _capture_modules(
         granularity=MODULE,
         input_names=list(bound.arguments),
         signature=signature,
+        mutated_inputs=mutated_inputs,
         module_calls=[(c.path, c.occurrence) for c in calls],
         module_groups=[
             (path, k, first + 1, end + 1, tuple(c + 1 for c in children))

@@ -287,8 +287,14 @@ class HCModule(nn.Module):
         info = GraphInfo.of(graph)
         n = len(graph)
 
-        def executed(segments: list[Segment]) -> tuple[Plan, Any]:
+        # A call that overwrites its input in place cannot start a checkpoint: the saved input
+        # would be the overwritten one at recompute.
+        overwrites = {graph.index(name) for name in captured.mutated_inputs}
+
+        def executed(segments: list[Segment]) -> tuple[Plan, Any] | None:
             plan = per_call_plan(Plan(segments), captured)
+            if any(s.recompute and s.start in overwrites for s in plan.segments):
+                return None
             return plan, simulate(graph, plan, info=info)
 
         def calls(recomputed: list[int]) -> list[Segment]:
@@ -299,18 +305,19 @@ class HCModule(nn.Module):
         def planned(budget: int | str) -> tuple[Plan, Any] | None:
             """The planner's plan for `budget`, as executed; None if it has none."""
             try:
-                return executed(
-                    make_plan(
-                        graph, budget, block_size=self.block_size, planner=self.planner
-                    ).segments
-                )
+                segments = make_plan(
+                    graph, budget, block_size=self.block_size, planner=self.planner
+                ).segments
             except BudgetError:
                 return None
+            return executed(segments)
 
-        least = min(
-            [executed(calls(list(range(1, n)))), *filter(None, [planned("min")])],
-            key=lambda option: option[1].peak_bytes,
-        )
+        alone = [i for i in range(1, n) if i not in overwrites]
+        candidates = [executed(calls(alone)), planned("min")]
+        lowest = candidates[-1][1].peak_bytes if candidates[-1] else naive
+        step = (naive - lowest) / 8  # the planner's plans across the range, as executed
+        candidates += [planned(int(lowest + k * step)) for k in range(1, 8)]
+        least = min(filter(None, candidates), key=lambda option: option[1].peak_bytes)
         if self.budget == "min":
             chosen, budget_bytes = least, least[1].peak_bytes
         else:
@@ -326,14 +333,14 @@ class HCModule(nn.Module):
             target = budget_bytes
             for _ in range(6):  # the planner's plan, lowered while its execution is over
                 option = planned(target)
-                if option is None:
+                if option is None:  # no plan, or not executable
                     break
                 if option[1].peak_bytes <= budget_bytes:
                     options.append(option)
                     break
                 target -= option[1].peak_bytes - budget_bytes
-            recomputed = list(range(1, n))  # every call alone, then plain while it fits
-            for i in sorted(recomputed, key=lambda i: -info.flops[i]):
+            recomputed = alone  # every call alone, then plain while it fits
+            for i in sorted(alone, key=lambda i: -info.flops[i]):
                 trial = [j for j in recomputed if j != i]
                 if executed(calls(trial))[1].peak_bytes <= budget_bytes:
                     recomputed = trial
