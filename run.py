@@ -2,9 +2,11 @@
 
     python run.py workload=gpt2 mode=checkpoint profile=small
     python run.py -m workload=gpt2,resnet,unet,synthetic_dag mode=naive,checkpoint logger=none
-    python run.py -m -cd sweeps -cn block_size            # a sweep config from sweeps/
+    python run.py experiment=matrix_tiny                   # a README table (conf/experiment/)
+    python run.py -m sweep=budget [workload=gpt2]          # a named sweep (conf/sweep/), resumable
 
-Config: conf/config.yaml and its groups (workload/, mode/, profile/, logger/); see README.md.
+Config: conf/config.yaml and its groups (workload/, mode/, profile/, logger/, sweep/,
+experiment/, distributed/); see README.md.
 Bad input gets one line on stderr, "error: <field>=<value> is not accepted: expected ...", and
 exit code 2, before anything is written (hbp.bench.RunGuard, hbp.bench.hydra_main).
 """
@@ -16,7 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-CHECKED_GROUPS = ("workload", "mode", "profile", "logger")
+CHECKED_GROUPS = ("workload", "mode", "profile", "logger", "sweep", "experiment")
 
 
 def check_group_choices(args: list[str]) -> None:
@@ -60,4 +62,7 @@ def main(cfg: DictConfig):
 
 if __name__ == "__main__":
     check_group_choices(sys.argv[1:])
+    from hbp.bench.rundir import register_resolvers
+
+    register_resolvers()  # ${run_key:} (the sweep subdir); hbp.bench registers it too
     main()

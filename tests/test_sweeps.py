@@ -1,0 +1,115 @@
+"""Experiments and sweeps are configs: every `experiment=*` and `sweep=*` composes (Hydra
+compose API) into a valid multirun, and a sweep is resumable: a second run into the same sweep
+directory skips the finished jobs, `redo=true` reruns them, and a failed job is recorded with
+its error and retried next time while the others stay done."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from hbp import bench
+from hbp.analysis.collect import collect
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
+TINY = ("steps=1", "warmup=0", "logger=none")
+
+
+def hydra_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:...} interpolations
+    return cfg
+
+
+def run_py(*args: str, timeout: float = 600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    return subprocess.run(
+        [sys.executable, str(REPO / "run.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_documented_experiments_and_sweeps_exist():
+    assert {"matrix_naive", "matrix_checkpoint", "matrix_tiny", "gpt2_medium"} <= set(EXPERIMENTS)
+    assert {"block_size", "budget", "all_modes", "quick"} <= set(SWEEPS)
+
+
+@pytest.mark.parametrize(
+    "group, name", [("experiment", e) for e in EXPERIMENTS] + [("sweep", s) for s in SWEEPS]
+)
+def test_every_experiment_and_sweep_composes_into_a_valid_multirun(group, name, tmp_path):
+    cfg = hydra_cfg(f"{group}={name}", f"output_root={tmp_path}", *TINY)
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    assert str(cfg.hydra.sweep.dir).startswith(str(tmp_path))  # a fixed dir: resumable
+    assert "${run_key:}" in OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"]
+    bench.validate(cfg)
+    params = cfg.hydra.sweeper.params or {}
+    for key, values in params.items():  # each swept value composes and validates too
+        for value in str(values).split(","):
+            bench.validate(hydra_cfg(f"{group}={name}", f"{key}={value}", *TINY))
+    assert cfg.steps == 1  # the command line wins over the experiment's own values
+
+
+def test_sweep_params_and_command_line_overrides():
+    cfg = hydra_cfg("sweep=block_size", "profile=medium")
+    assert cfg.mode.name == "checkpoint" and cfg.profile.name == "medium"
+    assert cfg.hydra.sweeper.params["mode.block_size"] == "1,2,3,4,6"
+    cfg = hydra_cfg("sweep=all_modes")
+    assert set(cfg.hydra.sweeper.params.mode.split(",")) >= {"naive", "checkpoint", "tiny"}
+    cfg = hydra_cfg("experiment=matrix_tiny")
+    assert cfg.mode.name == "tiny" and cfg.verify is True
+    assert "min" in cfg.hydra.sweeper.params["mode.budget"].split(",")
+
+
+def test_run_key_ignores_bookkeeping_and_sees_every_measured_value():
+    base = hydra_cfg("workload=synthetic_dag")
+    assert bench.run_key(base) == bench.run_key(hydra_cfg("workload=synthetic_dag", "redo=true"))
+    assert bench.run_key(base) == bench.run_key(
+        hydra_cfg("workload=synthetic_dag", "output_root=/elsewhere")
+    )
+    assert bench.run_key(base) != bench.run_key(hydra_cfg("workload=synthetic_dag", "seed=1"))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        task = compose("config", ["workload=synthetic_dag"])  # what the task function gets
+    resolved = OmegaConf.to_container(task, resolve=True)  # metrics.json's `config`
+    assert bench.run_key(resolved) == bench.run_key(task) == bench.run_key(base)
+
+
+@pytest.mark.slow
+def test_a_sweep_run_again_skips_finished_jobs_and_retries_failed_ones(tmp_path):
+    args = ("sweep=block_size", "workload=synthetic_dag", "mode.block_size=1,0", *TINY)
+    first = run_py(*args, f"output_root={tmp_path}")
+    assert first.returncode == 1  # block_size=0 is rejected: recorded, the other job finished
+    assert "1 ran, 0 skipped" in first.stdout and "1 of 2 runs failed" in first.stderr
+    sweep_dir = tmp_path / "sweeps" / "block_size"
+    (failed,) = [p for p in sweep_dir.iterdir() if (p / "error.json").exists()]
+    error = json.loads((failed / "error.json").read_text())
+    assert error["error_type"] == "ConfigError" and "mode.block_size" in error["error"]
+    (done,) = sweep_dir.glob("*/metrics.json")
+    first_mtime = done.stat().st_mtime_ns
+
+    again = run_py(*args, f"output_root={tmp_path}")
+    assert "0 ran, 1 skipped" in again.stdout and "1 of 2 runs failed" in again.stderr
+    assert done.stat().st_mtime_ns == first_mtime  # not rerun
+    fixed = run_py(*args[:2], "mode.block_size=1,2", *TINY, f"output_root={tmp_path}")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "1 ran, 1 skipped" in fixed.stdout
+    redo = run_py(*args[:2], "mode.block_size=1,2", *TINY, "redo=true", f"output_root={tmp_path}")
+    assert "2 ran, 0 skipped" in redo.stdout
+    assert done.stat().st_mtime_ns > first_mtime
+    frame = collect(sweep_dir)
+    assert sorted(frame["config.mode.block_size"]) == [1, 2]  # one row per key, no duplicates
+    assert frame["run_key"].is_unique
