@@ -31,8 +31,10 @@ def hydra_cfg(*overrides: str):
     return cfg
 
 
-def run_py(*args: str, timeout: float = 600):
+def run_py(*args: str, timeout: float = 600, threads_env: bool = True):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    if not threads_env:  # let the bench choose torch threads from the launcher
+        env.pop("OMP_NUM_THREADS")
     return subprocess.run(
         [sys.executable, str(REPO / "run.py"), *args],
         cwd=REPO,
@@ -113,3 +115,35 @@ def test_a_sweep_run_again_skips_finished_jobs_and_retries_failed_ones(tmp_path)
     frame = collect(sweep_dir)
     assert sorted(frame["config.mode.block_size"]) == [1, 2]  # one row per key, no duplicates
     assert frame["run_key"].is_unique
+
+
+def test_launcher_configs_compose():
+    cfg = hydra_cfg("hydra/launcher=slurm", "hydra.launcher.partition=gpu")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+    assert launcher.gpus_per_node == 1 and launcher.timeout_min > 0 and launcher.setup
+    assert hydra_cfg("hydra/launcher=local").hydra.launcher._target_.endswith("LocalLauncher")
+    assert hydra_cfg("hydra/launcher=joblib").hydra.launcher.n_jobs == -1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"),
+        ("hydra/launcher=local", "hydra.launcher.cpus_per_task=1"),
+    ],
+    ids=["joblib", "submitit_local"],
+)
+def test_parallel_launchers_run_every_job_with_threads_per_job(launcher, tmp_path):
+    """Two jobs at once on this machine, each with cores / jobs torch threads (1 here: the
+    bench's own default would be every core, min(cpus, 16), in each job)."""
+    result = run_py(
+        "-m", "workload=synthetic_dag", "mode=naive,checkpoint", *TINY, *launcher,
+        f"output_root={tmp_path}", threads_env=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 ran, 0 skipped" in result.stdout
+    frame = collect(tmp_path)
+    assert sorted(frame["mode"]) == ["checkpoint", "naive"]
+    assert list(frame["threads"]) == [1, 1]

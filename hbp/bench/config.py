@@ -45,32 +45,49 @@ def resolve_device(name) -> torch.device:
     raise ConfigError("device", text, "one of " + ", ".join(DEVICES) + " (or cuda:N)")
 
 
-def parallel_jobs() -> int:
-    """How many jobs run at once: the parallel launcher's n_jobs in a Hydra multirun (joblib
-    semantics: -1 = one per CPU), else 1."""
+def _launcher():
+    """The Hydra launcher's config in a multirun job, else None."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
         if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-            return 1
-        n_jobs = HydraConfig.get().launcher.get("n_jobs")
+            return None
+        return HydraConfig.get().launcher
     except Exception:
-        return 1
+        return None
+
+
+def parallel_jobs() -> int:
+    """How many jobs run at once: the parallel launcher's n_jobs in a Hydra multirun (joblib
+    semantics: -1 = one per CPU), else 1."""
+    launcher = _launcher()
+    n_jobs = launcher.get("n_jobs") if launcher is not None else None
     if not _is_int(n_jobs) or n_jobs == 0:
         return 1
     return n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)
 
 
-def resolve_threads(threads, jobs: int = 1) -> int:
-    """torch intra-op threads: `threads` if set; else OMP_NUM_THREADS if set (joblib sets it
-    in its workers); else the CPUs this process may use, at most MAX_AUTO_THREADS, divided
-    among `jobs` parallel jobs."""
+def launcher_cpus_per_task() -> int | None:
+    """The submitit launchers' `cpus_per_task` (hydra/launcher=local, slurm) in a multirun
+    job, else None."""
+    launcher = _launcher()
+    cpus = launcher.get("cpus_per_task") if launcher is not None else None
+    return cpus if _is_int(cpus) and cpus >= 1 else None
+
+
+def resolve_threads(threads, jobs: int = 1, per_job: int | None = None) -> int:
+    """torch intra-op threads, so that parallel jobs do not oversubscribe the cores:
+    `threads` if set; else OMP_NUM_THREADS if set (joblib sets it in its workers); else
+    `per_job` (a launcher's cpus_per_task) if set; else the CPUs this process may use, at
+    most MAX_AUTO_THREADS, divided among `jobs` parallel jobs."""
     if threads is not None:
         return int(threads)
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
+    if per_job is not None:
+        return per_job
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(cpus or 1, MAX_AUTO_THREADS) // max(1, jobs))
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from hbp.bench.config import (
     build_workload,
     check_writable,
+    launcher_cpus_per_task,
     parallel_jobs,
     resolve_device,
     resolve_threads,
@@ -43,7 +44,9 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     check_writable(run_dir)
     device = resolve_device(cfg.device)
-    torch.set_num_threads(resolve_threads(cfg.threads, parallel_jobs()))
+    torch.set_num_threads(
+        resolve_threads(cfg.threads, parallel_jobs(), per_job=launcher_cpus_per_task())
+    )
 
     mode = build_mode(cfg.mode)
     workload = build_workload(cfg)
