@@ -131,7 +131,8 @@ def write_outputs(cfg, run_dir: Path, mode, row: dict, steps, timeline) -> None:
     write_config(run_dir, row["config"])
     if hasattr(mode, "artifacts"):
         write_artifacts(run_dir, mode.artifacts())
-    for logger in make_loggers(cfg.logger, run_dir, run_name=run_dir.name):
+    context = sweep_context(cfg, run_dir)
+    for logger in make_loggers(cfg.logger, run_dir, run_name=run_dir.name, **context):
         try:
             logger.log_run(row, steps, timeline)
         except Exception as error:
@@ -139,3 +140,26 @@ def write_outputs(cfg, run_dir: Path, mode, row: dict, steps, timeline) -> None:
                 raise
             log.warning("logger %s failed: %s: %s", logger.name, type(error).__name__, error)
             row.setdefault("logger_errors", []).append(f"{logger.name}: {error}")
+
+
+def sweep_context(cfg, run_dir: Path) -> dict:
+    """The run's place for dashboards: `group` = the sweep directory relative to output_root
+    (e.g. "sweeps/budget"; a single run: None), `tags` = workload=, mode=, profile=,
+    `sweep_dir`."""
+    tags = [f"workload={cfg.workload.name}", f"mode={cfg.mode.name}", f"profile={cfg.profile.name}"]
+    sweep_dir = None
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            sweep_dir = Path(HydraConfig.get().sweep.dir)
+    except ImportError:  # pragma: no cover
+        pass
+    if sweep_dir is None:
+        return {"group": None, "tags": tags, "sweep_dir": None}
+    try:
+        group = str(sweep_dir.absolute().relative_to(Path(cfg.output_root).absolute()))
+    except ValueError:
+        group = str(sweep_dir)
+    return {"group": group, "tags": tags, "sweep_dir": sweep_dir}
