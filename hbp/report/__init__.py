@@ -30,7 +30,16 @@ import pandas as pd
 from hbp.analysis.collect import collect, to_markdown
 from hbp.analysis.pareto import pareto_table, plot_pareto
 
-__all__ = ["Report", "comparison_table", "results_frame", "write_report"]
+__all__ = [
+    "Report",
+    "comparison_table",
+    "load_graph",
+    "plot_graph",
+    "plot_timeline",
+    "results_frame",
+    "runs_or_quick_sweep",
+    "write_report",
+]
 
 RESULTS_FILE = "results.parquet"
 TIMELINE_FILE = "memory_timeline.parquet"
@@ -110,60 +119,97 @@ def _ok_runs(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def _timeline_and_frontier(report: Report, out: Path) -> None:
-    from hbp.analysis.frontier import frontier
-    from hbp.analysis.simulate import simulate
-    from hbp.graph.ir import Graph
-    from hbp.planner.plan import Plan
-    from hbp.report.plots import plot_frontier, plot_memory_timeline
+    for name, plot in (("memory_timeline.png", plot_timeline), ("frontier.png", plot_graph)):
+        made = plot(report.runs, out / name)
+        if isinstance(made, Path):
+            report.files.append(made)
+        else:
+            report.skipped[name] = made
 
-    ok = _ok_runs(report.runs)
+
+def plot_timeline(runs: pd.DataFrame, path: str | Path) -> Path | str:
+    """memory_timeline.png of the workload with the most of naive / checkpoint / tiny runs that
+    have a timeline (tiny: its lowest peak), the tiny run's plan simulated below. Returns the
+    path, or why there is no plot."""
+    from hbp.report.plots import plot_memory_timeline
+
+    ok = _ok_runs(runs)
     has = ok[[(Path(d) / TIMELINE_FILE).exists() for d in ok["run_dir"]]]
     has = has[has["mode"].isin(TIMELINE_MODES)]
     if has.empty:
-        report.skipped["memory_timeline.png"] = "no naive/checkpoint/tiny run with a timeline"
-    else:
-        counts = has.groupby("workload", sort=False)["mode"].nunique()
-        workload = counts.idxmax()
-        rows = has[has["workload"] == workload].sort_values("peak_bytes", kind="stable")
-        chosen = [
-            rows[rows["mode"] == m].iloc[0] for m in TIMELINE_MODES if (rows["mode"] == m).any()
-        ]
-        timelines = {
-            _label(run): pd.read_parquet(Path(run["run_dir"]) / TIMELINE_FILE) for run in chosen
-        }
-        plan = planned = None
-        tiny = [run for run in chosen if run["mode"] == "tiny"]
-        graph_dir = Path(tiny[0]["run_dir"]) if tiny else None
-        if graph_dir is not None and (graph_dir / "plan.json").exists():
-            graph = Graph.from_json(graph_dir / "graph.json")
-            plan = Plan.from_dict(json.loads((graph_dir / "plan.json").read_text()))
-            planned = simulate(graph, plan)
-        title = f"{workload} ({chosen[0]['profile']}): one training step per mode"
-        report.files.append(
-            plot_memory_timeline(
-                timelines, out / "memory_timeline.png", title=title, plan=plan, planned=planned
-            )
-        )
-    graphs = sorted(ok["run_dir"], key=lambda d: not (Path(d) / "graph.json").exists())
-    graph_dirs = [Path(d) for d in graphs if (Path(d) / "graph.json").exists()]
-    if not graph_dirs:
-        report.skipped["frontier.png"] = "no run with a captured graph (graph.json: mode=tiny)"
-        return
-    run_dir = graph_dirs[0]
+        return "no naive/checkpoint/tiny run with a timeline (logger=table or wandb)"
+    workload = has.groupby("workload", sort=False)["mode"].nunique().idxmax()
+    rows = has[has["workload"] == workload].sort_values("peak_bytes", kind="stable")
+    chosen = [rows[rows["mode"] == m].iloc[0] for m in TIMELINE_MODES if (rows["mode"] == m).any()]
+    timelines = {
+        _label(run): pd.read_parquet(Path(run["run_dir"]) / TIMELINE_FILE) for run in chosen
+    }
+    plan = planned = None
+    tiny = [Path(run["run_dir"]) for run in chosen if run["mode"] == "tiny"]
+    if tiny and (tiny[0] / "plan.json").exists() and (tiny[0] / "graph.json").exists():
+        from hbp.analysis.simulate import simulate
+
+        graph, plan = load_graph(tiny[0])
+        planned = simulate(graph, plan)
+    title = f"{workload} ({chosen[0]['profile']}): one training step per mode"
+    return plot_memory_timeline(timelines, path, title=title, plan=plan, planned=planned)
+
+
+def load_graph(run_dir: str | Path):
+    """(Graph, Plan or None) of a run that captured its graph (graph.json: mode=tiny)."""
+    from hbp.graph.ir import Graph
+    from hbp.planner.plan import Plan
+
+    run_dir = Path(run_dir)
     graph = Graph.from_json(run_dir / "graph.json")
-    cuts = None
-    if (run_dir / "plan.json").exists():
-        cuts = Plan.from_dict(json.loads((run_dir / "plan.json").read_text())).cut_points()
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    plan_file = run_dir / "plan.json"
+    plan = Plan.from_dict(json.loads(plan_file.read_text())) if plan_file.exists() else None
+    return graph, plan
+
+
+def plot_graph(runs: pd.DataFrame, path: str | Path) -> Path | str:
+    """frontier.png: the frontier-width profile of the first run's captured graph, the plan's
+    cuts marked. Returns the path, or why there is no plot."""
+    from hbp.analysis.frontier import frontier
+    from hbp.report.plots import plot_frontier
+
+    ok = _ok_runs(runs)
+    with_graph = [Path(d) for d in ok["run_dir"] if (Path(d) / "graph.json").exists()]
+    if not with_graph:
+        return "no run with a captured graph (graph.json: mode=tiny)"
+    graph, plan = load_graph(with_graph[0])
+    row = ok[ok["run_dir"] == str(with_graph[0])].iloc[0]
     title = (
-        f"{metrics['workload']} ({metrics['profile']}): frontier-width profile, "
-        f"{len(graph)} nodes; dashed: the plan's cuts at budget {metrics.get('mode_budget')}"
+        f"{row['workload']} ({row['profile']}): frontier-width profile, {len(graph)} nodes; "
+        f"dashed: the plan's cuts at budget {row.get('config.mode.budget')}"
     )
-    report.files.append(
-        plot_frontier(frontier(graph), out / "frontier.png", title=title, cuts=cuts)
-    )
+    cuts = plan.cut_points() if plan is not None else None
+    return plot_frontier(frontier(graph), path, title=title, cuts=cuts)
 
 
 def _label(run: pd.Series) -> str:
     budget = run.get("config.mode.budget")
     return f"{run['mode']} (budget {budget})" if run["mode"] == "tiny" else str(run["mode"])
+
+
+QUICK_SWEEP = ("-m", "sweep=quick", "workload=synthetic_dag", "steps=1", "warmup=0")
+
+
+def runs_or_quick_sweep(outputs: str | Path) -> pd.DataFrame:
+    """The finished runs under `outputs` (`collect`); when there are none, first a small sweep
+    into it (run.py's `sweep=quick` on synthetic_dag, one step each: naive, checkpoint and
+    tiny, about half a minute on a CPU). What the notebooks start with."""
+    import os
+    import subprocess
+    import sys
+
+    outputs = Path(outputs)
+    runs = collect(outputs) if outputs.is_dir() else pd.DataFrame()
+    if not runs.empty:
+        return runs
+    run_py = Path(__file__).resolve().parents[2] / "run.py"
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
+    command = [sys.executable, str(run_py), *QUICK_SWEEP, f"output_root={outputs.absolute()}"]
+    print("no runs under", outputs, "- running:", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=run_py.parent, env=env, check=True, capture_output=True)
+    return collect(outputs)
