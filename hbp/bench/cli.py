@@ -5,6 +5,7 @@ callback (`RunGuard`) that rejects bad input before Hydra creates any directory.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if int(os.environ.get("RANK", "0")) > 0:  # torchrun: only rank 0 writes, errors included
+        return run(cfg, default_run_dir(cfg))
     run_dir = default_run_dir(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:

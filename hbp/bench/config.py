@@ -158,6 +158,9 @@ def validate(cfg) -> None:
         "null (automatic) or an integer >= 1",
     )
     resolve_device(cfg.device)
+    from hbp.bench.distributed import check as check_distributed
+
+    check_distributed(cfg)
     resolve_config(cfg.workload.name, cfg.profile.name, **workload_overrides(cfg))
     build_mode(cfg.mode)
     check_writable(cfg.output_root)

@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from hbp.bench import distributed
 from hbp.bench.config import (
     build_workload,
     check_writable,
@@ -43,7 +44,15 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     validate(cfg)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     check_writable(run_dir)
-    device = resolve_device(cfg.device)
+    place = distributed.setup(cfg)
+    try:
+        return _run(cfg, run_dir, place, started_at, t_start)
+    finally:
+        distributed.teardown(place)
+
+
+def _run(cfg, run_dir: Path, place, started_at, t_start: float) -> dict:
+    device = distributed.device_for(place, resolve_device(cfg.device))
     torch.set_num_threads(
         resolve_threads(cfg.threads, parallel_jobs(), per_job=launcher_cpus_per_task())
     )
@@ -51,10 +60,10 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     mode = build_mode(cfg.mode)
     workload = build_workload(cfg)
     workload.model.to(device)
-    batch = workload.make_batch(cfg.seed).to(device)
-    module = mode.apply(workload, batch)
-    params = list(workload.model.parameters())
-    if hasattr(mode, "summary"):
+    batch = workload.make_batch(distributed.batch_seed(cfg.seed, place)).to(device)
+    module = distributed.wrap(mode.apply(workload, batch), place, device)
+    params = list(workload.model.parameters())  # after fully_shard: the sharded parameters
+    if hasattr(mode, "summary") and place.is_main:
         print(mode.summary(), flush=True)
 
     allocator = getattr(mode, "measure_with", "tracker") == "allocator"
@@ -79,6 +88,12 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     config.pop("hydra", None)
     row["config"] = config
     row["run_key"] = run_key(config)
+    if place.enabled:  # a collective: every rank gathers
+        row["distributed"] = place.kind
+        row["world_size"] = place.world_size
+        row["rank_peak_bytes"] = distributed.gather(measured.peak_bytes, place)
+    if not place.is_main:  # only rank 0 writes
+        return row
 
     timeline = measured.timeline if measured.timeline is not None else pd.DataFrame()
     write_outputs(cfg, run_dir, mode, row, steps, timeline)
