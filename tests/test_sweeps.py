@@ -147,3 +147,14 @@ def test_parallel_launchers_run_every_job_with_threads_per_job(launcher, tmp_pat
     frame = collect(tmp_path)
     assert sorted(frame["mode"]) == ["checkpoint", "naive"]
     assert list(frame["threads"]) == [1, 1]
+
+
+@pytest.mark.parametrize("group", ["experiment", "sweep"])
+def test_an_unknown_experiment_or_sweep_names_the_accepted_ones(group, tmp_path):
+    result = run_py(f"{group}=nope", f"output_root={tmp_path}")
+    assert result.returncode == 2
+    accepted = EXPERIMENTS if group == "experiment" else SWEEPS
+    assert f"error: {group}='nope' is not accepted: expected one of " + ", ".join(accepted) in (
+        result.stderr
+    )
+    assert not any(tmp_path.iterdir())
