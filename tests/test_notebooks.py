@@ -141,15 +141,6 @@ def execute(name: str, kernel: str, outputs: Path, figures: Path, monkeypatch) -
 
 
 @pytest.mark.slow
-def test_pareto_notebook(sweep_outputs, kernel, tmp_path, monkeypatch):
-    texts = execute("pareto", kernel, sweep_outputs, tmp_path, monkeypatch)
-    assert f"3 runs under {sweep_outputs}" in texts[0]
-    assert "| naive | - | " in texts[1] and "| checkpoint |" in texts[1] and "tiny(" in texts[1]
-    assert "pareto front:" in texts[2]
-    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.slow
 def test_memory_timeline_notebook(sweep_outputs, kernel, tmp_path, monkeypatch):
     texts = execute("memory_timeline", kernel, sweep_outputs, tmp_path, monkeypatch)
     assert "synthetic_dag" in texts[1] and "checkpoint" in texts[1]
@@ -167,8 +158,13 @@ def test_frontier_notebook(sweep_outputs, kernel, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_notebook_makes_its_own_small_sweep_when_outputs_is_empty(kernel, tmp_path, monkeypatch):
+def test_pareto_notebook_makes_its_own_small_sweep_when_outputs_is_empty(
+    kernel, tmp_path, monkeypatch
+):
     empty = tmp_path / "outputs"
     texts = execute("pareto", kernel, empty, tmp_path / "figures", monkeypatch)
     assert "no runs under" in texts[0] and f"3 runs under {empty}" in texts[0]
     assert len(list((empty / "sweeps" / "quick").glob("*/metrics.json"))) == 3
+    assert "| naive | - | " in texts[1] and "| checkpoint |" in texts[1] and "tiny(" in texts[1]
+    assert "pareto front:" in texts[2]
+    assert (tmp_path / "figures" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

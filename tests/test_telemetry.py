@@ -253,7 +253,7 @@ def test_wandb_offline_sweep_has_group_tags_plan_table_and_images(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     result = subprocess.run(
-        [sys.executable, "run.py", "-m", "workload=synthetic_dag", "mode=naive,tiny", "steps=2",
+        [sys.executable, "run.py", "-m", "workload=synthetic_dag", "mode=naive,tiny", "steps=1",
          "warmup=0", "logger=wandb", f"output_root={tmp_path}",
          f"hydra.sweep.dir={tmp_path}/sweeps/s1"],
         cwd=repo, env=env, capture_output=True, text=True, timeout=600,
