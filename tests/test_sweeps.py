@@ -152,3 +152,16 @@ def test_submitit_local_launcher_runs_every_job_with_its_cpus_per_task(tmp_path)
     assert sorted(frame["mode"]) == ["checkpoint", "naive"]
     assert list(frame["threads"]) == [1, 1]
     assert list((tmp_path / "multirun").glob("*/*/.submitit"))  # it ran through submitit
+
+
+@pytest.mark.slow
+def test_an_experiment_runs_by_name_into_its_own_directory(tmp_path):
+    """experiment=matrix_checkpoint (verify=true) on one workload, one step: its runs land in
+    <output_root>/bench/matrix/checkpoint with gradients checked against plain autograd."""
+    result = run_py(
+        "experiment=matrix_checkpoint", "workload=synthetic_dag", *TINY, f"output_root={tmp_path}"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = collect(tmp_path / "bench" / "matrix" / "checkpoint").to_dict("records")
+    assert row["mode"] == "checkpoint" and row["verify_passed"] is True
+    assert row["threads"] == 1 and row["peak_bytes"] < row["naive_peak_bytes"]
