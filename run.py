@@ -2,13 +2,17 @@
 
     python run.py workload=gpt2 mode=checkpoint profile=small
     python run.py -m workload=gpt2,resnet,unet,synthetic_dag mode=naive,checkpoint logger=none
-    python run.py -m -cd sweeps -cn block_size            # a sweep config from sweeps/
+    python run.py experiment=matrix_tiny                   # a README table (conf/experiment/)
+    python run.py -m sweep=budget [workload=gpt2]          # a named sweep (conf/sweep/), resumable
+    torchrun --nproc_per_node=2 run.py distributed=ddp workload=gpt2 mode=tiny
 
-Config: conf/config.yaml and its groups (workload/, mode/, profile/, logger/); see README.md.
+Config: conf/config.yaml and its groups (workload/, mode/, profile/, logger/, sweep/,
+experiment/, distributed/); see README.md.
 Bad input gets one line on stderr, "error: <field>=<value> is not accepted: expected ...", and
 exit code 2, before anything is written (hbp.bench.RunGuard, hbp.bench.hydra_main).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-CHECKED_GROUPS = ("workload", "mode", "profile", "logger")
+CHECKED_GROUPS = ("workload", "mode", "profile", "logger", "sweep", "experiment", "distributed")
 
 
 def check_group_choices(args: list[str]) -> None:
@@ -58,6 +62,17 @@ def main(cfg: DictConfig):
     return hydra_main(cfg)
 
 
+def quiet_nonzero_rank(args: list[str]) -> list[str]:
+    """Under torchrun only rank 0 writes: other ranks get no run dir files and no log file."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return args
+    return [*args, "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled"]
+
+
 if __name__ == "__main__":
     check_group_choices(sys.argv[1:])
+    sys.argv[1:] = quiet_nonzero_rank(sys.argv[1:])
+    from hbp.bench.rundir import register_resolvers
+
+    register_resolvers()  # ${run_key:} (the sweep subdir); hbp.bench registers it too
     main()

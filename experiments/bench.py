@@ -5,8 +5,10 @@
     python experiments/bench.py --quick         # fewer steps and budgets (a smoke run)
 
 Parts:
-- matrix: profile small, every workload x {naive, checkpoint, tiny at budgets 1.0 ... 0.1 and "min",
-  sac, compile_budget}, with verify=true; then the Pareto report (pareto.md/.csv/.png).
+- matrix: the experiments conf/experiment/matrix_<mode>.yaml, one `python run.py
+  experiment=<name>` each (profile small, every workload x {naive, checkpoint, tiny at budgets
+  1.0 ... 0.1 and "min", sac, compile_budget}, verify=true), into
+  outputs/bench/matrix/<mode>; then the Pareto report (pareto.md/.csv/.png).
 - optimum: the planner against the MILP optimum on every workload's graph, and on reduced
   graphs of the same families where the MILP finishes (experiments/bench_optimum.py,
   optimum.md/.csv); the Pareto plot then gains the optimum's frontier (run after matrix).
@@ -27,33 +29,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "outputs" / "bench"
-WORKLOADS = "gpt2,resnet,unet,synthetic_dag"
-BUDGETS = "1.0,0.5,0.3,0.2,0.1,min"
 
 
-THREADS = 1  # one torch thread per run: steadier medians on a small shared machine
+MATRIX = ("naive", "checkpoint", "tiny", "sac", "compile_budget")  # conf/experiment/matrix_*.yaml
 
 
-def sweep(name: str, *overrides: str, steps: int = 5) -> None:
-    """One Hydra multirun into outputs/bench/matrix/<name>; failures are reported, not fatal."""
-    cmd = [
-        sys.executable, "run.py", "-m", f"workload={WORKLOADS}", "profile=small", "logger=table",
-        "verify=true", f"steps={steps}", "warmup=1", f"threads={THREADS}", f"hydra.sweep.dir={OUT / 'matrix' / name}",
-        *overrides,
-    ]  # fmt: skip
+def experiment(name: str, *overrides: str) -> None:
+    """`python run.py experiment=<name>` (a Hydra multirun; finished runs in its sweep dir are
+    skipped, so an interrupted `make bench` picks up where it stopped); failures are
+    reported, not fatal."""
+    cmd = [sys.executable, "run.py", f"experiment={name}", *overrides]
     print("+", " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, cwd=ROOT)
     if done.returncode:
-        print(f"sweep {name} exited {done.returncode}; continuing", file=sys.stderr)
+        print(f"experiment {name} exited {done.returncode}; continuing", file=sys.stderr)
 
 
 def matrix(quick: bool) -> None:
-    steps = 2 if quick else 5
-    sweep("naive", "mode=naive", steps=steps)
-    sweep("checkpoint", "mode=checkpoint", steps=steps)
-    sweep("tiny", "mode=tiny", f"mode.budget={'0.5,0.2' if quick else BUDGETS}", steps=steps)
-    sweep("sac", "mode=sac", steps=steps)
-    sweep("compile_budget", "mode=compile_budget", "mode.budget=0.5,0.1", steps=steps)
+    for mode in MATRIX:
+        overrides = ["steps=2"] if quick else []
+        if quick and mode == "tiny":
+            overrides.append("mode.budget=0.5,0.2")  # replaces the experiment's sweep
+        experiment(f"matrix_{mode}", *overrides)
     from hbp.analysis.pareto import write_report
 
     table = write_report(OUT / "matrix", OUT)

@@ -1,10 +1,13 @@
-"""notebooks/analysis.ipynb runs top to bottom (nbclient) on an outputs dir made here.
+"""The notebooks run top to bottom (nbclient) on an outputs dir made here: analysis.ipynb,
+pareto.ipynb, memory_timeline.ipynb, frontier.ipynb; and one makes its own small sweep when
+the outputs dir is empty.
 
 The kernel is this interpreter (a kernelspec written to a temporary JUPYTER_PATH), so the
 notebook sees the same hbp, torch and pandas as the tests, whatever kernels the machine has.
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -99,3 +102,69 @@ def test_analysis_notebook_executes(outputs, kernel, tmp_path, monkeypatch):
     assert f"{solved} of 2 solved to optimality" in text(code[-2])
     markdown = text(code[-1])
     assert "| gpt2 | checkpoint |" in markdown and "| synthetic_dag | naive |" in markdown
+
+
+@pytest.fixture(scope="module")
+def sweep_outputs(tmp_path_factory):
+    """naive, checkpoint and tiny on synthetic_dag with tables (what `make sweep` makes, smaller)."""
+    root = tmp_path_factory.mktemp("notebook_outputs")
+    for mode in ("naive", "checkpoint", "tiny"):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(
+                "config", ["workload=synthetic_dag", f"mode={mode}", "steps=1", "warmup=0"]
+            )
+        bench.run(cfg, root / "sweeps" / "quick" / mode)
+    return root
+
+
+def execute(name: str, kernel: str, outputs: Path, figures: Path, monkeypatch) -> list[str]:
+    """Run notebooks/<name>.ipynb against `outputs`; the text output of each code cell."""
+    monkeypatch.setenv("HBP_OUTPUTS", str(outputs))
+    monkeypatch.setenv("HBP_FIGURES", str(figures))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = REPO / "notebooks" / f"{name}.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(
+        notebook,
+        kernel_name=kernel,
+        timeout=300,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+    texts = []
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        parts = [o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs]
+        texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.slow
+def test_memory_timeline_notebook(sweep_outputs, kernel, tmp_path, monkeypatch):
+    texts = execute("memory_timeline", kernel, sweep_outputs, tmp_path, monkeypatch)
+    assert "synthetic_dag" in texts[1] and "checkpoint" in texts[1]
+    assert (tmp_path / "memory_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for mode in ("naive", "checkpoint", "tiny"):
+        assert re.search(rf"{mode}: peak +[\d.]+ MiB in (forward|backward) at op \d+", texts[3])
+
+
+@pytest.mark.slow
+def test_frontier_notebook(sweep_outputs, kernel, tmp_path, monkeypatch):
+    texts = execute("frontier", kernel, sweep_outputs, tmp_path, monkeypatch)
+    assert "naive peak" in texts[1] and "lower bound" in texts[1]
+    assert "plan cuts: [" in texts[2]
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_pareto_notebook_makes_its_own_small_sweep_when_outputs_is_empty(
+    kernel, tmp_path, monkeypatch
+):
+    empty = tmp_path / "outputs"
+    texts = execute("pareto", kernel, empty, tmp_path / "figures", monkeypatch)
+    assert "no runs under" in texts[0] and f"3 runs under {empty}" in texts[0]
+    assert len(list((empty / "sweeps" / "quick").glob("*/metrics.json"))) == 3
+    assert "| naive | - | " in texts[1] and "| checkpoint |" in texts[1] and "tiny(" in texts[1]
+    assert "pareto front:" in texts[2]
+    assert (tmp_path / "figures" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

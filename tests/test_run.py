@@ -61,7 +61,7 @@ def test_multirun_writes_one_metrics_file_per_run(sweep):
     root, result, frame = sweep
     paths = sorted((root / "multirun").glob("*/*/*/metrics.json"))
     assert len(paths) == 8
-    names = sorted(p.parent.name.split("_", 1)[1] for p in paths)
+    names = sorted(p.parent.name.rsplit("_", 1)[0] for p in paths)
     assert names == sorted(f"{w}_{m}" for w in WORKLOADS for m in ("naive", "checkpoint"))
     assert len(frame) == 8 and set(frame["status"]) == {"ok"}
     assert "8 runs in" in result.stdout  # the sweep's summary table
@@ -90,7 +90,7 @@ def test_gradients_of_every_run_match_plain_autograd(sweep):
 
 def test_metrics_json_has_the_summary_fields(sweep):
     root = sweep[0]
-    path = next((root / "multirun").glob("*/*/*_gpt2_checkpoint/metrics.json"))
+    path = next((root / "multirun").glob("*/*/gpt2_checkpoint_*/metrics.json"))
     row = json.loads(path.read_text())
     for key in (
         "workload",
@@ -215,9 +215,10 @@ def test_a_failing_job_leaves_the_rest_of_the_sweep_intact(tmp_path):
         f"output_root={tmp_path}",
     )
     assert result.returncode == 1
-    assert "1 of 3 runs failed: 1_synthetic_dag_checkpoint" in result.stderr
+    assert "2 ran, 0 skipped" in result.stdout and "1 of 3 runs failed: " in result.stderr
     (sweep_dir,) = (tmp_path / "multirun").glob("*/*")
-    failed = sweep_dir / "1_synthetic_dag_checkpoint"
+    (failed,) = [p for p in sweep_dir.iterdir() if (p / "error.json").exists()]
+    assert f"failed: {failed.name} " in result.stderr
     assert not (failed / "metrics.json").exists()
     error = json.loads((failed / "error.json").read_text())
     assert error["error_type"] == "ConfigError" and "mode.segments=0" in error["error"]

@@ -210,3 +210,73 @@ def test_wandb_disabled_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     WandbLogger(tmp_path, {"mode": "offline"}).log_run({"a": 1}, pd.DataFrame(), pd.DataFrame())
     assert list(tmp_path.iterdir()) == []
+
+
+def wandb_records(path: Path) -> list:
+    """The records of an offline run's run-*.wandb file (LevelDB log format: 32 KiB blocks of
+    chunks, each with a 7-byte header: crc32c, length, type full/first/middle/last) as
+    wandb's protobuf Records: what `wandb sync` uploads."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, chunks, pending = 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # block trailer / padding
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            chunks.append(pending)
+    records = []
+    for chunk in chunks:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        records.append(record)
+    return records
+
+
+@pytest.mark.slow
+def test_wandb_offline_sweep_has_group_tags_plan_table_and_images(tmp_path):
+    """A sweep with logger=wandb (offline): each run's offline files name the sweep as group,
+    carry workload/mode/profile tags, per-step history, and for tiny the plan as a table and
+    the timeline and Pareto images."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(
+        [sys.executable, "run.py", "-m", "workload=synthetic_dag", "mode=naive,tiny", "steps=1",
+         "warmup=0", "logger=wandb", f"output_root={tmp_path}",
+         f"hydra.sweep.dir={tmp_path}/sweeps/s1"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    for mode in ("naive", "tiny"):
+        (offline,) = (tmp_path / "sweeps" / "s1").glob(f"synthetic_dag_{mode}_*/wandb/offline-*")
+        records = wandb_records(next(offline.glob("run-*.wandb")))
+        (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        assert run.run_group == "sweeps/s1"
+        assert set(run.tags) == {"workload=synthetic_dag", f"mode={mode}", "profile=small"}
+        history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
+        keys = {item.key or "/".join(item.nested_key) for h in history for item in h.item}
+        assert {"step_time_s", "loss"} <= keys
+        images = {p.name.rsplit("_", 2)[0] for p in (offline / "files/media/images").glob("*.png")}
+        assert images == {"memory_timeline", "pareto"}
+        tables = list((offline / "files/media/table").glob("*.table.json"))
+        plans = [p for p in tables if p.name.startswith("plan_")]
+        assert len(plans) == (mode == "tiny")
+    plan = json.loads((offline.parents[1] / "plan.json").read_text())
+
+    def count(segments):
+        return sum(1 + count(s["children"]) for s in segments)
+
+    table = json.loads(plans[0].read_text())
+    assert "recompute" in table["columns"] and len(table["data"]) == count(plan["segments"])

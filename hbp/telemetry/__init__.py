@@ -21,8 +21,9 @@ from hbp.telemetry.tables import TableLogger
 LOGGERS = ("none", "table", "wandb")
 
 
-def make_loggers(logger_cfg: Mapping, run_dir: Path, run_name: str = "") -> list:
-    """The loggers the `logger` config asks for; each has `log_run(summary, steps, timeline)`."""
+def make_loggers(logger_cfg: Mapping, run_dir: Path, run_name: str = "", **context) -> list:
+    """The loggers the `logger` config asks for; each has `log_run(summary, steps, timeline)`.
+    `context`: the run's place in a sweep for the wandb logger (group, tags, sweep_dir)."""
     name = logger_cfg.get("name", "none")
     if name == "none":
         return []
@@ -31,5 +32,6 @@ def make_loggers(logger_cfg: Mapping, run_dir: Path, run_name: str = "") -> list
     if name == "wandb":
         from hbp.telemetry.wandb_logger import WandbLogger
 
-        return [TableLogger(run_dir), WandbLogger(run_dir, logger_cfg.get("wandb"), run_name)]
+        wandb_logger = WandbLogger(run_dir, logger_cfg.get("wandb"), run_name, **context)
+        return [TableLogger(run_dir), wandb_logger]
     raise ConfigError("logger", name, "one of " + ", ".join(LOGGERS))

@@ -6,10 +6,15 @@ uploads it later. `logger.wandb.mode=online` logs live for users with an account
 environment variable WANDB_MODE, when set, wins over the config (the tests set
 WANDB_MODE=disabled, which skips wandb entirely).
 
-Logged: the run config, per-step metrics (one wandb step per timed bench step), the summary
-row as run summary and as a one-row table. wandb starts after the measurement, so its
-service process never competes with the timed steps. System stats, code and git capture are
-off: the bench records its own environment and they cost start-up time.
+Logged, so that a wandb workspace charts peak against step time across modes with no extra
+code: the run config; per-step metrics (one wandb step per bench step); the summary row as
+run summary and as a one-row table; the plan as a table (`plan`: one row per segment, nested
+ones with their depth, where the mode planned); and images: the run's memory timeline
+(`memory_timeline`) and the Pareto plot of its sweep so far (`pareto`). The runs of one sweep
+share a group (the sweep directory, relative to output_root) and carry the tags
+workload=..., mode=..., profile=... beside the configured ones. wandb starts after the
+measurement, so its service process never competes with the timed steps. System stats, code
+and git capture are off: the bench records its own environment and they cost start-up time.
 """
 
 from __future__ import annotations
@@ -42,14 +47,27 @@ class WandbLogger:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, settings: Mapping | None = None, run_name: str = ""):
+    def __init__(
+        self,
+        run_dir: Path,
+        settings: Mapping | None = None,
+        run_name: str = "",
+        *,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        sweep_dir: Path | None = None,
+    ):
+        """`group` and `tags` are the bench's (the sweep, workload=/mode=/profile=): a
+        configured `group` wins, configured `tags` are added. `sweep_dir`: where the other
+        runs of the sweep are (for the Pareto image)."""
         settings = dict(settings or {})
         self.run_dir = Path(run_dir)
         self.mode = resolve_wandb_mode(settings.get("mode"))
         self.project = settings.get("project") or "hbp"
         self.entity = settings.get("entity")
-        self.group = settings.get("group")
-        self.tags = list(settings.get("tags") or [])
+        self.group = settings.get("group") or group
+        self.tags = list(dict.fromkeys([*(tags or []), *(settings.get("tags") or [])]))
+        self.sweep_dir = Path(sweep_dir) if sweep_dir is not None else None
         self.job_type = settings.get("job_type")
         self.run_name = run_name or self.run_dir.name
         self.run_path: Path | None = None
@@ -90,7 +108,84 @@ class WandbLogger:
             scalars = {k: v for k, v in row.items() if isinstance(v, (int, float, str, bool))}
             run.summary.update(scalars)
             table = pd.DataFrame([{k: v for k, v in scalars.items()}])
-            run.log({"summary_table": wandb.Table(dataframe=table)})
+            media = {"summary_table": wandb.Table(dataframe=table)}
+            plan = plan_rows(self.run_dir / PLAN_FILE)
+            if plan is not None:
+                media["plan"] = wandb.Table(dataframe=plan)
+            for name, path in self.images(summary, timeline).items():
+                media[name] = wandb.Image(str(path))
+            run.log(media)
             self.run_path = Path(run.dir).parent
         finally:
             run.finish()
+
+    def images(self, summary: Mapping, timeline: pd.DataFrame) -> dict[str, Path]:
+        """memory_timeline.png (this run's step; its plan simulated beside it where there is one)
+        and pareto.png (the sweep's finished runs and this one), written into the run dir.
+        A plot that fails is left out with a warning: images never cost the run."""
+        import json
+        import warnings
+
+        images = {}
+        try:
+            from hbp.report.plots import plot_memory_timeline
+
+            if timeline is not None and not timeline.empty:
+                plan = planned = None
+                if (self.run_dir / PLAN_FILE).is_file() and (self.run_dir / "graph.json").is_file():
+                    from hbp.analysis.simulate import simulate
+                    from hbp.graph.ir import Graph
+                    from hbp.planner.plan import Plan
+
+                    plan = Plan.from_dict(json.loads((self.run_dir / PLAN_FILE).read_text()))
+                    planned = simulate(Graph.from_json(self.run_dir / "graph.json"), plan)
+                images["memory_timeline"] = plot_memory_timeline(
+                    {str(summary.get("mode")): timeline},
+                    self.run_dir / "memory_timeline.png",
+                    title=f"{summary.get('workload')} ({summary.get('profile')})",
+                    plan=plan,
+                    planned=planned,
+                )
+            from hbp.analysis.collect import collect
+            from hbp.analysis.pareto import pareto_table, plot_pareto
+
+            frames = [pd.json_normalize([jsonable(summary)], sep=".")]
+            if self.sweep_dir is not None and self.sweep_dir.is_dir():
+                frames.insert(0, collect(self.sweep_dir))
+            table = pareto_table(pd.concat(frames, ignore_index=True))
+            if not table.empty:
+                images["pareto"] = plot_pareto(table, self.run_dir / "pareto.png")
+        except Exception as error:  # noqa: BLE001 - a plot never costs the run
+            warnings.warn(f"wandb images left out: {type(error).__name__}: {error}", stacklevel=2)
+        return images
+
+
+PLAN_FILE = "plan.json"
+
+
+def plan_rows(path: Path) -> pd.DataFrame | None:
+    """A plan.json as a table: one row per segment in execution order (nested segments after
+    their parent, with their depth), or None when there is no plan."""
+    import json
+
+    if not Path(path).is_file():
+        return None
+    rows = []
+
+    def walk(segments, depth):
+        for s in segments:
+            rows.append(
+                {
+                    "depth": depth,
+                    "start": s["start"],
+                    "stop": s["stop"],
+                    "nodes": s["stop"] - s["start"],
+                    "recompute": bool(s["recompute"]),
+                    "first": s.get("first", ""),
+                    "last": s.get("last", ""),
+                }
+            )
+            walk(s.get("children", []), depth + 1)
+
+    walk(json.loads(Path(path).read_text())["segments"], 0)
+    return pd.DataFrame(rows)

@@ -1,0 +1,147 @@
+"""Hydra glue: run.py's task function (`hydra_main`) under the error contract, and the
+callback (`RunGuard`) that rejects bad input before Hydra creates any directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from hbp.bench.config import check_writable, validate
+from hbp.bench.rundir import default_run_dir, finished_run, remove_run_dir, run_key
+from hbp.bench.runner import run
+from hbp.bench.summary import format_summary
+from hbp.errors import HBPError
+from hbp.telemetry.tables import ERROR_FILE, METRICS_FILE, read_json, write_error
+
+try:  # Hydra is a dependency, but `run` works without an initialised Hydra
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover
+    Callback = object
+
+log = logging.getLogger("hbp.bench")
+
+SKIPPED_MARK = ".skipped"  # touched in a job's directory when the job was skipped
+
+
+def _fail(message: str, code: int = 2):
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def hydra_main(cfg: DictConfig) -> dict | None:
+    """run.py's task function: `run(cfg)` under the error contract.
+
+    - Bad input (ConfigError or any other hbp error, e.g. an infeasible budget) in a single
+      run: "error: <field>=<value> is not accepted: expected <accepted values>" on stderr,
+      exit code 2, and the run dir Hydra made is removed (nothing else was written).
+    - Any other exception in a single run: error.json in the run dir, then Hydra reports the
+      traceback (exit code 1).
+    - In a multirun every failure writes error.json (no metrics.json) in the job's dir and the
+      sweep goes on; `RunGuard` reports the failures at the end and exits non-zero.
+    - In a multirun a job whose run key has a finished run in the sweep directory is skipped
+      (its metrics.json is returned as is) unless `redo=true`: NOTE [ Run keys ].
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if int(os.environ.get("RANK", "0")) > 0:  # torchrun: only rank 0 writes, errors included
+        return run(cfg, default_run_dir(cfg))
+    run_dir = default_run_dir(cfg)
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun:
+        done = None if cfg.get("redo") else finished_run(HydraConfig.get().sweep.dir, run_key(cfg))
+        if done is not None:
+            log.info("%s: skipped, finished in %s (redo=true reruns it)", run_dir.name, done)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / SKIPPED_MARK).touch()
+            return read_json(done / METRICS_FILE)
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a retried failure
+        (run_dir / SKIPPED_MARK).unlink(missing_ok=True)
+    try:
+        return run(cfg, run_dir)
+    except Exception as error:
+        bad_input = isinstance(error, HBPError) and not multirun
+        if bad_input and remove_run_dir(run_dir, Path(cfg.output_root)):
+            _fail(str(error))
+        context = {
+            "workload": cfg.workload.name,
+            "mode": cfg.mode.name,
+            "profile": cfg.profile.name,
+            "run_dir": str(run_dir),
+        }
+        try:
+            context["config"] = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:  # an unresolvable config is itself the error
+            pass
+        write_error(run_dir, error, context)
+        if bad_input:  # raised after the run had written files: keep them, with error.json
+            _fail(f"{error} (see {run_dir / ERROR_FILE})")
+        if not multirun:
+            raise
+        log.error(
+            "%s failed: %s: %s (see %s)",
+            run_dir.name,
+            type(error).__name__,
+            error,
+            run_dir / ERROR_FILE,
+        )
+        return None
+
+
+class RunGuard(Callback):
+    """Hydra callback (conf/config.yaml `hydra.callbacks.guard`).
+
+    on_run_start / on_multirun_start: validate the composed config and the output directory
+    before Hydra creates anything; bad input -> "error: ..." on stderr, exit code 2.
+    on_multirun_end: the summary table of the sweep's finished runs, how many jobs of this
+    invocation ran, were skipped (finished before) and failed; if any failed, list them and
+    exit with code 1. A job belongs to this invocation when its metrics.json, error.json or
+    skip mark is newer than the invocation's start.
+    """
+
+    started = 0.0
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, config.hydra.sweep.dir)
+        self.started = time.time() - 1.0  # filesystem timestamps can be coarse
+
+    def _check(self, config: DictConfig, out_dir: str) -> None:
+        try:
+            validate(config)
+            check_writable(out_dir)
+        except HBPError as error:
+            _fail(str(error))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.is_dir():
+            return
+
+        def now(name: str) -> list[Path]:
+            paths = sorted(sweep_dir.glob(f"*/{name}"))
+            return [p for p in paths if p.stat().st_mtime >= self.started]
+
+        done = sorted(sweep_dir.glob(f"*/{METRICS_FILE}"))
+        ran, skipped, failed = now(METRICS_FILE), now(SKIPPED_MARK), now(ERROR_FILE)
+        if done:
+            print(f"\n{len(done)} runs in {sweep_dir}:")
+            print(format_summary(read_json(p) for p in done), flush=True)
+        print(
+            f"{len(ran)} ran, {len(skipped)} skipped (finished before; redo=true reruns them), "
+            f"{len(failed)} failed",
+            flush=True,
+        )
+        if failed:
+            names = ", ".join(p.parent.name for p in failed)
+            total = len(ran) + len(skipped) + len(failed)
+            _fail(f"{len(failed)} of {total} runs failed: {names} (see error.json in each)", code=1)

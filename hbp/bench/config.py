@@ -1,0 +1,166 @@
+"""The bench's configuration: checks of the composed config (`validate`), the device, the
+thread count and the workload the config asks for. Cheap and side-effect free: nothing here
+builds a model or creates a directory, except `build_workload` (which builds the model).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from hbp.errors import ConfigError
+from hbp.modes import MODES, build_mode
+from hbp.telemetry import LOGGERS
+
+DEVICES = ("auto", "cpu", "cuda")
+MAX_AUTO_THREADS = 16
+# Mode options that change how the workload is built (only passed to workloads that have the
+# field, and only where the workload config leaves it null).
+MODE_WORKLOAD_OPTIONS = ("chunked_loss",)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_device(name) -> torch.device:
+    """`auto` -> cuda if available else cpu; `cpu`; `cuda` / `cuda:N` (ConfigError when there
+    is no such CUDA device)."""
+    text = str(name)
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    if text == "cuda" or text.startswith("cuda:"):
+        index = text.partition(":")[2]
+        if not torch.cuda.is_available():
+            raise ConfigError("device", text, "auto or cpu: no CUDA device is available here")
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            count = torch.cuda.device_count()
+            raise ConfigError("device", text, f"auto, cpu, cuda or cuda:0..cuda:{count - 1}")
+        return torch.device(text)
+    raise ConfigError("device", text, "one of " + ", ".join(DEVICES) + " (or cuda:N)")
+
+
+def _launcher():
+    """The Hydra launcher's config in a multirun job, else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return None
+        return HydraConfig.get().launcher
+    except Exception:
+        return None
+
+
+def parallel_jobs() -> int:
+    """How many jobs run at once: the parallel launcher's n_jobs in a Hydra multirun (joblib
+    semantics: -1 = one per CPU), else 1."""
+    launcher = _launcher()
+    n_jobs = launcher.get("n_jobs") if launcher is not None else None
+    if not _is_int(n_jobs) or n_jobs == 0:
+        return 1
+    return n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)
+
+
+def launcher_cpus_per_task() -> int | None:
+    """The submitit launchers' `cpus_per_task` (hydra/launcher=local, slurm) in a multirun
+    job, else None."""
+    launcher = _launcher()
+    cpus = launcher.get("cpus_per_task") if launcher is not None else None
+    return cpus if _is_int(cpus) and cpus >= 1 else None
+
+
+def resolve_threads(threads, jobs: int = 1, per_job: int | None = None) -> int:
+    """torch intra-op threads, so that parallel jobs do not oversubscribe the cores:
+    `threads` if set; else OMP_NUM_THREADS if set (joblib sets it in its workers); else
+    `per_job` (a launcher's cpus_per_task) if set; else the CPUs this process may use, at
+    most MAX_AUTO_THREADS, divided among `jobs` parallel jobs."""
+    if threads is not None:
+        return int(threads)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if per_job is not None:
+        return per_job
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cpus or 1, MAX_AUTO_THREADS) // max(1, jobs))
+
+
+def check_writable(path) -> None:
+    """ConfigError("output_root", ...) unless `path` exists as a writable directory or could be
+    created (its nearest existing ancestor is a writable directory on a writable filesystem).
+    Creates nothing."""
+    target = Path(path).absolute()
+    ancestor = target
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    why = None
+    if not ancestor.is_dir():
+        why = f"{ancestor} is not a directory"
+    elif not os.access(ancestor, os.W_OK | os.X_OK):
+        why = f"{ancestor} is not writable"
+    elif hasattr(os, "statvfs") and os.statvfs(ancestor).f_flag & os.ST_RDONLY:
+        why = f"{ancestor} is on a read-only filesystem"
+    if why:
+        raise ConfigError("output_root", str(path), f"a writable directory ({why})")
+
+
+def workload_overrides(cfg, with_mode_options: bool = True) -> dict:
+    """Keyword overrides for `hbp.workloads.build`: the workload config's non-null fields and,
+    with `with_mode_options`, the mode's MODE_WORKLOAD_OPTIONS (e.g. chunked_loss) for fields
+    the workload has and leaves null."""
+    fields = OmegaConf.to_container(cfg.workload, resolve=True)
+    fields.pop("name", None)
+    overrides = {k: v for k, v in fields.items() if v is not None}
+    if with_mode_options:
+        for key in MODE_WORKLOAD_OPTIONS:
+            if key in fields and fields[key] is None and cfg.mode.get(key) is not None:
+                overrides[key] = cfg.mode.get(key)
+    return overrides
+
+
+def build_workload(cfg, with_mode_options: bool = True):
+    """The configured workload, on CPU (see `hbp.workloads.build`)."""
+    from hbp.workloads import build
+
+    overrides = workload_overrides(cfg, with_mode_options)
+    return build(cfg.workload.name, cfg.profile.name, seed=cfg.seed, **overrides)
+
+
+def validate(cfg) -> None:
+    """Reject bad input with a ConfigError naming the field and the accepted values. Cheap and
+    side-effect free: builds no model, creates no directory."""
+    from hbp.workloads import PROFILES, WORKLOADS, resolve_config
+
+    def need(ok: bool, field: str, accepted: str) -> None:
+        if not ok:
+            raise ConfigError(field, OmegaConf.select(cfg, field), accepted)
+
+    need(cfg.workload.name in WORKLOADS, "workload.name", "one of " + ", ".join(WORKLOADS))
+    need(cfg.profile.name in PROFILES, "profile.name", "one of " + ", ".join(PROFILES))
+    need(cfg.mode.name in MODES, "mode.name", "one of " + ", ".join(MODES))
+    need(cfg.logger.name in LOGGERS, "logger.name", "one of " + ", ".join(LOGGERS))
+    need(_is_int(cfg.steps) and cfg.steps >= 1, "steps", "an integer >= 1")
+    need(_is_int(cfg.warmup) and cfg.warmup >= 0, "warmup", "an integer >= 0")
+    need(_is_int(cfg.seed), "seed", "an integer")
+    need(isinstance(cfg.verify, bool), "verify", "true or false")
+    need(isinstance(cfg.count_naive_flops, bool), "count_naive_flops", "true or false")
+    need(isinstance(cfg.get("redo", False), bool), "redo", "true or false")
+    need(
+        cfg.threads is None or (_is_int(cfg.threads) and cfg.threads >= 1),
+        "threads",
+        "null (automatic) or an integer >= 1",
+    )
+    resolve_device(cfg.device)
+    from hbp.bench.distributed import check as check_distributed
+
+    check_distributed(cfg)
+    resolve_config(cfg.workload.name, cfg.profile.name, **workload_overrides(cfg))
+    build_mode(cfg.mode)
+    check_writable(cfg.output_root)

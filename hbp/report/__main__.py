@@ -1,0 +1,38 @@
+"""python -m hbp.report <dir> [--out DIR]: results.parquet, the comparison table and the plots
+of every run under <dir> (see hbp.report)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hbp.report",
+        description="Gather the bench runs under ROOT into ROOT/results.parquet, print the "
+        "comparison table and write pareto.png, memory_timeline.png and frontier.png.",
+    )
+    parser.add_argument("root", help="a directory of runs, e.g. outputs/sweeps/quick")
+    parser.add_argument("--out", help="where the files go (default: ROOT)")
+    args = parser.parse_args(argv)
+    from hbp.report import write_report
+
+    try:
+        report = write_report(args.root, args.out)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    failed = (report.runs.get("status") == "error").sum() if "status" in report.runs else 0
+    print(f"{len(report.table)} finished runs, {failed} failed, under {args.root}\n")
+    print(report.format())
+    print()
+    for path in report.files:
+        print(f"wrote {path}")
+    for name, why in report.skipped.items():
+        print(f"skipped {name}: {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

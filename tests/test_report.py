@@ -1,0 +1,80 @@
+"""`python -m hbp.report <dir>`: every run under <dir> (failed ones too) in results.parquet,
+the comparison table per workload with ratios to naive, and the three plots."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hbp import bench
+from hbp.errors import ConfigError
+from hbp.report import write_report
+from hbp.report.__main__ import main
+from hbp.telemetry.tables import write_error
+
+REPO = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def bench_run(root: Path, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", ["steps=1", "warmup=0", "logger=table", *overrides])
+    name = "_".join(o.split("=")[1] for o in overrides)
+    return bench.run(cfg, root / name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """naive, checkpoint and tiny on synthetic_dag, naive on gpt2 (tables on), one failure."""
+    root = tmp_path_factory.mktemp("report")
+    for mode in ("naive", "checkpoint", "tiny"):
+        bench_run(root, "workload=synthetic_dag", f"mode={mode}")
+    bench_run(root, "workload=gpt2", "mode=naive", "logger=none")
+    write_error(
+        root / "failed",
+        ConfigError("mode.budget", 0.01, "a budget >= the minimum"),
+        {"workload": "synthetic_dag", "mode": "tiny"},
+    )
+    return root
+
+
+def test_report_writes_parquet_table_and_plots(runs, capsys):
+    assert main([str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert "4 finished runs, 1 failed" in out
+    assert "## synthetic_dag" in out and "## gpt2" in out
+    results = pd.read_parquet(runs / "results.parquet")
+    assert len(results) == 5 and (results["status"] == "error").sum() == 1
+    assert set(results["mode"]) == {"naive", "checkpoint", "tiny"}
+    for name in ("pareto.png", "memory_timeline.png", "frontier.png"):
+        assert (runs / name).read_bytes()[:8] == PNG, name
+
+
+def test_comparison_table_has_ratios_to_naive(runs):
+    report = write_report(runs, runs / "elsewhere")
+    table = report.table.set_index(["workload", report.table["mode"].str.split("(").str[0]])
+    dag = table.loc["synthetic_dag"]
+    assert dag.loc["naive", "peak / naive"] == 1 and dag.loc["naive", "time / naive"] == 1
+    assert dag.loc["checkpoint", "peak / naive"] < 1 and dag.loc["tiny", "peak / naive"] < 1
+    assert dag.loc["checkpoint", "recompute ratio"] > 0
+    assert dag.loc["tiny", "budget"] == "0.3"
+    assert {"budget", "peak MiB", "recompute ratio", "step ms", "time / naive"} <= set(table)
+    assert not report.skipped
+    assert (runs / "elsewhere" / "results.parquet").exists()
+
+
+def test_report_of_an_empty_or_missing_dir_is_an_error(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "no finished runs" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_plots_without_timelines_or_graphs_are_skipped_with_a_reason(runs, tmp_path):
+    only = tmp_path / "gpt2_naive"
+    only.mkdir()
+    (only / "metrics.json").write_text((runs / "gpt2_naive_none" / "metrics.json").read_text())
+    report = write_report(tmp_path)
+    assert "no naive/checkpoint/tiny run with a timeline" in report.skipped["memory_timeline.png"]
+    assert "graph.json" in report.skipped["frontier.png"]
+    assert (tmp_path / "pareto.png").exists()

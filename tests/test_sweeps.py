@@ -1,0 +1,167 @@
+"""Experiments and sweeps are configs: every `experiment=*` and `sweep=*` composes (Hydra
+compose API) into a valid multirun, and a sweep is resumable: a second run into the same sweep
+directory skips the finished jobs, `redo=true` reruns them, and a failed job is recorded with
+its error while the others finish; parallel launchers give each job its share of the cores."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from hbp import bench
+from hbp.analysis.collect import collect
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+SWEEPS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
+TINY = ("steps=1", "warmup=0", "logger=none")
+
+
+def hydra_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:...} interpolations
+    return cfg
+
+
+def run_py(*args: str, timeout: float = 600, threads_env: bool = True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    if not threads_env:  # let the bench choose torch threads from the launcher
+        env.pop("OMP_NUM_THREADS")
+    return subprocess.run(
+        [sys.executable, str(REPO / "run.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_documented_experiments_and_sweeps_exist():
+    assert {"matrix_naive", "matrix_checkpoint", "matrix_tiny", "gpt2_medium"} <= set(EXPERIMENTS)
+    assert {"block_size", "budget", "all_modes", "quick"} <= set(SWEEPS)
+
+
+@pytest.mark.parametrize(
+    "group, name", [("experiment", e) for e in EXPERIMENTS] + [("sweep", s) for s in SWEEPS]
+)
+def test_every_experiment_and_sweep_composes_into_a_valid_multirun(group, name, tmp_path):
+    cfg = hydra_cfg(f"{group}={name}", f"output_root={tmp_path}", *TINY)
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    assert str(cfg.hydra.sweep.dir).startswith(str(tmp_path))  # a fixed dir: resumable
+    assert "${run_key:}" in OmegaConf.to_container(cfg.hydra.sweep, resolve=False)["subdir"]
+    bench.validate(cfg)
+    params = cfg.hydra.sweeper.params or {}
+    for key, values in params.items():  # each swept value composes and validates too
+        for value in str(values).split(","):
+            bench.validate(hydra_cfg(f"{group}={name}", f"{key}={value}", *TINY))
+    assert cfg.steps == 1  # the command line wins over the experiment's own values
+
+
+def test_sweep_params_and_command_line_overrides():
+    cfg = hydra_cfg("sweep=block_size", "profile=medium")
+    assert cfg.mode.name == "checkpoint" and cfg.profile.name == "medium"
+    assert cfg.hydra.sweeper.params["mode.block_size"] == "1,2,3,4,6"
+    cfg = hydra_cfg("sweep=all_modes")
+    assert set(cfg.hydra.sweeper.params.mode.split(",")) >= {"naive", "checkpoint", "tiny"}
+    cfg = hydra_cfg("experiment=matrix_tiny")
+    assert cfg.mode.name == "tiny" and cfg.verify is True
+    assert "min" in cfg.hydra.sweeper.params["mode.budget"].split(",")
+
+
+def test_run_key_ignores_bookkeeping_and_sees_every_measured_value():
+    base = hydra_cfg("workload=synthetic_dag")
+    assert bench.run_key(base) == bench.run_key(hydra_cfg("workload=synthetic_dag", "redo=true"))
+    assert bench.run_key(base) == bench.run_key(
+        hydra_cfg("workload=synthetic_dag", "output_root=/elsewhere")
+    )
+    assert bench.run_key(base) != bench.run_key(hydra_cfg("workload=synthetic_dag", "seed=1"))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        task = compose("config", ["workload=synthetic_dag"])  # what the task function gets
+    resolved = OmegaConf.to_container(task, resolve=True)  # metrics.json's `config`
+    assert bench.run_key(resolved) == bench.run_key(task) == bench.run_key(base)
+
+
+@pytest.mark.slow
+def test_a_sweep_run_again_skips_finished_jobs_and_redo_reruns_them(tmp_path):
+    args = ("sweep=block_size", "workload=synthetic_dag", *TINY, f"output_root={tmp_path}")
+    first = run_py(*args, "mode.block_size=1,0")
+    assert first.returncode == 1  # block_size=0 is rejected: recorded, the other job finished
+    assert "1 ran, 0 skipped" in first.stdout and "1 of 2 runs failed" in first.stderr
+    sweep_dir = tmp_path / "sweeps" / "block_size"
+    (failed,) = [p for p in sweep_dir.iterdir() if (p / "error.json").exists()]
+    error = json.loads((failed / "error.json").read_text())
+    assert error["error_type"] == "ConfigError" and "mode.block_size" in error["error"]
+    (done,) = sweep_dir.glob("*/metrics.json")
+    first_mtime = done.stat().st_mtime_ns
+
+    again = run_py(*args, "mode.block_size=1,2")
+    assert again.returncode == 0, again.stderr
+    assert "1 ran, 1 skipped" in again.stdout
+    assert done.stat().st_mtime_ns == first_mtime  # not rerun
+    redo = run_py(*args, "mode.block_size=1", "redo=true")
+    assert "1 ran, 0 skipped" in redo.stdout
+    assert done.stat().st_mtime_ns > first_mtime
+    frame = collect(sweep_dir)
+    assert sorted(frame["config.mode.block_size"]) == [1, 2]  # one row per key, no duplicates
+    assert frame["run_key"].is_unique
+
+
+def test_launcher_configs_compose():
+    cfg = hydra_cfg("hydra/launcher=slurm", "hydra.launcher.partition=gpu")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+    assert launcher.gpus_per_node == 1 and launcher.timeout_min > 0 and launcher.setup
+    assert hydra_cfg("hydra/launcher=local").hydra.launcher._target_.endswith("LocalLauncher")
+    assert hydra_cfg("hydra/launcher=joblib").hydra.launcher.n_jobs == -1
+
+
+def test_threads_per_job_follow_the_launcher(monkeypatch):
+    """joblib: the cores divided among n_jobs; submitit (local, slurm): cpus_per_task."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpus = min(len(os.sched_getaffinity(0)), bench.MAX_AUTO_THREADS)
+    hydra_cfg("hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "hydra.mode=MULTIRUN")
+    assert bench.parallel_jobs() == 2 and bench.launcher_cpus_per_task() is None
+    assert bench.resolve_threads(None, bench.parallel_jobs()) == max(1, cpus // 2)
+    hydra_cfg("hydra/launcher=local", "hydra.launcher.cpus_per_task=3", "hydra.mode=MULTIRUN")
+    assert bench.parallel_jobs() == 1 and bench.launcher_cpus_per_task() == 3
+    assert bench.resolve_threads(None, 1, per_job=bench.launcher_cpus_per_task()) == 3
+    hydra_cfg("hydra/launcher=local", "hydra.launcher.cpus_per_task=3")  # a single run
+    assert bench.launcher_cpus_per_task() is None and bench.parallel_jobs() == 1
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_every_job_with_its_cpus_per_task(tmp_path):
+    """Two jobs at once, each a submitit process with cpus_per_task=1 torch thread (the
+    bench's own default would be every core, min(cpus, 16), in each job)."""
+    result = run_py(
+        "-m", "workload=synthetic_dag", "mode=naive,checkpoint", *TINY, "hydra/launcher=local",
+        "hydra.launcher.cpus_per_task=1", f"output_root={tmp_path}", threads_env=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 ran, 0 skipped" in result.stdout
+    frame = collect(tmp_path)
+    assert sorted(frame["mode"]) == ["checkpoint", "naive"]
+    assert list(frame["threads"]) == [1, 1]
+    assert list((tmp_path / "multirun").glob("*/*/.submitit"))  # it ran through submitit
+
+
+@pytest.mark.slow
+def test_an_experiment_runs_by_name_into_its_own_directory(tmp_path):
+    """experiment=matrix_checkpoint (verify=true) on one workload, one step: its runs land in
+    <output_root>/bench/matrix/checkpoint with gradients checked against plain autograd."""
+    result = run_py(
+        "experiment=matrix_checkpoint", "workload=synthetic_dag", *TINY, f"output_root={tmp_path}"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = collect(tmp_path / "bench" / "matrix" / "checkpoint").to_dict("records")
+    assert row["mode"] == "checkpoint" and row["verify_passed"] is True
+    assert row["threads"] == 1 and row["peak_bytes"] < row["naive_peak_bytes"]
