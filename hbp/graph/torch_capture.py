@@ -31,7 +31,7 @@ are the same as in the real run, e.g. CPU flash attention and CPU dropout's floa
 each node, on fake inputs whose `requires_grad` follows the real run:
 - `output_bytes`: bytes of new storage (0 when the output shares an input's storage: views,
   in-place results; `alias_of` names that input);
-- `flops`: `hbp.runtime.flops.TotalFlopCounterMode` (`FlopCounterMode` plus the formulas for
+- `flops`: `hbp.graph.torch_flops.TotalFlopCounterMode` (`FlopCounterMode` plus the formulas for
   CPU flash attention and oneDNN's LSTM that the measured step counts too);
 - what backward keeps: the node runs under `torch.autograd.graph.saved_tensors_hooks` and
   each saved tensor is classified by storage identity: an input's storage -> `saved_inputs`,
@@ -97,11 +97,11 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from hbp.errors import CaptureWarning
 from hbp.graph.ir import Graph, Node
 from hbp.graph.torch_export import export_trace
+from hbp.graph.torch_flops import FLOP_FORMULAS as CPU_FLOP_FORMULAS  # noqa: F401 (re-export)
+from hbp.graph.torch_flops import TotalFlopCounterMode
 from hbp.graph.torch_modes import MODES, ambient_modes, enter_modes, exit_modes  # noqa: F401
+from hbp.graph.torch_norms import frozen_running_stats, stat_tracking_norms
 from hbp.graph.torch_outputs import OutputSlot, map_output  # noqa: F401
-from hbp.runtime.flops import FLOP_FORMULAS as CPU_FLOP_FORMULAS  # noqa: F401 (re-export)
-from hbp.runtime.flops import TotalFlopCounterMode
-from hbp.runtime.recompute import frozen_running_stats, stat_tracking_norms
 
 OP = "op"
 MODULE = "module"

@@ -15,36 +15,18 @@ position).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
+from hbp.graph.torch_norms import frozen_running_stats, stat_tracking_norms
 
-def stat_tracking_norms(module: nn.Module) -> list[_NormBase]:
-    """Normalisation layers under `module` that would update running statistics in training."""
-    return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
-
-
-@contextlib.contextmanager
-def frozen_running_stats(norms: list[_NormBase]) -> Iterator[None]:
-    """Inside: the given training-mode norm layers update throw-away copies of their running
-    statistics, not the real buffers. Puts the real buffers back on exit, also on error."""
-    names = ("running_mean", "running_var", "num_batches_tracked")
-    saved = []
-    for m in norms:
-        if not (m.training and m.track_running_stats):
-            continue
-        real = {n: getattr(m, n) for n in names if getattr(m, n, None) is not None}
-        saved.append((m, real))
-        for n, buf in real.items():
-            setattr(m, n, buf.clone())
-    try:
-        yield
-    finally:
-        for m, real in saved:
-            for n, buf in real.items():
-                setattr(m, n, buf)
+__all__ = [
+    "ReenterableContext",
+    "checkpoint_context_fn",
+    "frozen_running_stats",
+    "stat_tracking_norms",
+]
 
 
 class ReenterableContext:
