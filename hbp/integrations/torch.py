@@ -377,16 +377,20 @@ class HCModule(nn.Module):
                 "plan decides what is recomputed (a fractional budget is relative to the peak "
                 "without that checkpointing)",
             )
-        hooked = [
-            name
-            for name, m in self.module.named_modules()
-            if name and (m._forward_hooks or m._forward_pre_hooks)
-        ]
-        if hooked and any(s.recompute for s in executor.plan.segments):
+        hooked = [name for name, m in self.module.named_modules() if name and _user_hooks(m)]
+        listed = f"{', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''}"
+        if hooked and captured.tracer == "export":
             self._warn_once(
                 "hooks",
-                f"forward hooks on {', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''} "
-                "run again when HCModule recomputes their modules during backward",
+                f"forward hooks on {listed} were traced into the captured graph: what they "
+                "compute is kept, their Python side effects (storing tensors, logging) do not "
+                "happen again on later steps",
+            )
+        elif hooked and any(s.recompute for s in executor.plan.segments):
+            self._warn_once(
+                "hooks",
+                f"forward hooks on {listed} run again when HCModule recomputes their modules "
+                "during backward",
             )
         root = self.module
         if captured.granularity != MODULE and (root._forward_hooks or root._forward_pre_hooks):
@@ -408,6 +412,17 @@ class HCModule(nn.Module):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, UserWarning, stacklevel=stacklevel)
+
+
+#: Libraries whose own forward hooks are part of their models (transformers collects
+#: hidden states and attentions with them): no warning is about them.
+_LIBRARY_HOOKS = ("transformers.", "diffusers.", "timm.", "torchvision.")
+
+
+def _user_hooks(module: nn.Module) -> list:
+    """The forward (pre-)hooks on `module` that its library did not install itself."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return [h for h in hooks if not getattr(h, "__module__", "").startswith(_LIBRARY_HOOKS)]
 
 
 def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:
