@@ -348,10 +348,9 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
     running. Returns (StepMeasurement, per-step DataFrame, sampler results).
 
     `allocator`: for compiled modes, which no dispatch mode can observe (their buffers are
-    allocated outside the dispatcher): the peak comes from the allocator (profiler memory
-    events on CPU, max_memory_allocated on CUDA) in one extra step, and FLOPs are not
-    counted."""
-    from hbp.runtime.measure import measure_step, step_peak
+    allocated outside the dispatcher): only the allocator's peak is measured (FLOPs and the
+    tensor tracker are skipped)."""
+    from hbp.runtime.measure import measure_step
 
     label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
     progress = Progress(cfg.warmup + cfg.steps + 1, label)
@@ -381,12 +380,8 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
         try:
             measured = measure_step(
                 step, params=params, warmup=cfg.warmup, repeats=cfg.steps, device=device,
-                track_memory=not allocator, count_flops=not allocator,
+                count_flops=not allocator, track_tensors=not allocator,
             )  # fmt: skip
-            if allocator:
-                for p in params:
-                    p.grad = None
-                _, measured.peak_bytes = step_peak(step, device, cpu="allocator")
         finally:
             if gpu is not None:
                 gpu.stop()
@@ -422,11 +417,13 @@ def reference_checks(cfg, workload, module, batch, params, device, flops) -> dic
         result["grad_max_rel_error"] = error
         result["verify_passed"] = bool(error < GRAD_TOLERANCE)
     if result["naive_flops"] is None and cfg.count_naive_flops:
+
+        def naive_step():
+            return _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
+
+        _, result["naive_peak_bytes"] = step_peak(naive_step, device)  # the allocator's
         with TotalFlopCounterMode() as counter:
-            _, result["naive_peak_bytes"] = step_peak(
-                lambda: _step_gradients(reference.model, reference, batch, ref_params, cfg.seed),
-                device,
-            )
+            naive_step()
         result["naive_flops"] = int(counter.get_total_flops())
     return result
 
@@ -452,8 +449,8 @@ def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:
     row["peak_bytes"] = measured.peak_bytes
     row["peak_mib"] = measured.peak_bytes / MIB if measured.peak_bytes is not None else None
     row.update({f"peak_{phase}_bytes": v for phase, v in measured.peak_by_phase.items()})
-    if device.type == "cuda":
-        row["tracker_peak_bytes"] = measured.tracker_peak_bytes
+    row["tensor_peak_bytes"] = measured.tensor_peak_bytes
+    row["scratch_bytes"] = measured.scratch_bytes
     row["flops"] = measured.flops
     row["step_time_s"] = measured.step_time_s
     row["step_time_p10"] = measured.step_time_p10
