@@ -305,11 +305,14 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
 _MARKER_BYTES = 1
 
 
-def profiler_peak_bytes(prof: torch.profiler.profile, marker_ptr: int | None = None) -> int:
+def profiler_peak_bytes(
+    prof: torch.profiler.profile, marker_ptr: int | None = None, end_ptr: int | None = None
+) -> int:
     """The most CPU-allocator bytes alive during a finished memory-profiling `prof`, above the
     level at its start (NOTE [ CPU allocator peak ]). `marker_ptr`: the address of a 1-byte
     tensor allocated first inside `prof` (see `allocator_peak`); without it the level at the
-    start is taken from the earliest event."""
+    start is taken from the earliest event. `end_ptr`: the address of a 1-byte tensor
+    allocated where the measured window ends (later events are left out)."""
     if _EventType is None:  # pragma: no cover
         raise RuntimeError("profiler_peak_bytes needs torch._C._profiler._EventType (torch >= 2.1)")
     events = []  # (time, size, running total, ptr)
@@ -331,5 +334,12 @@ def profiler_peak_bytes(prof: torch.profiler.profile, marker_ptr: int | None = N
         marker = next((e for e in events if e[3] == marker_ptr and e[1] == _MARKER_BYTES), None)
     first = marker if marker is not None else events[0]
     start_level = first[2] - first[1]
+    if end_ptr is not None:
+        end = next(
+            (e for e in events if e[0] > first[0] and e[3] == end_ptr and e[1] == _MARKER_BYTES),
+            None,
+        )
+        if end is not None:
+            events = [e for e in events if e[0] < end[0]]
     peak = max((e[2] for e in events if e is not marker), default=start_level)
     return max(0, int(peak - start_level))
