@@ -165,7 +165,8 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
         if node.op == "call_method":
             obj, *rest = args
             return getattr(obj, node.target)(*rest, **kwargs)
-        return gm.get_submodule(node.target)(*args, **kwargs)
+        # `forward`, not `__call__`: the module's hooks must not see the calibration
+        return gm.get_submodule(node.target).forward(*args, **kwargs)
 
 
 def _fetch_attr(root: nn.Module, target: str) -> Any:
