@@ -252,7 +252,7 @@ def _measure(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple[int, int]
         ]
         if not outputs or not grad_inputs:
             return forward, 0
-        seeds = [torch.ones_like(t) for t in outputs]
+        seeds = [_seed_like(t, node) for t in outputs]
 
         def backward():
             return torch.autograd.grad(outputs, grad_inputs, seeds, allow_unused=True)
@@ -261,6 +261,25 @@ def _measure(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple[int, int]
     except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
         return None
     return forward, backward_peak
+
+
+def _seed_like(t: torch.Tensor, node: fx.Node) -> torch.Tensor:
+    """The output gradient for a measured backward, laid out as the step's will be: a value
+    whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous across
+    channels: a convolution's backward copies it, which is workspace too)."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_function" and users[0].target in _CATS:
+        cat = users[0]
+        dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+        if isinstance(dim, int) and t.dim() > 0:
+            dim = dim % t.dim()
+            shape = list(t.shape)
+            shape[dim] *= 2
+            return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
+    return torch.ones_like(t)
+
+
+_CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
 def _is_grad_leaf(t: Any) -> bool:

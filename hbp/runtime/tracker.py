@@ -335,10 +335,10 @@ def profiler_peak_bytes(
     first = marker if marker is not None else events[0]
     start_level = first[2] - first[1]
     if end_ptr is not None:
-        end = next(
-            (e for e in events if e[0] > first[0] and e[3] == end_ptr and e[1] == _MARKER_BYTES),
-            None,
-        )
+        # the last match: the allocator may have reused the address for a 1-byte tensor
+        # (a bool scalar) inside the window, but the end marker is the window's last event
+        ends = [e for e in events if e[0] > first[0] and e[3] == end_ptr and e[1] == _MARKER_BYTES]
+        end = ends[-1] if ends else None
         if end is not None:
             events = [e for e in events if e[0] < end[0]]
     peak = max((e[2] for e in events if e is not marker), default=start_level)
