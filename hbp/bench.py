@@ -353,8 +353,9 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
     from hbp.runtime.measure import measure_step
 
     label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
-    progress = Progress(cfg.warmup + cfg.steps + 1, label)
-    phases = ["warmup"] * cfg.warmup + ["timed"] * cfg.steps + ["measured"]
+    progress = Progress(cfg.warmup + cfg.steps + (1 if allocator else 2), label)
+    # measured: the allocator's step (peak_bytes); instrumented: tracker + FLOP counter
+    phases = ["warmup"] * cfg.warmup + ["timed"] * cfg.steps + ["measured", "instrumented"]
     rows: list[dict] = []
     process = psutil.Process()
 

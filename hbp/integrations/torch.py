@@ -19,7 +19,14 @@ Budget: float in (0, 1] = fraction of the step's naive peak, as simulated on the
 graph (activations, saved tensors, activation and parameter gradients; not the parameters
 themselves nor the inputs); int = bytes; str such as "64MiB" (a byte budget above the naive peak
 is met by the naive step: nothing is recomputed); "min" = the least the planner can reach.
-No plan fits -> `hbp.BudgetError` with `.minimum` (bytes).
+No plan fits -> `hbp.BudgetError` with `.minimum` (bytes). Kernel workspace counts: each op
+signature's is measured by the allocator at capture (`hbp.graph.calibrate_scratch`).
+
+The step around the module (NOTE [ The step around the module ]): with `loss_fn`, `hc(x,
+targets=y)` returns `loss_fn(module(x), y)` and the plan covers the whole step; without it,
+the first step of a signature is measured by the allocator (CUDA always; CPU with
+`calibrate=True`) and planned again, with a warning, if the caller's loss took it above the
+budget (`hc.measured_peak_bytes`).
 
 Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
 hooks of submodules fire again, Python side effects in forward happen again, and the RNG state
@@ -202,6 +209,7 @@ class HCModule(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_compiled"], state["_current"] = {}, None  # rebuilt on the next call
+        state["_probe"] = None  # a measurement in flight (a profiler) stays with the original
         return state
 
     # -- planning ---------------------------------------------------------------------------
@@ -406,13 +414,7 @@ class HCModule(nn.Module):
         step_args, step_kwargs, root, tag = self._with_loss(args, kwargs)
         if not self._plans_for(args, step_kwargs):
             return root(*step_args, **step_kwargs)
-        key = (tag, self._signature(step_args, step_kwargs))
-        compiled = self._compiled.get(key)
-        if compiled is None:  # keep the root of the first call: the executor runs it
-            compiled = self._prepare(step_args, step_kwargs, root, tag)
-        else:
-            self._current = compiled
-        return self._run(compiled, step_args, step_kwargs)
+        return self._run(self._prepare(step_args, step_kwargs, root, tag), step_args, step_kwargs)
 
     def _run(self, compiled: Compiled, args, kwargs):
         """Run the executor; measure the step with the allocator while the closed loop is
