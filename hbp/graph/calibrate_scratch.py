@@ -17,8 +17,9 @@ bytes the IR already models at that event:
     calibrate_scratch(captured, arguments)   # arguments: forward parameter name -> value
 
 An op signature is the op (function, method, or the module's class and `repr`, which holds
-its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments
-and the values of the others: measured once per process (`_CACHE`), so a model of repeated
+its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments,
+the values of the others and the layout of its output gradient (a slice of a `torch.cat`'s
+gradient or a dense tensor): measured once per process (`_CACHE`), so a model of repeated
 blocks costs one measurement per distinct layer.
 
 Values are produced by running the graph once on the real inputs under `no_grad` (each value
@@ -76,9 +77,10 @@ def calibrate_scratch(captured: CapturedGraph, arguments: dict[str, Any]) -> int
             if ir_node is None:
                 continue
             args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
-            key = _signature(gm, node, args, kwargs)
+            cat_dim = _cat_dim(node)
+            key = (_signature(gm, node, args, kwargs), cat_dim)
             if key not in _CACHE:
-                measured = _measure(gm, node, args, kwargs)
+                measured = _measure(gm, node, args, kwargs, cat_dim)
                 if measured is None:
                     continue
                 _CACHE[key] = measured
@@ -232,7 +234,9 @@ def _signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
     return (op, node.meta.get(MODES), leaves)
 
 
-def _measure(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple[int, int] | None:
+def _measure(
+    gm: fx.GraphModule, node: fx.Node, args, kwargs, cat_dim: int | None = None
+) -> tuple[int, int] | None:
     """(forward, backward) allocator peaks of one run of `node` on `args`, bytes above the
     level before each (None when the op cannot run alone)."""
     device = next(
@@ -252,7 +256,7 @@ def _measure(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple[int, int]
         ]
         if not outputs or not grad_inputs:
             return forward, 0
-        seeds = [_seed_like(t, node) for t in outputs]
+        seeds = [_seed_like(t, cat_dim) for t in outputs]
 
         def backward():
             return torch.autograd.grad(outputs, grad_inputs, seeds, allow_unused=True)
@@ -263,20 +267,26 @@ def _measure(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple[int, int]
     return forward, backward_peak
 
 
-def _seed_like(t: torch.Tensor, node: fx.Node) -> torch.Tensor:
-    """The output gradient for a measured backward, laid out as the step's will be: a value
-    whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous across
-    channels: a convolution's backward copies it, which is workspace too)."""
+def _cat_dim(node: fx.Node) -> int | None:
+    """The dimension of the `torch.cat` that is the only user of `node`, else None."""
     users = list(node.users)
     if len(users) == 1 and users[0].op == "call_function" and users[0].target in _CATS:
         cat = users[0]
         dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
-        if isinstance(dim, int) and t.dim() > 0:
-            dim = dim % t.dim()
-            shape = list(t.shape)
-            shape[dim] *= 2
-            return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
-    return torch.ones_like(t)
+        return dim if isinstance(dim, int) else None
+    return None
+
+
+def _seed_like(t: torch.Tensor, cat_dim: int | None) -> torch.Tensor:
+    """The output gradient for a measured backward, laid out as the step's will be: a value
+    whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous across
+    channels: a convolution's backward copies it, which is workspace too)."""
+    if cat_dim is None or t.dim() == 0:
+        return torch.ones_like(t)
+    dim = cat_dim % t.dim()
+    shape = list(t.shape)
+    shape[dim] *= 2
+    return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
 
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
