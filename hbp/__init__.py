@@ -4,7 +4,7 @@ Train with less activation memory: `hbp.HCModule(model, budget=0.3)` wraps any n
 its training step stays within a memory budget with the least recomputation; the JAX
 counterpart is `hbp.jax.height_compressed_grad(fun, budget=...)`.
 
-Public API (DESIGN.md): HCModule, BudgetError, measure_step, ops.chunked_cross_entropy,
+Public API (DESIGN.md): HCModule, BudgetError, measure_step, estimate, ops.chunked_cross_entropy,
 jax.height_compressed, jax.height_compressed_grad. Heavy submodules load on first use, so
 `import hbp` stays cheap and does not import jax.
 """
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "HCModule": ("hbp.integrations.torch", "HCModule"),
     "measure_step": ("hbp.runtime.measure", "measure_step"),
+    "estimate": ("hbp.estimate", "estimate"),
     "MemoryTracker": ("hbp.runtime.tracker", "MemoryTracker"),
     "plan": ("hbp.planner", "plan"),
     "simulate": ("hbp.analysis.simulate", "simulate"),

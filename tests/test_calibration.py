@@ -1,7 +1,8 @@
 """Calibration: the simulator's predicted step peak (`Plan.predicted_peak_bytes`, from the
-captured graph) against the peak the live-storage tracker measures when HCModule executes
-that plan, on models not in the repo (fast) and on the four workloads (slow), naive and under
-budgets. Contract: within 10%; measured here: within 5% everywhere (see the report table)."""
+captured graph, kernel workspace calibrated by `hbp.runtime.calibrate_scratch`) against the
+allocator's peak (`peak_bytes`, DESIGN.md "Metrics") when HCModule executes that plan, on
+models not in the repo (fast) and on the four workloads (slow), naive and under budgets.
+Contract: within 3%, and the measured peak within 1.05x the budget."""
 
 import warnings
 
@@ -14,7 +15,7 @@ import hbp
 import hbp.workloads as workloads
 from hbp.errors import BudgetError
 from hbp.ops import chunked_cross_entropy
-from hbp.runtime.tracker import MemoryTracker
+from hbp.runtime.tracker import allocator_peak
 
 D, T, V = 64, 32, 256
 
@@ -104,10 +105,8 @@ def measured_vs_predicted(module, inputs, budget):
     for p in module.parameters():
         p.grad = None
     torch.manual_seed(0)
-    with MemoryTracker(record_timeline=False) as tracker:
-        loss = hc(*inputs)
-        loss.backward()
-    return plan.predicted_peak_bytes, tracker.peak_bytes, plan.budget_bytes
+    _, measured = allocator_peak(lambda: hc(*inputs).backward())
+    return plan.predicted_peak_bytes, measured, plan.budget_bytes
 
 
 def small_models():
@@ -132,7 +131,7 @@ def small_models():
 def test_prediction_matches_measurement_on_models_not_in_the_repo(name, budget):
     module, inputs = small_models()[name]
     predicted, measured, budget_bytes = measured_vs_predicted(module, inputs, budget)
-    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
     assert measured <= 1.05 * budget_bytes
 
 
@@ -158,8 +157,11 @@ def test_prediction_matches_measurement_on_the_workloads(name):
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for budget in (1.0, 0.5, 0.3):
+        for budget in (1.0, 0.5, 0.3, "min"):
             predicted, measured, budget_bytes = measured_vs_predicted(module, batch.args, budget)
             rows.append((budget, predicted, measured))
-            assert abs(predicted - measured) <= 0.10 * measured, rows
-            assert measured <= 1.10 * budget_bytes, rows
+            # synthetic_dag at its minimum: 4.3% under (README "Known limitations": the
+            # save-free tail of a recomputed segment runs before the recompute)
+            tolerance = 0.05 if (name, budget) == ("synthetic_dag", "min") else 0.03
+            assert abs(predicted - measured) <= tolerance * measured, rows
+            assert measured <= 1.05 * budget_bytes, rows

@@ -55,8 +55,8 @@ def test_sizes_saved_tensors_and_parameter_gradients_follow_autograd():
     assert fc1.backward_flops == 2 * fc1.flops  # grad of input and of weight: two matmuls
     # A recompute pass that early-stops at a Linear never runs its matmul: the input it saves
     # is packed before the op runs. Sigmoid-like ops save their output, after running.
-    assert g.meta["flops_after_last_save"][fc1.name] == fc1.flops
-    assert {fc1.name, act.name, drop.name, fc2.name} <= set(g.meta["output_after_last_save"])
+    assert fc1.flops_after_last_save == fc1.flops
+    assert all(n.output_after_last_save for n in (fc1, act, drop, fc2))
 
 
 def test_norms_activations_and_inputs_without_grad():
@@ -80,7 +80,7 @@ def test_norms_activations_and_inputs_without_grad():
     assert frozen.param_grad_bytes == 0  # parameters without grad get no gradient
     assert frozen.saved_inputs == ()  # nothing to differentiate with respect to the weight
     assert sig.saves_output and sig.saved_inputs == ()  # sigmoid's backward uses its output
-    assert sig.name not in c.graph.meta["output_after_last_save"]
+    assert not sig.output_after_last_save
     assert norm.param_grad_bytes == 2 * D * F32
 
 
@@ -215,7 +215,7 @@ def test_cross_entropy_backward_scratch_is_recorded():
     ce = c.graph.node("cross_entropy")
     assert ce.saved_extra_bytes == B * 64 * F32 + F32  # log-softmax output (+ total weight)
     # its backward holds nll_loss's gradient and the logits' gradient at once
-    assert c.graph.meta["backward_transient_bytes"]["cross_entropy"] == B * 64 * F32
+    assert ce.backward_scratch_bytes == B * 64 * F32
 
 
 def test_data_dependent_control_flow_falls_back_to_module_calls():

@@ -547,7 +547,8 @@ def test_eval_mode_fine_tuning_plans_only_when_asked(count_captures):
     model = BatchNormMLP().eval()
     reference = copy.deepcopy(model)
     expected = run_step(reference, reference, (x,))
-    hc = hbp.HCModule(model, budget=0.5, plan_in_eval=True)
+    # 0.6: with BatchNorm's kernel workspace counted, 0.5 is below this step's minimum
+    hc = hbp.HCModule(model, budget=0.6, plan_in_eval=True)
     got = run_step(hc, model, (x,))
     assert_same(expected, got)
     assert captures == [1] and "plan_in_eval=True" in repr(hc)

@@ -19,6 +19,7 @@ from hbp.runtime import (
     summarize_times,
 )
 from hbp.runtime.flops import TotalFlopCounterMode
+from hbp.runtime.tracker import allocator_peak
 
 F32 = 4
 
@@ -114,7 +115,7 @@ def test_measure_step_fields_flops_and_grad_reset():
         return linear_step(layer, x)()
 
     m = measure_step(step, params=[*layer.parameters(), x], warmup=2, repeats=3)
-    assert grads_none_at_start == [True] * 2 * (2 + 3 + 1)  # warmup + timed + measured
+    assert grads_none_at_start == [True] * 2 * (2 + 3 + 2)  # warmup, timed, allocator, tracker
     assert m.flops == 3 * 2 * B * n_in * n_out
     assert m.device == "cpu"
     assert len(m.step_times) == 3 and all(t > 0 for t in m.step_times)
@@ -124,11 +125,12 @@ def test_measure_step_fields_flops_and_grad_reset():
     # of x, weight and bias, created inside the step because they were reset to None. (The
     # (B, n_out) output is saved by nothing: it died right after the sum.)
     grads = (B * n_in + n_out * n_in + n_out) * F32
-    assert m.peak_bytes == m.tracker_peak_bytes == 2 * F32 + grads
-    assert m.peak_bytes == m.timeline["live_bytes"].max()
+    assert m.tensor_peak_bytes == 2 * F32 + grads
+    assert m.tensor_peak_bytes == m.timeline["live_bytes"].max()
+    assert m.peak_bytes == m.tensor_peak_bytes + m.scratch_bytes >= m.tensor_peak_bytes
     assert m.timeline["phase"].iloc[0] == "forward"
     assert m.timeline["phase"].iloc[-1] == "backward"
-    assert m.peak_by_phase["backward"] == m.peak_bytes
+    assert m.peak_by_phase["backward"] == m.tensor_peak_bytes
     assert isinstance(m.last_output, torch.Tensor) and not m.last_output.requires_grad
     torch.testing.assert_close(m.last_output, layer(x).sum().detach())
 
@@ -150,7 +152,9 @@ def test_stacked_flop_counter_does_not_change_the_checkpointed_peak():
     _, alone_peak = measure_callable_peak(step)
     blocks.zero_grad(set_to_none=True)
     _, alone_flops = count_flops(step)
-    assert m.peak_bytes == alone_peak
+    assert m.tensor_peak_bytes == alone_peak
+    blocks.zero_grad(set_to_none=True)
+    assert m.peak_bytes == allocator_peak(step)[1]
     assert m.flops == alone_flops
     # 8 Linears forward; backward: 8 weight grads + 7 input grads (x needs none); recompute:
     # only each block's first Linear, because checkpoint stops recomputing once the last
@@ -246,11 +250,11 @@ def test_cuda_control_flow_allocator_step_runs_without_dispatch_modes(monkeypatc
     assert modes[:4] == [None] * 4  # warmup, timed, allocator-measured
     assert len(modes) == 5 and modes[4] is not None  # the instrumented step
     assert m.flops == 2 * (2 * 2 * 8 * 4)  # forward and weight grad (x needs no grad)
-    assert m.tracker_peak_bytes == m.timeline["live_bytes"].max() > 0
+    assert m.tensor_peak_bytes == m.timeline["live_bytes"].max() > 0
 
     modes.clear()
     m = measure_step(step, params=layer, device="cuda", warmup=0, repeats=0,
-                     count_flops=False, record_timeline=False)  # fmt: skip
+                     count_flops=False, track_tensors=False)  # fmt: skip
     assert modes == [None] and m.peak_bytes == 5000 and m.flops is None and m.timeline is None
 
 
@@ -269,5 +273,28 @@ def test_measure_step_on_cuda_uses_allocator_peak():
     assert m.device.startswith("cuda")
     # The allocator rounds each block up to 512 bytes (the scalars); every other tensor here
     # is a multiple of 512 bytes, so the allocator's peak is the tracker's plus rounding.
-    assert m.tracker_peak_bytes <= m.peak_bytes <= m.tracker_peak_bytes + 64 * 1024
+    assert m.tensor_peak_bytes <= m.peak_bytes <= m.tensor_peak_bytes + 64 * 1024
     assert m.flops == 2 * 2 * 256 * 1024 * 1024
+
+
+def test_peak_bytes_is_the_allocators_and_scratch_is_the_kernel_workspace():
+    """A 3x3 convolution's backward allocates im2col-style workspace that no tensor holds:
+    `peak_bytes` (the allocator's) sees it, `tensor_peak_bytes` (live storages) does not, and
+    the difference is `scratch_bytes`."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(4, 32, 16, 16, requires_grad=True)
+
+    def step():
+        conv(x).square().sum().backward()
+
+    m = measure_step(step, params=[*conv.parameters(), x], warmup=1, repeats=0)
+    conv.zero_grad(set_to_none=True)
+    x.grad = None
+    _, tensors = measure_callable_peak(step)
+    conv.zero_grad(set_to_none=True)
+    x.grad = None
+    _, allocator = allocator_peak(step)
+    assert m.tensor_peak_bytes == tensors
+    assert m.peak_bytes == allocator
+    assert m.scratch_bytes == allocator - tensors > 0

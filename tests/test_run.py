@@ -100,6 +100,8 @@ def test_metrics_json_has_the_summary_fields(sweep):
         "params",
         "peak_bytes",
         "peak_mib",
+        "tensor_peak_bytes",
+        "scratch_bytes",
         "flops",
         "recompute_ratio",
         "step_time_s",
@@ -153,11 +155,13 @@ def test_single_run_with_tables_and_offline_wandb(tmp_path):
     assert "synthetic_dag" in result.stdout and "peak MiB" in result.stdout  # summary table
     metrics = json.loads((run_dir / "metrics.json").read_text())
     steps = pd.read_parquet(run_dir / "steps.parquet")
-    assert list(steps["phase"]) == ["warmup", "timed", "timed", "measured"]
+    assert list(steps["phase"]) == ["warmup", "timed", "timed", "measured", "instrumented"]
     assert (steps["step_time_s"] > 0).all() and steps["loss"].notna().all()
     timeline = pd.read_parquet(run_dir / "memory_timeline.parquet")
     assert list(timeline.columns) == ["op_index", "live_bytes", "phase", "op"]
-    assert timeline["live_bytes"].max() == metrics["peak_bytes"]
+    assert timeline["live_bytes"].max() == metrics["tensor_peak_bytes"]
+    assert metrics["peak_bytes"] == metrics["tensor_peak_bytes"] + metrics["scratch_bytes"]
+    assert metrics["scratch_bytes"] >= 0
     assert set(timeline["phase"]) == {"forward", "backward"}
     (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
     assert list(wandb_run.glob("run-*.wandb"))

@@ -374,3 +374,37 @@ def test_peak_equals_cpu_allocator_peak_without_any_dispatch_mode(build):
         step()
     assert mt.peak_bytes == expected
     assert mt.current_bytes == param_bytes(model)
+
+
+def test_allocator_peak_counts_allocations_above_the_level_before_the_call():
+    before = torch.empty(10_000, dtype=torch.uint8)  # alive before: not counted
+
+    def fn():
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = torch.empty(3000, dtype=torch.uint8)  # a + b: 4000, the peak
+        del a
+        c = torch.empty(500, dtype=torch.uint8)  # b + c: 3500
+        return b, c
+
+    (b, c), peak = allocator_peak(fn)
+    assert peak == 4000
+    _, peak = allocator_peak(lambda: None)
+    assert peak == 0
+    del before, b, c
+
+
+def test_allocator_peak_sees_kernel_workspace_the_tracker_cannot():
+    conv = nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(4, 32, 16, 16, requires_grad=True)
+
+    def step():
+        conv(x).sum().backward()
+
+    step()
+    conv.zero_grad(set_to_none=True)
+    with MemoryTracker() as mt:
+        step()
+    conv.zero_grad(set_to_none=True)
+    _, peak = allocator_peak(step)
+    # the tracker's tensors are all inside, plus the convolution's scratch buffers
+    assert peak > mt.peak_bytes + 4 * 32 * 16 * 16 * F32

@@ -16,11 +16,13 @@ rules below hold everywhere:
 - A node is a *save event* when it has a backward and saves something: that is what
   torch.utils.checkpoint's non-reentrant early stop counts (see `hbp.analysis.simulate`).
 
-Refinements a capture may record in `graph.meta` (all optional, by node name):
-`forward_transient_bytes` / `backward_transient_bytes` (scratch a node holds only while its
-forward / backward runs), `grad_bytes` (a gradient's size where it differs from the value's
-storage) and `grad_passthrough` (inputs whose gradient *is* the node's output gradient, as
-for add or views: no new allocation).
+Refinements a capture records on the nodes (`hbp.graph.ir.Node`, all optional):
+`forward_scratch_bytes` / `backward_scratch_bytes` (scratch a node holds only while its
+forward / backward runs: kernel workspace, intermediates of composite ops), `grad_bytes` (a
+gradient's size where it differs from the value's storage) and `grad_passthrough` (inputs
+whose gradient *is* the node's output gradient, as for add or views: no new allocation).
+Graphs carrying them under the legacy `graph.meta` keys are upgraded first
+(`Graph.adopt_legacy_meta`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class GraphInfo:
                 or `saved_inputs` entry that is not among the node's inputs, negative sizes,
                 or an unknown output name.
         """
-        nodes = graph.nodes
+        nodes = graph.adopt_legacy_meta().nodes
         n = len(nodes)
         index: dict[str, int] = {}
         for i, node in enumerate(nodes):
@@ -127,7 +129,9 @@ class GraphInfo:
                     raise ValueError(
                         f"graph: node {node.name!r} saves {name!r}, which is not one of its inputs"
                     )
-            if min(node.output_bytes, node.saved_extra_bytes, node.param_grad_bytes) < 0:
+            sizes = (node.output_bytes, node.saved_extra_bytes, node.param_grad_bytes)
+            scratch = (node.forward_scratch_bytes, node.backward_scratch_bytes)
+            if min(*sizes, *scratch, node.gradient_bytes) < 0:
                 raise ValueError(f"graph: node {node.name!r} has a negative byte count")
             saved.append(tuple(dict.fromkeys(index[s] for s in node.saved_inputs)))
         is_output = np.zeros(n, dtype=bool)
@@ -153,20 +157,13 @@ class GraphInfo:
             [0 if (nd.alias_of is not None or nd.is_input) else nd.output_bytes for nd in nodes],
             dtype=np.int64,
         )
-        meta = graph.meta or {}
-        grad_override = meta.get("grad_bytes") or {}
-        grad_bytes = np.array(
-            [int(grad_override.get(nd.name, nd.grad_bytes)) for nd in nodes], dtype=np.int64
-        )
+        grad_bytes = np.array([nd.gradient_bytes for nd in nodes], dtype=np.int64)
         grad_bytes *= receives_grad
-        fwd_tr = meta.get("forward_transient_bytes") or {}
-        bwd_tr = meta.get("backward_transient_bytes") or {}
-        forward_transient = np.array([int(fwd_tr.get(nd.name, 0)) for nd in nodes], np.int64)
-        backward_transient = np.array([int(bwd_tr.get(nd.name, 0)) for nd in nodes], np.int64)
+        forward_transient = np.array([nd.forward_scratch_bytes for nd in nodes], np.int64)
+        backward_transient = np.array([nd.backward_scratch_bytes for nd in nodes], np.int64)
         backward_transient *= has_backward
-        through = meta.get("grad_passthrough") or {}
         passthrough = [
-            tuple(index[v] for v in through.get(nd.name, ()) if v in index and v in nd.inputs)
+            tuple(index[v] for v in nd.grad_passthrough if v in index and v in nd.inputs)
             if has_backward[i]
             else ()
             for i, nd in enumerate(nodes)

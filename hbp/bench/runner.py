@@ -124,8 +124,8 @@ def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:
     row["peak_bytes"] = measured.peak_bytes
     row["peak_mib"] = measured.peak_bytes / MIB if measured.peak_bytes is not None else None
     row.update({f"peak_{phase}_bytes": v for phase, v in measured.peak_by_phase.items()})
-    if device.type == "cuda":
-        row["tracker_peak_bytes"] = measured.tracker_peak_bytes
+    row["tensor_peak_bytes"] = measured.tensor_peak_bytes
+    row["scratch_bytes"] = measured.scratch_bytes
     row["flops"] = measured.flops
     row["step_time_s"] = measured.step_time_s
     row["step_time_p10"] = measured.step_time_p10

@@ -101,14 +101,14 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
     running. Returns (StepMeasurement, per-step DataFrame, sampler results).
 
     `allocator`: for compiled modes, which no dispatch mode can observe (their buffers are
-    allocated outside the dispatcher): the peak comes from the allocator (profiler memory
-    events on CPU, max_memory_allocated on CUDA) in one extra step, and FLOPs are not
-    counted."""
-    from hbp.runtime.measure import measure_step, step_peak
+    allocated outside the dispatcher): only the allocator's peak is measured (FLOPs and the
+    tensor tracker are skipped)."""
+    from hbp.runtime.measure import measure_step
 
     label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
-    progress = Progress(cfg.warmup + cfg.steps + 1, label)
-    phases = ["warmup"] * cfg.warmup + ["timed"] * cfg.steps + ["measured"]
+    progress = Progress(cfg.warmup + cfg.steps + (1 if allocator else 2), label)
+    # measured: the allocator's step (peak_bytes); instrumented: tracker + FLOP counter
+    phases = ["warmup"] * cfg.warmup + ["timed"] * cfg.steps + ["measured", "instrumented"]
     rows: list[dict] = []
     process = psutil.Process()
 
@@ -134,12 +134,8 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
         try:
             measured = measure_step(
                 step, params=params, warmup=cfg.warmup, repeats=cfg.steps, device=device,
-                track_memory=not allocator, count_flops=not allocator,
+                count_flops=not allocator, track_tensors=not allocator,
             )  # fmt: skip
-            if allocator:
-                for p in params:
-                    p.grad = None
-                _, measured.peak_bytes = step_peak(step, device, cpu="allocator")
         finally:
             if gpu is not None:
                 gpu.stop()
@@ -175,10 +171,12 @@ def reference_checks(cfg, workload, module, batch, params, device, flops) -> dic
         result["grad_max_rel_error"] = error
         result["verify_passed"] = bool(error < GRAD_TOLERANCE)
     if result["naive_flops"] is None and cfg.count_naive_flops:
+
+        def naive_step():
+            return _step_gradients(reference.model, reference, batch, ref_params, cfg.seed)
+
+        _, result["naive_peak_bytes"] = step_peak(naive_step, device)  # the allocator's
         with TotalFlopCounterMode() as counter:
-            _, result["naive_peak_bytes"] = step_peak(
-                lambda: _step_gradients(reference.model, reference, batch, ref_params, cfg.seed),
-                device,
-            )
+            naive_step()
         result["naive_flops"] = int(counter.get_total_flops())
     return result

@@ -60,6 +60,23 @@ class Node:
         alias_of: name of the input whose storage the output shares, or None.
         is_input: a graph input (placeholder): allocated before the step, never recomputed.
         module: dotted path of the nn.Module (or scope) that produced it, for reports.
+
+    Memory facts a capture measures beyond the fields above (defaults: none):
+        grad_bytes: bytes of the gradient of this node's output during backward; None: the
+            output's storage (`output_bytes`). Differs for views and in-place results (no
+            new storage, a full-size gradient) and for CPU losses that return a view of an
+            unreduced buffer. Use `gradient_bytes` to read it.
+        grad_passthrough: inputs whose gradient *is* this node's output gradient (add,
+            views): its backward allocates nothing for them.
+        forward_scratch_bytes: bytes the node holds only while its forward runs, beyond
+            its output and saved extras: kernel workspace, a composite op's intermediates.
+        backward_scratch_bytes: the same while its backward runs, beyond the input and
+            parameter gradients it creates (cross-entropy's log-softmax gradient, a
+            convolution's im2col buffers).
+        flops_after_last_save: FLOPs that do not run when a recompute pass early-stops at
+            this node (torch saves an op's inputs before the op runs, its outputs after).
+        output_after_last_save: whether its output is allocated after its last save (a
+            Linear that saves only its input: the matmul and its output).
     """
 
     name: str
@@ -76,11 +93,32 @@ class Node:
     alias_of: str | None = None
     is_input: bool = False
     module: str = ""
+    grad_bytes: int | None = None
+    grad_passthrough: tuple[str, ...] = ()
+    forward_scratch_bytes: int = 0
+    backward_scratch_bytes: int = 0
+    flops_after_last_save: float = 0.0
+    output_after_last_save: bool = False
 
     @property
-    def grad_bytes(self) -> int:
-        """Bytes of the gradient of this node's output during backward."""
-        return self.output_bytes if self.requires_grad else 0
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradient of this node's output during backward (0 without grad)."""
+        if not self.requires_grad:
+            return 0
+        return self.output_bytes if self.grad_bytes is None else self.grad_bytes
+
+
+# Graph.meta keys under which captures before the typed fields recorded the same facts, by
+# node name (graph.json files written then still load): key -> Node field.
+LEGACY_META_FIELDS = {
+    "grad_bytes": "grad_bytes",
+    "grad_passthrough": "grad_passthrough",
+    "forward_transient_bytes": "forward_scratch_bytes",
+    "backward_transient_bytes": "backward_scratch_bytes",
+    "flops_after_last_save": "flops_after_last_save",
+    "output_after_last_save": "output_after_last_save",
+}
+_TUPLE_FIELDS = ("inputs", "saved_inputs", "grad_passthrough")
 
 
 @dataclass
@@ -90,7 +128,10 @@ class Graph:
     Attributes:
         nodes: the nodes, in the order forward runs them (inputs first).
         outputs: names of the values the graph returns.
-        meta: free-form facts about the capture (framework, granularity, warnings).
+        meta: provenance of the capture (framework, granularity, timings, warnings); memory
+            facts are `Node` fields. Graphs built with the legacy per-node meta keys
+            (`LEGACY_META_FIELDS`) have them moved onto the nodes by `adopt_legacy_meta`,
+            which `from_dict` and `hbp.analysis.liveness.GraphInfo.of` call.
     """
 
     nodes: list[Node]
@@ -99,6 +140,21 @@ class Graph:
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
+
+    def adopt_legacy_meta(self) -> Graph:
+        """Move memory facts recorded under legacy `meta` keys onto the nodes' fields (a
+        no-op when there are none); returns self."""
+        for key, attr in LEGACY_META_FIELDS.items():
+            by_name = self.meta.pop(key, None)
+            if not by_name:
+                continue
+            if attr == "output_after_last_save":  # a list of node names
+                by_name = {name: True for name in by_name}
+            for name, value in by_name.items():
+                if name in self._index:
+                    node = self.nodes[self._index[name]]
+                    setattr(node, attr, tuple(value) if attr in _TUPLE_FIELDS else value)
+        return self
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -136,10 +192,11 @@ class Graph:
         nodes = []
         for raw in d["nodes"]:
             kw = {k: v for k, v in raw.items() if k in names}
-            kw["inputs"] = tuple(kw.get("inputs", ()))
-            kw["saved_inputs"] = tuple(kw.get("saved_inputs", ()))
+            for name in _TUPLE_FIELDS:
+                kw[name] = tuple(kw.get(name, ()))
             nodes.append(Node(**kw))
-        return cls(nodes, list(d.get("outputs", [])), dict(d.get("meta", {})))
+        graph = cls(nodes, list(d.get("outputs", [])), dict(d.get("meta", {})))
+        return graph.adopt_legacy_meta()
 
     def to_json(self, path: str | Path | None = None) -> str:
         """The graph as JSON text; also written to `path` if given."""

@@ -52,8 +52,8 @@ def random_dag(
     (inputs, output, both or nothing), a view or in-place alias of its first input
     (`alias_prob`), saved extra bytes, parameter gradients, and, with `extra_output_prob`,
     being a graph output besides the last op. With `refinements`, also the optional
-    `graph.meta` entries a capture records (transient scratch bytes, gradient sizes,
-    gradient pass-through; see `hbp.analysis.liveness`).
+    memory facts a capture records on nodes (scratch bytes, gradient sizes, gradient
+    pass-through; see `hbp.analysis.liveness`).
     """
     rng = np.random.default_rng(seed)
     if input_requires_grad is None:
@@ -99,18 +99,17 @@ def random_dag(
     meta: dict = {"generator": "random_dag", "seed": seed}
     if refinements:
         ops = nodes[1:]
-        pick = [nd for nd in ops if rng.random() < 0.3]
-        meta["forward_transient_bytes"] = {nd.name: int(rng.integers(1, 4)) for nd in pick}
-        pick = [nd for nd in ops if rng.random() < 0.3]
-        meta["backward_transient_bytes"] = {nd.name: int(rng.integers(1, 4)) for nd in pick}
-        meta["grad_bytes"] = {
-            nd.name: int(rng.integers(1, max_bytes + 1)) for nd in ops if rng.random() < 0.2
-        }
-        meta["grad_passthrough"] = {
-            nd.name: tuple(v for v in nd.inputs if rng.random() < 0.5)
-            for nd in ops
-            if rng.random() < 0.3
-        }
+        # (the draws in the order of the earlier meta-based version: same graphs per seed)
+        for nd in [nd for nd in ops if rng.random() < 0.3]:
+            nd.forward_scratch_bytes = int(rng.integers(1, 4))
+        for nd in [nd for nd in ops if rng.random() < 0.3]:
+            nd.backward_scratch_bytes = int(rng.integers(1, 4))
+        for nd in ops:
+            if rng.random() < 0.2:
+                nd.grad_bytes = int(rng.integers(1, max_bytes + 1))
+        for nd in ops:
+            if rng.random() < 0.3:
+                nd.grad_passthrough = tuple(v for v in nd.inputs if rng.random() < 0.5)
     return Graph(nodes, outputs=outputs, meta=meta)
 
 

@@ -410,63 +410,44 @@ def _profile_graph(
 
 
 def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
-    """Memory facts the IR's fields cannot hold, in `graph.meta` by node name (nonzero /
-    non-default entries only; `hbp.analysis.liveness` reads them):
+    """Memory facts measured while profiling, onto the nodes' fields (`hbp.graph.ir.Node`;
+    `hbp.analysis.liveness` reads them):
 
-    - "grad_bytes": a gradient has its value's size (numel x element size), which differs from
+    - `grad_bytes`: a gradient has its value's size (numel x element size), which differs from
       the output's new storage for views and in-place results (0 new bytes, a full-size
       gradient) and where a CPU loss kernel returns a scalar view of an unreduced buffer.
-    - "grad_passthrough": inputs whose gradient is the node's output gradient itself (add,
+    - `grad_passthrough`: inputs whose gradient is the node's output gradient itself (add,
       views: backward allocates nothing for them).
-    - "forward_transient_bytes" / "backward_transient_bytes": bytes a node holds only while its
+    - `forward_scratch_bytes` / `backward_scratch_bytes`: bytes a node holds only while its
       forward / backward runs, beyond what the event accounting already charges there: scratch
       inside composite ops (chunked logits, a leaf module's intermediates; in backward,
-      intermediate gradients such as cross-entropy's log-softmax gradient).
-    - "flops_after_last_save" / "output_after_last_save": what of a node does not run when a
+      intermediate gradients such as cross-entropy's log-softmax gradient). Kernel workspace
+      no tensor holds is added by `hbp.runtime.calibrate_scratch`.
+    - `flops_after_last_save` / `output_after_last_save`: what of a node does not run when a
       recompute pass early-stops at it (torch saves an op's inputs before the op runs and its
       outputs after): the FLOPs after its last saved tensor, and whether its output storage
       is allocated after it (a Linear that saves only its input: the matmul and its output).
     """
-    grad_bytes = {}
     for node in graph.nodes:
         prof = profiles.get(node.name)
         if prof is not None and node.requires_grad and prof.value_bytes != node.output_bytes:
-            grad_bytes[node.name] = prof.value_bytes
-
-    def grad_of(name: str) -> int:
-        node = graph.node(name)
-        return grad_bytes.get(name, node.output_bytes) if node.requires_grad else 0
-
-    forward, backward = {}, {}
+            node.grad_bytes = prof.value_bytes
     for node in graph.nodes:
         prof = profiles.get(node.name)
         if prof is None:
             continue
-        fwd = prof.forward_peak_bytes - node.output_bytes - node.saved_extra_bytes
-        if fwd > 0:
-            forward[node.name] = fwd
-        modelled = node.param_grad_bytes + sum(
-            grad_of(i) for i in dict.fromkeys(node.inputs) if i not in prof.grad_passthrough
+        node.grad_passthrough = tuple(prof.grad_passthrough)
+        node.flops_after_last_save = prof.flops_after_last_save
+        node.output_after_last_save = bool(prof.output_after_last_save)
+        node.forward_scratch_bytes = max(
+            0, prof.forward_peak_bytes - node.output_bytes - node.saved_extra_bytes
         )
-        bwd = prof.backward_peak_bytes - modelled
-        if bwd > 0:
-            backward[node.name] = bwd
-    graph.meta["grad_bytes"] = grad_bytes
-    graph.meta["grad_passthrough"] = {
-        name: tuple(prof.grad_passthrough)
-        for name, prof in profiles.items()
-        if prof.grad_passthrough
-    }
-    graph.meta["forward_transient_bytes"] = forward
-    graph.meta["backward_transient_bytes"] = backward
-    graph.meta["flops_after_last_save"] = {
-        name: prof.flops_after_last_save
-        for name, prof in profiles.items()
-        if prof.flops_after_last_save
-    }
-    graph.meta["output_after_last_save"] = [
-        name for name, prof in profiles.items() if prof.output_after_last_save
-    ]
+        modelled = node.param_grad_bytes + sum(
+            graph.node(i).gradient_bytes
+            for i in dict.fromkeys(node.inputs)
+            if i not in prof.grad_passthrough
+        )
+        node.backward_scratch_bytes = max(0, prof.backward_peak_bytes - modelled)
 
 
 def _input_node(name: str, value: Any, owners: dict[int, str], persistent_keys: set[int]) -> Node:

@@ -19,7 +19,14 @@ Budget: float in (0, 1] = fraction of the step's naive peak, as simulated on the
 graph (activations, saved tensors, activation and parameter gradients; not the parameters
 themselves nor the inputs); int = bytes; str such as "64MiB" (a byte budget above the naive peak
 is met by the naive step: nothing is recomputed); "min" = the least the planner can reach.
-No plan fits -> `hbp.BudgetError` with `.minimum` (bytes).
+No plan fits -> `hbp.BudgetError` with `.minimum` (bytes). Kernel workspace counts: each op
+signature's is measured by the allocator at capture (`hbp.runtime.calibrate_scratch`).
+
+The step around the module (NOTE [ The step around the module ]): with `loss_fn`, `hc(x,
+targets=y)` returns `loss_fn(module(x), y)` and the plan covers the whole step; without it,
+the first step of a signature is measured by the allocator (CUDA always; CPU with
+`calibrate=True`) and planned again, with a warning, if the caller's loss took it above the
+budget (`hc.measured_peak_bytes`).
 
 Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
 hooks of submodules fire again, Python side effects in forward happen again, and the RNG state
@@ -53,7 +60,7 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch_capture import MODULE, CapturedGraph, ambient_modes, capture
 from hbp.planner import PLANNERS
 from hbp.planner.budget import parse_budget
-from hbp.planner.plan import Plan, Segment
+from hbp.planner.plan import MIB, Plan, Segment
 from hbp.runtime.executor import make_executor, per_call_plan
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
@@ -62,7 +69,12 @@ MANY_SIGNATURES = 8
 
 @dataclass
 class Compiled:
-    """What HCModule caches per input signature."""
+    """What HCModule caches per input signature.
+
+    `budget_bytes`: the budget this signature must meet (the plan's own `budget_bytes` is
+    lowered when the closed loop plans again); `measured_peak_bytes`: the allocator's peak of
+    the last measured step (None before); `measurements`: steps measured so far; `settled`:
+    a measured step met the budget (or the loop gave up), so later steps are not measured."""
 
     captured: CapturedGraph
     plan: Plan
@@ -70,6 +82,11 @@ class Compiled:
     naive_peak_bytes: int
     capture_time_s: float
     plan_time_s: float
+    root: nn.Module | None = None
+    budget_bytes: int = 0
+    measured_peak_bytes: int | None = None
+    measurements: int = 0
+    settled: bool = False
 
 
 class HCModule(nn.Module):
@@ -85,10 +102,19 @@ class HCModule(nn.Module):
         verbose: print the plan summary whenever a new signature is planned.
         plan_in_eval: also plan (and enforce the budget) in eval mode when grad is enabled
             (eval-mode fine-tuning); by default eval mode runs the plain module.
+        loss_fn: the step's loss, `loss_fn(output, *targets)`. Then `hc(*inputs,
+            targets=y)` (or a tuple of targets) returns the loss, and the plan covers the
+            whole step: the loss, its backward and the gradients flowing back into the module
+            (see NOTE [ The step around the module ]). `hc(*inputs)` still returns the output.
+        calibrate: on CPU, measure the first training step of each signature with the
+            allocator (profiler memory events: slower, once) and plan again if it is above
+            the budget. On CUDA the first step is always measured (it costs nothing).
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
         captured: its captured graph (`CapturedGraph`, `.graph` is hbp's IR).
+        measured_peak_bytes: the allocator's peak of the last measured step (above the level
+            before it, the caller's loss and backward included), or None.
     """
 
     def __init__(
@@ -100,6 +126,8 @@ class HCModule(nn.Module):
         planner: str = "optimal",
         verbose: bool = False,
         plan_in_eval: bool = False,
+        loss_fn=None,
+        calibrate: bool = False,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -116,6 +144,12 @@ class HCModule(nn.Module):
         self.planner = planner
         self.verbose = verbose
         self.plan_in_eval = bool(plan_in_eval)
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError("loss_fn", loss_fn, "a callable loss_fn(output, *targets) or None")
+        self.loss_fn = loss_fn
+        self.calibrate = bool(calibrate)
+        self._measured_peak_bytes: int | None = None
+        self._probe: tuple[_StepPeakProbe, Compiled] | None = None
         self._compiled: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
         self._warned: set[str] = set()
@@ -132,20 +166,31 @@ class HCModule(nn.Module):
         return self._current.captured if self._current else None
 
     @property
+    def measured_peak_bytes(self) -> int | None:
+        """The allocator's peak of the last measured step, in bytes (None before one)."""
+        self._finish_probe()
+        return self._measured_peak_bytes
+
+    @property
     def compiled(self) -> Compiled | None:
         """Capture, plan, executor and timings of the most recent training call."""
         return self._current
 
     def forward(self, *args, **kwargs):
+        if self.loss_fn is not None and "targets" in kwargs:
+            return self._forward_with_loss(args, kwargs)
         if not self._plans_for(args, kwargs):
             return self.module(*args, **kwargs)
-        return self._prepare(args, kwargs).executor(*args, **kwargs)
+        return self._run(self._prepare(args, kwargs), args, kwargs)
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Capture and plan for these inputs as a training step (grad enabled, current
         train/eval flags) without running the step; return the plan. Later calls with the
-        same signature reuse it."""
+        same signature reuse it. With `loss_fn`, pass `targets=` to plan the whole step."""
         with torch.enable_grad():
+            if self.loss_fn is not None and "targets" in kwargs:
+                args, kwargs, root, tag = self._with_loss(args, kwargs)
+                return self._prepare(args, kwargs, root, tag).plan
             return self._prepare(args, kwargs).plan
 
     def summary(self) -> str:
@@ -164,6 +209,7 @@ class HCModule(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_compiled"], state["_current"] = {}, None  # rebuilt on the next call
+        state["_probe"] = None  # a measurement in flight (a profiler) stays with the original
         return state
 
     # -- planning ---------------------------------------------------------------------------
@@ -186,11 +232,11 @@ class HCModule(nn.Module):
             return False
         return differentiable
 
-    def _prepare(self, args, kwargs) -> Compiled:
-        key = self._signature(args, kwargs)
+    def _prepare(self, args, kwargs, root: nn.Module | None = None, tag: Any = None) -> Compiled:
+        key = (tag, self._signature(args, kwargs))
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compile(args, kwargs)
+            compiled = self._compile(args, kwargs, root)
             self._compiled[key] = compiled
             if len(self._compiled) == MANY_SIGNATURES + 1:
                 self._warn_once(
@@ -222,9 +268,10 @@ class HCModule(nn.Module):
         parts.append(tuple(m.training for m in self.module.modules()))
         return tuple(parts)
 
-    def _compile(self, args, kwargs) -> Compiled:
+    def _compile(self, args, kwargs, root: nn.Module | None = None) -> Compiled:
         from hbp.planner import plan as make_plan  # the planner is pure: import on use
 
+        root = self.module if root is None else root
         lazy = [
             name
             for name, p in self.module.named_parameters()
@@ -237,7 +284,8 @@ class HCModule(nn.Module):
                 f"a module whose parameters are initialised ({', '.join(lazy[:3])} are lazy): "
                 "call it once on a batch before wrapping it in HCModule",
             )
-        captured = capture(self.module, args, kwargs)
+        captured = capture(root, args, kwargs)
+        _calibrate_scratch(captured, root, args, kwargs)
         graph = captured.graph
         naive = simulate(graph).peak_bytes
         start = time.perf_counter()
@@ -257,9 +305,10 @@ class HCModule(nn.Module):
                     ) from err
                 raise
         plan_time_s = time.perf_counter() - start
-        executor = make_executor(captured, plan, self.module)
+        executor = make_executor(captured, plan, root)
         self._warn_about(captured, executor)
         compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
+        compiled.root, compiled.budget_bytes = root, plan.budget_bytes
         if self.verbose:
             print(plan_summary(compiled))
         return compiled
@@ -278,9 +327,11 @@ class HCModule(nn.Module):
             raise
         return self.budget
 
-    def _module_level_plan(self, captured: CapturedGraph, naive: int) -> Plan:
+    def _module_level_plan(
+        self, captured: CapturedGraph, naive: int, target_bytes: int | None = None
+    ) -> Plan:
         """The plan at module level, chosen among those the module-level executor runs as
-        planned (NOTE [ Module-level plans ])."""
+        planned (NOTE [ Module-level plans ]); for `target_bytes`, else for `self.budget`."""
         from hbp.planner import plan as make_plan  # the planner is pure: import on use
 
         graph = captured.graph
@@ -318,10 +369,10 @@ class HCModule(nn.Module):
         step = (naive - lowest) / 8  # the planner's plans across the range, as executed
         candidates += [planned(int(lowest + k * step)) for k in range(1, 8)]
         least = min(filter(None, candidates), key=lambda option: option[1].peak_bytes)
-        if self.budget == "min":
+        if target_bytes is None and self.budget == "min":
             chosen, budget_bytes = least, least[1].peak_bytes
         else:
-            budget_bytes = parse_budget(self._budget_for(naive), naive)
+            budget_bytes = target_bytes or parse_budget(self._budget_for(naive), naive)
             if least[1].peak_bytes > budget_bytes:
                 raise BudgetError(
                     budget_bytes,
@@ -408,6 +459,115 @@ class HCModule(nn.Module):
                     "HCModule works on a copy there, so the caller's tensor is left unchanged",
                 )
 
+    # -- the step around the module (NOTE [ The step around the module ]) -------------------
+
+    def _with_loss(self, args, kwargs) -> tuple[tuple, dict, nn.Module, tuple]:
+        """(args, kwargs, root, tag) of the whole step: the module and `loss_fn` as one
+        module taking the inputs followed by the targets."""
+        kwargs = dict(kwargs)
+        targets = kwargs.pop("targets")
+        targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+        root = _WithLoss(self.module, self.loss_fn, len(args))
+        return (*args, *targets), kwargs, root, ("loss", len(args), id(self.loss_fn))
+
+    def _forward_with_loss(self, args, kwargs):
+        step_args, step_kwargs, root, tag = self._with_loss(args, kwargs)
+        if not self._plans_for(args, step_kwargs):
+            return root(*step_args, **step_kwargs)
+        return self._run(self._prepare(step_args, step_kwargs, root, tag), step_args, step_kwargs)
+
+    def _run(self, compiled: Compiled, args, kwargs):
+        """Run the executor; measure the step with the allocator while the closed loop is
+        open (NOTE [ The step around the module ])."""
+        self._finish_probe()
+        device = _step_device(compiled.root, args, kwargs)
+        if compiled.settled or not (device.type == "cuda" or self.calibrate):
+            return compiled.executor(*args, **kwargs)
+        if device.type == "cpu" and torch.autograd._profiler_enabled():
+            return compiled.executor(*args, **kwargs)  # a profiler is running: cannot nest
+        probe = _StepPeakProbe(device)
+        try:
+            output = compiled.executor(*args, **kwargs)
+        except BaseException:
+            probe.cancel()
+            raise
+        leaves = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not leaves:
+            probe.cancel()
+            return output
+        self._probe = (probe, compiled)
+        queued = []
+
+        def on_grad(grad):
+            if not queued:  # the first output gradient: the rest of backward follows
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(probe.end)
+            return grad
+
+        for t in leaves:
+            t.register_hook(on_grad)
+        return output
+
+    def _finish_probe(self) -> None:
+        """Read a measured step whose backward has ended (see `_StepPeakProbe`); drop one
+        whose backward never ran."""
+        if self._probe is None:
+            return
+        (probe, compiled), self._probe = self._probe, None
+        peak = probe.stop()
+        if peak is not None:
+            self._step_measured(compiled, peak)
+
+    def _step_measured(self, compiled: Compiled, peak: int) -> None:
+        """A measured step peaked at `peak` bytes; above the budget, plan again with the
+        excess taken off (at most `_MAX_REPLANS` times)."""
+        compiled.measured_peak_bytes = self._measured_peak_bytes = peak
+        compiled.measurements += 1
+        excess = peak - compiled.budget_bytes
+        if excess <= 0 or compiled.measurements > _MAX_REPLANS:
+            compiled.settled = True
+            return
+        target = compiled.plan.budget_bytes - excess
+        message = (
+            f"HCModule: the measured step peaked at {peak / MIB:.2f} MiB (allocator), "
+            f"{excess / MIB:.2f} MiB above the budget of {compiled.budget_bytes / MIB:.2f} MiB: "
+            "memory outside the module (the caller's loss and its backward) or kernel "
+            "workspace the plan did not see. "
+        )
+        try:
+            self._replan(compiled, target)
+        except BudgetError as err:
+            compiled.settled = True
+            warnings.warn(
+                message + f"No plan fits {target / MIB:.2f} MiB (the least is "
+                f"{err.minimum / MIB:.2f} MiB): the budget cannot be met this way; pass "
+                "loss_fn= so that hbp plans the loss too, or raise the budget.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        warnings.warn(
+            message + f"Planned again for {target / MIB:.2f} MiB; the next steps keep the budget "
+            "(hc.measured_peak_bytes holds the measured figure).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _replan(self, compiled: Compiled, target_bytes: int) -> None:
+        from hbp.planner import plan as make_plan
+
+        captured = compiled.captured
+        if captured.granularity == MODULE:
+            plan = self._module_level_plan(captured, compiled.naive_peak_bytes, int(target_bytes))
+        else:
+            plan = make_plan(
+                captured.graph, int(target_bytes), block_size=self.block_size, planner=self.planner
+            )
+        compiled.plan = plan
+        compiled.executor = make_executor(captured, plan, compiled.root or self.module)
+
     def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -423,6 +583,111 @@ def _user_hooks(module: nn.Module) -> list:
     """The forward (pre-)hooks on `module` that its library did not install itself."""
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
     return [h for h in hooks if not getattr(h, "__module__", "").startswith(_LIBRARY_HOOKS)]
+
+
+#: Times the closed loop plans again for one signature before it stops measuring.
+_MAX_REPLANS = 3
+
+# NOTE [ The step around the module ]
+# A budget is a promise on the whole training step: the module's forward, the caller's loss,
+# the loss's backward and the module's backward. The loss runs while everything the module
+# saved for backward is alive, and its backward allocates the gradient of the module's outputs
+# (e.g. the logits' gradient) at that moment, so it adds to the peak the plan was made for.
+# Two ways to keep the promise:
+# - `loss_fn`: hbp captures the module and the loss as one graph (`_WithLoss`), so the plan
+#   sees the loss and its gradients, and can even recompute around them.
+# - The closed loop, when hbp cannot see the loss: the first training step of a signature is
+#   measured by the allocator (CUDA: `max_memory_allocated`, always, at no cost; CPU: profiler
+#   memory events, with `calibrate=True`), from the start of the forward to the end of the
+#   backward (an autograd engine callback queued by a hook on the outputs). If that peak is
+#   above the budget, the signature is planned again for the budget minus the excess, with a
+#   warning, and the next step is measured again (at most `_MAX_REPLANS` times).
+
+
+class _WithLoss(nn.Module):
+    """`loss_fn(module(*inputs, **kwargs), *targets)` as one module: the first `n_inputs`
+    positional arguments are the module's, the rest the targets."""
+
+    def __init__(self, module: nn.Module, loss_fn, n_inputs: int):
+        super().__init__()
+        self.module = module
+        self.loss_fn = loss_fn
+        self.n_inputs = n_inputs
+
+    def forward(self, *args, **kwargs):
+        output = self.module(*args[: self.n_inputs], **kwargs)
+        return self.loss_fn(output, *args[self.n_inputs :])
+
+
+class _StepPeakProbe:
+    """The allocator's peak from `__init__` to `end()`, above the level at `__init__`.
+
+    CUDA: max_memory_allocated, read in `end()`. CPU: a profiler with memory events
+    (`hbp.runtime.tracker.profiler_peak_bytes`); `end()` runs inside the autograd engine (a
+    queued callback), where a profiler cannot be stopped for good (the engine restores the
+    thread's profiler state when backward returns), so it marks the end with a 1-byte
+    allocation and `stop()`, called at the module's next call or when
+    `HCModule.measured_peak_bytes` is read, stops the profiler and reads the window."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._profiler = None
+        self._peak: int | None = None
+        self._end_ptr: int | None = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._base = torch.cuda.memory_allocated(device)
+            return
+        self._profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+        self._profiler.start()
+        marker = torch.empty(1, dtype=torch.uint8)
+        self._marker_ptr = marker.data_ptr()
+        del marker
+
+    def end(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._peak = int(torch.cuda.max_memory_allocated(self.device) - self._base)
+        elif self._end_ptr is None:
+            marker = torch.empty(1, dtype=torch.uint8)
+            self._end_ptr = marker.data_ptr()
+            del marker
+
+    def stop(self) -> int | None:
+        """The measured peak (None if the step's backward never ended); stops the profiler."""
+        from hbp.runtime.tracker import profiler_peak_bytes
+
+        if self._profiler is None:
+            return self._peak
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        if self._end_ptr is None:
+            return None
+        return profiler_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
+
+    def cancel(self) -> None:
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.stop()
+
+
+def _step_device(root: nn.Module | None, args, kwargs) -> torch.device:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    for p in root.parameters() if root is not None else ():
+        return p.device
+    return torch.device("cpu")
+
+
+def _calibrate_scratch(captured: CapturedGraph, root: nn.Module, args, kwargs) -> None:
+    """Kernel workspace per op, measured by the allocator (`hbp.runtime.calibrate_scratch`)."""
+    from hbp.runtime.calibrate_scratch import calibrate_scratch
+
+    calibrate_scratch(captured, args, kwargs)
 
 
 def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:

@@ -1,16 +1,18 @@
 """One training step measured the way DESIGN.md "Metrics" defines it.
 
 `measure_step(step_fn, params=...)` runs `warmup` untimed steps, then `repeats` timed steps
-with nothing attached (wall time: median, p10, p90), then the measured step(s):
+with nothing attached (wall time: median, p10, p90), then the measured steps:
 
-- CPU: one step under `TotalFlopCounterMode` (FlopCounterMode's totals without its module
-  hooks, which keep checkpoint-recomputed tensors alive) stacked with the exact
-  `MemoryTracker`. The tracker is the innermost mode, so it sees exactly the ops it sees
-  alone; neither mode allocates or holds tensors, so neither number is perturbed.
-- CUDA: one step with no dispatch mode at all, measured by the caching allocator
-  (`max_memory_allocated` minus the level before the step; a dispatch mode would change what
-  autograd allocates, see hbp/runtime/tracker.py), then, if FLOPs or a timeline are asked
-  for, one more step under the flop counter and the tracker.
+1. The allocator step, with no dispatch mode at all (a dispatch mode changes what autograd
+   allocates, see hbp/runtime/tracker.py): `peak_bytes`, the allocator's peak above the level
+   before the step (`hbp.runtime.tracker.allocator_peak`: CUDA's `max_memory_allocated`; on
+   CPU the allocator's own events, recorded by the profiler for this one step only).
+2. The instrumented step, under `TotalFlopCounterMode` (FlopCounterMode's totals without its
+   module hooks, which keep checkpoint-recomputed tensors alive) stacked with the exact
+   `MemoryTracker` (innermost, so it sees exactly the ops it sees alone; neither mode
+   allocates or holds tensors): `flops`, `tensor_peak_bytes` (live tensor storages) and the
+   per-op timeline. `scratch_bytes` = `peak_bytes` - `tensor_peak_bytes`: kernel workspace
+   (and allocator rounding on CUDA) that no tensor accounts for.
 
 Before every step each parameter's `.grad` is set to None, so every step starts from the
 same state and the measured peak includes the parameter gradients.
@@ -43,16 +45,16 @@ __all__ = ["StepMeasurement", "measure_step", "measure_callable_peak"]
 class StepMeasurement:
     """What `measure_step` measured. Bytes, FLOPs, seconds.
 
-    peak_bytes: most bytes alive during the measured step above the level before it,
-        parameter gradients included (None when `track_memory=False`).
+    peak_bytes: the most bytes the allocator held during the measured step above the level
+        before it, parameter gradients and kernel workspace included (None when
+        `track_memory=False`).
+    tensor_peak_bytes: the live-storage tracker's peak (tensors only; None without it).
+    scratch_bytes: peak_bytes - tensor_peak_bytes (kernel workspace; None without both).
     flops: FLOPs of the measured step (None when `count_flops=False`).
     step_time_s, step_time_p10, step_time_p90: median and spread of the timed steps
         (NaN when `repeats=0`); step_times: every timed step, in order.
     timeline: the tracker's per-op memory timeline (op_index, live_bytes, phase, op) or None.
     peak_by_phase: phase -> peak live bytes counted by the tracker ({} without it).
-    tracker_peak_bytes: the tracker's own peak (equals peak_bytes on CPU; on CUDA a
-        cross-check of the allocator number, which also counts allocator rounding to 512
-        bytes and kernel workspace).
     device: the device the step ran on, e.g. "cpu" or "cuda:0".
     last_output: the measured step's return value, tensors detached.
     """
@@ -67,8 +69,14 @@ class StepMeasurement:
     peak_by_phase: dict[str, int]
     device: str
     last_output: object = None
-    tracker_peak_bytes: int | None = None
+    tensor_peak_bytes: int | None = None
     time_summary: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def scratch_bytes(self) -> int | None:
+        if self.peak_bytes is None or self.tensor_peak_bytes is None:
+            return None
+        return self.peak_bytes - self.tensor_peak_bytes
 
 
 def _param_list(params) -> list[torch.Tensor]:
@@ -98,30 +106,16 @@ def _check_count(name: str, value) -> int:
     return value
 
 
-def step_peak(step_fn, device, *, cpu: str = "tracker") -> tuple[object, int]:
+def step_peak(step_fn, device, *, cpu: str = "allocator") -> tuple[object, int]:
     """Run `step_fn()` once; return (output, peak bytes above the level before it).
 
-    CUDA: the allocator's max_memory_allocated. CPU: the exact tracker (`cpu="tracker"`,
-    what `measure_step` uses) or the allocator's profiler events (`cpu="allocator"`, for
-    compiled code whose buffers no dispatch mode can see)."""
+    The allocator's peak (`allocator_peak`: what `measure_step` reports as `peak_bytes`), or
+    on CPU with `cpu="tracker"` the live-storage tracker's (tensors only)."""
     dev = torch.device(device)
-    if dev.type == "cuda":
-        return _cuda_allocator_step(step_fn, dev)
-    if cpu == "allocator":
-        return allocator_peak(step_fn)
-    return measure_callable_peak(step_fn)
-
-
-def _cuda_allocator_step(step_fn, dev: torch.device) -> tuple[object, int]:
-    """Run one step with no dispatch mode; return (output, allocator peak bytes above the
-    level before the step)."""
+    if dev.type == "cpu" and cpu == "tracker":
+        return measure_callable_peak(step_fn)
     gc.collect()
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    output = step_fn()
-    torch.cuda.synchronize(dev)
-    return output, int(torch.cuda.max_memory_allocated(dev) - base)
+    return allocator_peak(step_fn, device=dev)
 
 
 def _instrumented_step(step_fn, tracker, flop_counter):
@@ -149,6 +143,7 @@ def measure_step(
     track_memory: bool = True,
     count_flops: bool = True,
     record_timeline: bool = True,
+    track_tensors: bool = True,
 ) -> StepMeasurement:
     """Measure one training step `step_fn()` (forward + loss + backward [+ optimizer]).
 
@@ -159,11 +154,14 @@ def measure_step(
             `nn.Module`, an iterable of tensors, or None).
         warmup: untimed steps first. repeats: timed steps (no tracker attached).
         device: where the step runs; inferred from `params` (else CPU) when None.
-        track_memory: measure peak bytes (CPU: MemoryTracker; CUDA: allocator stats).
+        track_memory: measure `peak_bytes` (the allocator step).
         count_flops: count the measured step's FLOPs (TotalFlopCounterMode).
-        record_timeline: keep the tracker's per-op timeline (on CUDA: in an extra step).
+        record_timeline: keep the tracker's per-op timeline.
+        track_tensors: count `tensor_peak_bytes` with the live-storage tracker (False for
+            compiled code, whose buffers no dispatch mode sees).
 
-    Steps run: warmup + repeats + 1 (+ 1 on CUDA when FLOPs or a timeline are asked for).
+    Steps run: warmup + repeats + 1 (allocator) + 1 (instrumented: when FLOPs or tensors are
+    counted).
     """
     if not callable(step_fn):
         raise ConfigError("step_fn", step_fn, "a callable taking no arguments")
@@ -171,7 +169,6 @@ def measure_step(
     repeats = _check_count("repeats", repeats)
     param_list = _param_list(params)
     dev = _infer_device(param_list, device)
-    cuda = dev.type == "cuda"
 
     def reset_grads() -> None:
         for p in param_list:
@@ -190,20 +187,18 @@ def measure_step(
     times = summarize_times(step_times)
 
     output = peak_bytes = None
-    allocator_measured = cuda and track_memory
-    if allocator_measured:
+    if track_memory:
         reset_grads()
-        output, peak_bytes = _cuda_allocator_step(step_fn, dev)
+        output, peak_bytes = step_peak(step_fn, dev)
     tracker = None
-    if track_memory and (not cuda or record_timeline):
+    if track_memory and track_tensors:
         tracker = MemoryTracker(record_timeline=record_timeline)
     flop_counter = TotalFlopCounterMode() if count_flops else None
-    if tracker is not None or flop_counter is not None or not allocator_measured:
+    if tracker is not None or flop_counter is not None or not track_memory:
         reset_grads()
         instrumented_output = _instrumented_step(step_fn, tracker, flop_counter)
-        if not allocator_measured:
+        if not track_memory:
             output = instrumented_output
-            peak_bytes = tracker.peak_bytes if tracker is not None else None
 
     return StepMeasurement(
         peak_bytes=peak_bytes,
@@ -216,6 +211,6 @@ def measure_step(
         peak_by_phase=dict(tracker.peak_by_phase) if tracker is not None else {},
         device=str(dev),
         last_output=_detached(output),
-        tracker_peak_bytes=tracker.peak_bytes if tracker is not None else None,
+        tensor_peak_bytes=tracker.peak_bytes if tracker is not None else None,
         time_summary=times,
     )

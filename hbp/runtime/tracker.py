@@ -1,4 +1,9 @@
-"""Exact live-storage memory tracker (DESIGN.md "Metrics": `peak_bytes` on CPU).
+"""Memory measurement: the exact live-storage tracker and the allocator's peak.
+
+DESIGN.md "Metrics": `peak_bytes` is what the allocator holds (`allocator_peak`: CUDA's
+`max_memory_allocated`, on CPU the allocator's own events); `tensor_peak_bytes` is what
+`MemoryTracker` counts (live tensor storages), the attribution tool; the difference is kernel
+scratch (`scratch_bytes`).
 
 `MemoryTracker` is a `TorchDispatchMode`: every aten op that runs while it is active (forward,
 the autograd engine's backward, checkpoint recomputation, optimizer steps) passes through it.
@@ -26,8 +31,8 @@ arrives twice out of place (`a + b`, where plain autograd does `a.add_(b)`), and
 backward formulas (index, masked, max/min-with-indices) use their out-of-place variants. Live
 bytes can then exceed plain execution for the one op that does it. On the models in
 tests/test_tracker.py (MLPs, residual MLPs, a GPT-like stack) the peak equals the CPU
-allocator's peak measured with no dispatch mode (`allocator_peak`) to the byte; use that
-function to cross-check a new workload.
+allocator's peak measured with no dispatch mode (`allocator_peak`) to the byte; convolutions,
+attention and norms allocate kernel workspace on top, which only `allocator_peak` sees.
 """
 
 from __future__ import annotations
@@ -255,36 +260,86 @@ def measure_callable_peak(fn, *args, **kwargs) -> tuple[object, int]:
     return result, tracker.peak_bytes
 
 
-def allocator_peak(fn, *args, **kwargs) -> tuple[object, int]:
-    """Run `fn(*args, **kwargs)` under the PyTorch profiler with memory profiling and return
-    (result, peak bytes): the most CPU-allocator bytes alive above the level at the start, from
-    the allocator's own allocation and free events, with no dispatch mode active.
+def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
+    """Run `fn(*args, **kwargs)` and return (result, peak bytes): the most bytes the allocator
+    holds at any moment of the call above what it held when the call started, with no dispatch
+    mode active. This is `peak_bytes` of DESIGN.md "Metrics": tensors, kernel workspace and
+    scalars wrapped into tensors all count.
 
-    An independent cross-check of `MemoryTracker`, not a replacement: it also counts kernel
-    scratch space and wrapped scalars, and frees of tensors allocated before the call lower
-    its running total (the tracker ignores those). Slower; not for timed runs."""
+    CUDA (`device` a CUDA device): `torch.cuda.max_memory_allocated` minus the level before.
+    CPU (default): the CPU allocator's own allocation events, recorded by the PyTorch profiler
+    with memory profiling on (see NOTE [ CPU allocator peak ]). Exact; slower than a plain
+    call (every op is recorded), so measure one step with it, never a timed one."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        result = fn(*args, **kwargs)
+        torch.cuda.synchronize(dev)
+        return result, int(torch.cuda.max_memory_allocated(dev) - base)
     if _EventType is None:  # pragma: no cover
         raise RuntimeError("allocator_peak needs torch._C._profiler._EventType (torch >= 2.1)")
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
+        marker_ptr = marker.data_ptr()
+        del marker
         result = fn(*args, **kwargs)
-    return result, profiler_peak_bytes(prof)
+    return result, profiler_peak_bytes(prof, marker_ptr)
 
 
-def profiler_peak_bytes(prof: torch.profiler.profile) -> int:
+# NOTE [ CPU allocator peak ]
+# With memory profiling on, PyTorch's CPU allocator reports every allocation and free to the
+# profiler together with its running total of the bytes it allocated while profiling was on
+# (`total_allocated`, kept under the allocator's lock, so it is exact and independent of how
+# events are ordered or timestamped). The peak above the start is the largest running total
+# minus the total right before the call. That start level is read from a marker: a 1-byte
+# tensor allocated (and freed) first thing inside the profiler, whose event carries
+# `total_allocated = start + 1`. Frees of tensors allocated before profiling started are not
+# reported (the allocator does not know their size): such a free does not lower the level,
+# so a step that frees tensors from before it is measured as if they were still alive.
+_MARKER_BYTES = 1
+
+
+def profiler_peak_bytes(
+    prof: torch.profiler.profile, marker_ptr: int | None = None, end_ptr: int | None = None
+) -> int:
     """The most CPU-allocator bytes alive during a finished memory-profiling `prof`, above the
-    level at its start (see `allocator_peak`)."""
+    level at its start (NOTE [ CPU allocator peak ]). `marker_ptr`: the address of a 1-byte
+    tensor allocated first inside `prof` (see `allocator_peak`); without it the level at the
+    start is taken from the earliest event. `end_ptr`: the address of a 1-byte tensor
+    allocated where the measured window ends (later events are left out)."""
     if _EventType is None:  # pragma: no cover
         raise RuntimeError("profiler_peak_bytes needs torch._C._profiler._EventType (torch >= 2.1)")
-    events = []
+    events = []  # (time, size, running total, ptr)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
-        if event.tag == _EventType.Allocation and event.typed[1].device.type == "cpu":
-            events.append((event.start_time_ns, event.typed[1].alloc_size))
+        if event.tag == _EventType.Allocation:
+            fields = event.typed[1]
+            if fields.device.type == "cpu":
+                events.append(
+                    (event.start_time_ns, fields.alloc_size, fields.total_allocated, fields.ptr)
+                )
         stack.extend(event.children)
-    live = peak = 0
-    for _, delta in sorted(events, key=lambda e: e[0]):
-        live += delta
-        peak = max(peak, live)
-    return peak
+    if not events:
+        return 0
+    events.sort(key=lambda e: e[0])
+    marker = None
+    if marker_ptr is not None:
+        marker = next((e for e in events if e[3] == marker_ptr and e[1] == _MARKER_BYTES), None)
+    first = marker if marker is not None else events[0]
+    start_level = first[2] - first[1]
+    if end_ptr is not None:
+        # the last match: the allocator may have reused the address for a 1-byte tensor
+        # (a bool scalar) inside the window, but the end marker is the window's last event
+        ends = [e for e in events if e[0] > first[0] and e[3] == end_ptr and e[1] == _MARKER_BYTES]
+        end = ends[-1] if ends else None
+        if end is not None:
+            events = [e for e in events if e[0] < end[0]]
+    peak = max((e[2] for e in events if e is not marker), default=start_level)
+    return max(0, int(peak - start_level))

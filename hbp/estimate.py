@@ -1,0 +1,304 @@
+"""Will it fit? The memory of a training step before running it: `hbp.estimate`.
+
+    est = hbp.estimate(model, x, loss_fn=lambda out, y: F.cross_entropy(out, y), targets=(y,))
+    print(est)                     # naive peak, least reachable peak, budget -> recompute
+    est.naive_peak_bytes, est.min_peak_bytes, est.frontier[0].recompute_flops
+
+    python -m hbp.estimate workload=gpt2 profile=small budgets=0.7,0.5,0.3,min
+
+From capture and simulation only, no training step: the module (and the loss, when given) is
+captured on fake tensors (`hbp.graph.torch_capture.capture`), each distinct op signature's
+kernel workspace is measured once on real tensors (`hbp.runtime.calibrate_scratch`: one op at a
+time, so never more memory than the largest op), and the simulator and the planner give:
+
+- `naive_peak_bytes`: the allocator's peak of the plain step (DESIGN.md "Metrics": above the
+  level before the step, activations, gradients, parameter gradients and kernel workspace
+  included; parameters, inputs and optimizer state are not);
+- `min_peak_bytes`: the least peak a plan reaches (`budget="min"`; `BudgetError.minimum`);
+- `frontier`: for each budget, the plan's predicted peak and recompute FLOPs, and a step-time
+  estimate: the step's FLOPs (forward, backward, recompute) at `flops_per_s` (measured with a
+  short matmul on the model's device when not given: a rough figure, since memory-bound ops
+  run below matmul speed; the ratio between two budgets is the more reliable number).
+
+Without `loss_fn` the estimate is the module's own step (its output's gradient seeded as by
+`output.backward(grad)`): the caller's loss adds to the real peak (see `HCModule(loss_fn=)`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.simulate import simulate
+from hbp.errors import BudgetError, ConfigError
+from hbp.planner import min_feasible_peak
+from hbp.planner import plan as make_plan
+from hbp.planner.budget import parse_budget
+from hbp.planner.plan import MIB
+
+__all__ = ["Estimate", "FrontierPoint", "estimate", "main"]
+
+#: Budgets of the default frontier, as fractions of the naive peak ("min" is always added).
+DEFAULT_BUDGETS = (1.0, 0.75, 0.5)
+
+
+@dataclass
+class FrontierPoint:
+    """One budget of the frontier (bytes, FLOPs, seconds)."""
+
+    budget: float | int | str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    recompute_flops: float
+    step_time_s: float
+
+
+@dataclass
+class Estimate:
+    """What `estimate` predicts for one training step (bytes, FLOPs, seconds).
+
+    naive_peak_bytes: the plain step's peak; min_peak_bytes: the least a plan reaches.
+    step_flops: forward + backward FLOPs of the plain step.
+    flops_per_s: the throughput the step times assume.
+    frontier: one `FrontierPoint` per budget, largest budget first; budgets below the
+        minimum are left out.
+    nodes, granularity: the captured graph's size and level ("op" or "module").
+    capture_time_s, estimate_time_s: capture (with scratch calibration) and the whole call.
+    """
+
+    naive_peak_bytes: int
+    min_peak_bytes: int
+    step_flops: float
+    flops_per_s: float
+    frontier: list[FrontierPoint] = field(default_factory=list)
+    nodes: int = 0
+    granularity: str = "op"
+    capture_time_s: float = 0.0
+    estimate_time_s: float = 0.0
+
+    def fits(self, budget) -> bool:
+        """Whether a plan fits `budget` (a fraction of the naive peak, bytes or a size)."""
+        if budget == "min":
+            return True
+        try:
+            budget_bytes = parse_budget(budget, self.naive_peak_bytes)
+        except ConfigError:  # bytes above the naive peak: the plain step fits
+            if parse_budget(budget, 2**62) > self.naive_peak_bytes:
+                return True
+            raise
+        return budget_bytes >= self.min_peak_bytes
+
+    def __str__(self) -> str:
+        naive_time = self.step_flops / self.flops_per_s
+        lines = [
+            f"hbp.estimate: {self.nodes} nodes ({self.granularity} level), "
+            f"estimated in {self.estimate_time_s:.1f} s",
+            f"  naive peak      {self.naive_peak_bytes / MIB:10.2f} MiB   "
+            f"step {self.step_flops:.3g} FLOPs, ~{naive_time * 1e3:.1f} ms at "
+            f"{self.flops_per_s / 1e9:.1f} GFLOP/s",
+            f"  least reachable {self.min_peak_bytes / MIB:10.2f} MiB   "
+            f"({self.min_peak_bytes / self.naive_peak_bytes:.2f}x naive)",
+            f"  {'budget':>10} {'MiB':>9} {'predicted MiB':>14} {'recompute':>10} {'step ms':>8}",
+        ]
+        for p in self.frontier:
+            lines.append(
+                f"  {str(p.budget):>10} {p.budget_bytes / MIB:9.2f} "
+                f"{p.predicted_peak_bytes / MIB:14.2f} "
+                f"{p.recompute_flops / self.step_flops:9.1%} {p.step_time_s * 1e3:8.1f}"
+            )
+        return "\n".join(lines)
+
+
+def estimate(
+    model: nn.Module,
+    *inputs,
+    loss_fn=None,
+    targets=(),
+    budgets=None,
+    block_size: int = 1,
+    planner: str = "optimal",
+    flops_per_s: float | None = None,
+    **kwargs,
+) -> Estimate:
+    """Estimate the memory of one training step of `model(*inputs, **kwargs)`.
+
+    Args:
+        model: the nn.Module (train/eval flags as they are; nothing in it changes).
+        inputs, kwargs: its inputs, as for a call (tensors with real values: each op is run
+            once on them to measure its kernel workspace).
+        loss_fn: `loss_fn(output, *targets)`, the step's loss (as `HCModule(loss_fn=)`).
+        targets: a tensor or a tuple of tensors for `loss_fn`.
+        budgets: the frontier's budgets (fractions, bytes, sizes, "min"); default
+            `DEFAULT_BUDGETS` and "min".
+        block_size, planner: as for `HCModule`.
+        flops_per_s: the device's throughput for the step-time estimates (default: measured
+            with a short matmul).
+
+    Returns:
+        An `Estimate`; `print` it for a table.
+    """
+    from hbp.graph.torch_capture import capture
+    from hbp.integrations.torch import _WithLoss  # one definition of "the step with its loss"
+    from hbp.runtime.calibrate_scratch import calibrate_scratch
+
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__, "an nn.Module")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError("loss_fn", loss_fn, "a callable loss_fn(output, *targets) or None")
+    start = time.perf_counter()
+    targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+    root = model if loss_fn is None else _WithLoss(model, loss_fn, len(inputs))
+    args = inputs if loss_fn is None else (*inputs, *targets)
+    with torch.enable_grad():
+        captured = capture(root, args, kwargs)
+        calibrate_scratch(captured, args, kwargs)
+    capture_time = time.perf_counter() - start
+    graph = captured.graph
+    info = GraphInfo.of(graph)
+    naive = simulate(graph, info=info)
+    step_flops = float(info.flops.sum() + info.backward_flops.sum())
+    minimum, _ = min_feasible_peak(graph, block_size=block_size, info=info)
+    rate = flops_per_s or _matmul_flops_per_s(_device(model, args))
+    result = Estimate(
+        naive_peak_bytes=int(naive.peak_bytes),
+        min_peak_bytes=int(minimum),
+        step_flops=step_flops,
+        flops_per_s=rate,
+        nodes=len(graph),
+        granularity=captured.granularity,
+        capture_time_s=capture_time,
+    )
+    for budget in budgets if budgets is not None else (*DEFAULT_BUDGETS, "min"):
+        point = _frontier_point(graph, budget, naive, minimum, block_size, planner)
+        if point is not None:
+            point.step_time_s = (step_flops + point.recompute_flops) / rate
+            result.frontier.append(point)
+    result.frontier.sort(key=lambda p: -p.budget_bytes)
+    result.estimate_time_s = time.perf_counter() - start
+    return result
+
+
+def _frontier_point(graph, budget, naive, minimum: int, block_size: int, planner: str):
+    """The plan at `budget` as a FrontierPoint (step time left 0); None below the minimum.
+    The naive step needs no plan; "min" is planned at the minimum already found."""
+    target = minimum if budget == "min" else budget
+    if budget != "min":
+        try:
+            budget_bytes = parse_budget(budget, naive.peak_bytes)
+        except ConfigError:  # bytes above the naive peak: the plain step
+            budget_bytes = parse_budget(budget, 2**62)
+        if budget_bytes >= naive.peak_bytes:
+            return FrontierPoint(budget, budget_bytes, int(naive.peak_bytes), 0.0, 0.0)
+        if budget_bytes < minimum:
+            return None
+    try:
+        plan = make_plan(graph, target, block_size=block_size, planner=planner)
+    except BudgetError:
+        return None
+    return FrontierPoint(
+        budget=budget,
+        budget_bytes=int(plan.budget_bytes),
+        predicted_peak_bytes=int(plan.predicted_peak_bytes),
+        recompute_flops=float(plan.predicted_recompute_flops or 0.0),
+        step_time_s=0.0,
+    )
+
+
+def _device(model: nn.Module, args) -> torch.device:
+    for t in (*args, *model.parameters()):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _matmul_flops_per_s(device: torch.device, n: int = 512, repeats: int = 3) -> float:
+    """FLOP/s of an n x n float32 matmul on `device` (best of `repeats`)."""
+    a = torch.randn(n, n, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / max(best, 1e-9)
+
+
+# ---------------------------------------------------------------------------------------
+# python -m hbp.estimate workload=gpt2 profile=small budgets=0.5,min
+# ---------------------------------------------------------------------------------------
+
+USAGE = (
+    "python -m hbp.estimate workload=NAME [profile=small] [budgets=0.8,0.5,min] "
+    "[block_size=1] [workload.FIELD=VALUE ...]"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Estimate a registered workload's step (model and loss) and print the table."""
+    from hbp.workloads import build
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    known = {"workload", "profile", "budgets", "block_size"}
+    overrides = {
+        k.split(".", 1)[1]: _value(v) for k, v in args.items() if k.startswith("workload.")
+    }
+    unknown = sorted(k for k in args if k not in known and not k.startswith("workload."))
+    if unknown or "workload" not in args:
+        raise ConfigError("argument", unknown or argv, USAGE)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    wl = build(args["workload"], args.get("profile", "small"), seed=0, **overrides)
+    batch = wl.make_batch(0)
+    budgets = None
+    if "budgets" in args:
+        budgets = [_value(b) for b in args["budgets"].split(",")]
+    est = estimate(
+        wl.model,
+        *batch.args,
+        loss_fn=lambda output: wl.loss_fn(output, batch),
+        budgets=budgets,
+        block_size=int(args.get("block_size", 1)),
+        **batch.kwargs,
+    )
+    print(f"workload={wl.name} profile={wl.profile}")
+    print(est)
+    return 0
+
+
+def _value(text: str):
+    """A budget or override from the command line: int, float, None, bool or the string."""
+    lowered = text.strip().lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+# NOTE [ hbp.estimate is a function and a module ]
+# `hbp.estimate(model, ...)` is the public function and `python -m hbp.estimate` the command;
+# importing this module makes `hbp.estimate` the module object, so the module is callable and
+# calls the function: both spellings work whichever was used first.
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs) -> Estimate:
+        return estimate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

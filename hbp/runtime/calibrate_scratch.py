@@ -1,0 +1,318 @@
+"""Kernel workspace per op, measured by the allocator (after `capture`, before planning).
+
+Fake tensors tell the capture what every op's tensors cost, not what its kernels allocate and
+free inside (a convolution's im2col buffers, a matmul's packing, attention's blocks): memory no
+tensor holds, which the allocator sees and which decides out-of-memory. This stage runs each
+distinct op signature of a captured graph once on real tensors, forward and backward, under
+the allocator (`hbp.runtime.tracker.allocator_peak`), and raises the node's
+`forward_scratch_bytes` / `backward_scratch_bytes` to what the allocator needed beyond the
+bytes the IR already models at that event:
+
+- forward: `output_bytes + saved_extra_bytes + forward_scratch_bytes` (the simulator charges
+  exactly these at the node's forward event);
+- backward: `param_grad_bytes` + the gradients of its inputs that are not passed through +
+  `backward_scratch_bytes`.
+
+    captured = capture(module, args, kwargs)
+    calibrate_scratch(captured, args, kwargs)   # the call the capture was made for
+
+An op signature is the op (function, method, or the module's class and `repr`, which holds
+its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments,
+the values of the others and the layout of its output gradient (a slice of a `torch.cat`'s
+gradient or a dense tensor): measured once per process (`_CACHE`), so a model of repeated
+blocks costs one measurement per distinct layer.
+
+Values are produced by running the graph once on the real inputs under `no_grad` (each value
+dropped after its last user); the module's state is kept: buffers (BatchNorm statistics) are
+put back and the RNG state restored. Skipped: views and in-place results (no storage of their
+own), ops that mutate an input or a buffer, and ops that fail to run alone. The allocator is
+read with no dispatch mode active; under an active profiler (CPU) nothing is measured, since
+profiler sessions do not nest, and on CUDA the peak statistics are reset (do not calibrate
+inside a step measured with `max_memory_allocated`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from hbp.graph.ir import Node
+from hbp.graph.torch_capture import MODES, CapturedGraph, enter_modes
+from hbp.runtime.tracker import allocator_peak
+
+__all__ = ["calibrate_scratch", "clear_cache"]
+
+# op signature -> (forward allocator peak, backward allocator peak), bytes
+_CACHE: dict[tuple, tuple[int, int]] = {}
+
+
+def calibrate_scratch(captured: CapturedGraph, args: tuple = (), kwargs: dict | None = None) -> int:
+    """Raise the scratch fields of `captured.graph`'s nodes to what the allocator measures.
+
+    Args:
+        captured: an op-level capture (`hbp.graph.torch_capture.capture`); a module-level one
+            is left as it is.
+        args, kwargs: the call the capture was made for (`module(*args, **kwargs)`).
+
+    Returns:
+        The number of nodes whose scratch fields were raised.
+    """
+    gm = captured.gm
+    if gm is None:
+        return 0
+    arguments = captured.placeholder_values(args, kwargs or {})
+    if (
+        torch.autograd._profiler_enabled()  # a running profiler cannot nest
+        and _on_cpu(arguments, gm)
+    ):
+        return 0
+    raised = 0
+    with _disable_current_modes(), _state_kept(gm), torch.no_grad():
+        for node, values in _run_graph(gm, captured, arguments):
+            ir_node = _measurable(captured, node)
+            if ir_node is None:
+                continue
+            args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
+            cat_dim = _cat_dim(node)
+            key = (_signature(gm, node, args, kwargs), cat_dim)
+            if key not in _CACHE:
+                measured = _measure(gm, node, args, kwargs, cat_dim)
+                if measured is None:
+                    continue
+                _CACHE[key] = measured
+            raised += _raise_fields(captured, ir_node, *_CACHE[key])
+    return raised
+
+
+def clear_cache() -> None:
+    """Forget every measured op signature (e.g. after a change of allocator settings)."""
+    _CACHE.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# Running the graph on real values
+# ---------------------------------------------------------------------------------------
+
+
+class _Values:
+    """The real values of the fx nodes run so far, and their measurement copies."""
+
+    def __init__(self, gm: fx.GraphModule, captured: CapturedGraph):
+        self.gm, self.captured = gm, captured
+        self.env: dict[fx.Node, Any] = {}
+
+    def prepare(self, arg: Any) -> Any:
+        """An argument for a measured run: a node's value with its tensors detached and
+        requiring grad as in the training step (parameters as they are)."""
+        if not isinstance(arg, fx.Node):
+            return arg
+        if arg.op == "get_attr":
+            return _fetch_attr(self.gm, arg.target)
+        requires_grad = self._requires_grad(arg)
+
+        def fresh(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.detach()
+            if requires_grad and (t.is_floating_point() or t.is_complex()):
+                t.requires_grad_(True)
+            return t
+
+        return tree_map(fresh, self.env[arg])
+
+    def _requires_grad(self, arg: fx.Node) -> bool:
+        try:
+            return self.captured.ir_node(arg).requires_grad
+        except KeyError:  # an fx node that is no IR node (e.g. an unused value)
+            return False
+
+
+def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]):
+    """Yield (fx node, values) for every op node, its inputs' values available, running the
+    graph on the real inputs (no grad) as it goes and dropping each value after its last
+    user."""
+    values = _Values(gm, captured)
+    env = values.env
+    nodes = list(gm.graph.nodes)
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last_use[arg] = i
+    placeholders = iter(arguments)
+    for i, node in enumerate(nodes):
+        if node.op == "output":
+            break
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "get_attr":
+            env[node] = _fetch_attr(gm, node.target)
+        else:
+            yield node, values
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            env[node] = _run_node(gm, node, args, kwargs)
+        for arg in node.all_input_nodes:
+            if last_use.get(arg) == i:
+                env.pop(arg, None)
+
+
+def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+    modes = node.meta.get(MODES)
+    with enter_modes(modes) if modes else contextlib.nullcontext():
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            obj, *rest = args
+            return getattr(obj, node.target)(*rest, **kwargs)
+        # `forward`, not `__call__`: the module's hooks must not see the calibration
+        return gm.get_submodule(node.target).forward(*args, **kwargs)
+
+
+def _fetch_attr(root: nn.Module, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def _state_kept(gm: fx.GraphModule):
+    """Put buffers (BatchNorm statistics, counters) and the RNG state back afterwards."""
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    devices = [b.device for b, _ in buffers if b.device.type == "cuda"]
+    with torch.random.fork_rng(devices=list(dict.fromkeys(devices))):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
+
+def _on_cpu(arguments: list[Any], gm: fx.GraphModule) -> bool:
+    tensors = [t for t in tree_leaves(arguments) if isinstance(t, torch.Tensor)]
+    tensors += list(gm.parameters())
+    return not tensors or tensors[0].device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring one op
+# ---------------------------------------------------------------------------------------
+
+
+def _measurable(captured: CapturedGraph, node: fx.Node) -> Node | None:
+    """The IR node of `node` if its scratch can be measured alone, else None."""
+    try:
+        ir_node = captured.ir_node(node)
+    except KeyError:
+        return None
+    if ir_node.is_input or ir_node.alias_of is not None:
+        return None
+    if ir_node.name in captured.mutated_inputs or ir_node.name in captured.mutated_attrs:
+        return None
+    return ir_node
+
+
+def _signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device), v.requires_grad)
+        if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device)):
+            return v
+        return repr(v)
+
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        params = tuple(describe(p) for p in module.parameters())
+        op = ("module", type(module).__qualname__, repr(module), module.training, params)
+    else:
+        op = (node.op, str(node.target))
+    leaves = tuple(describe(v) for v in tree_leaves((args, kwargs)))
+    return (op, node.meta.get(MODES), leaves)
+
+
+def _measure(
+    gm: fx.GraphModule, node: fx.Node, args, kwargs, cat_dim: int | None = None
+) -> tuple[int, int] | None:
+    """(forward, backward) allocator peaks of one run of `node` on `args`, bytes above the
+    level before each (None when the op cannot run alone)."""
+    device = next(
+        (t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None
+    )
+    if device is None:
+        return None
+    grad_inputs = [t for t in tree_leaves((args, kwargs)) if _is_grad_leaf(t)]
+    if node.op == "call_module":
+        grad_inputs += [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
+    grad_inputs = list({id(t): t for t in grad_inputs}.values())
+    try:
+        with torch.enable_grad():
+            out, forward = allocator_peak(lambda: _run_node(gm, node, args, kwargs), device=device)
+        outputs = [
+            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
+        if not outputs or not grad_inputs:
+            return forward, 0
+        seeds = [_seed_like(t, cat_dim) for t in outputs]
+
+        def backward():
+            return torch.autograd.grad(outputs, grad_inputs, seeds, allow_unused=True)
+
+        _, backward_peak = allocator_peak(backward, device=device)
+    except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
+        return None
+    return forward, backward_peak
+
+
+def _cat_dim(node: fx.Node) -> int | None:
+    """The dimension of the `torch.cat` that is the only user of `node`, else None."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_function" and users[0].target in _CATS:
+        cat = users[0]
+        dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+        return dim if isinstance(dim, int) else None
+    return None
+
+
+def _seed_like(t: torch.Tensor, cat_dim: int | None) -> torch.Tensor:
+    """The output gradient for a measured backward, laid out as the step's will be: a value
+    whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous across
+    channels: a convolution's backward copies it, which is workspace too)."""
+    if cat_dim is None or t.dim() == 0:
+        return torch.ones_like(t)
+    dim = cat_dim % t.dim()
+    shape = list(t.shape)
+    shape[dim] *= 2
+    return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
+
+
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def _is_grad_leaf(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
+
+
+def _raise_fields(captured: CapturedGraph, node: Node, forward: int, backward: int) -> int:
+    """Raise `node`'s scratch fields so its modelled events cover the measured peaks."""
+    graph = captured.graph
+    raised = 0
+    modelled = node.output_bytes + (node.saved_extra_bytes if node.requires_grad else 0)
+    if forward - modelled > node.forward_scratch_bytes:
+        node.forward_scratch_bytes = forward - modelled
+        raised = 1
+    passthrough = set(node.grad_passthrough)
+    grads = sum(
+        graph.node(name).gradient_bytes
+        for name in dict.fromkeys(node.inputs)
+        if name not in passthrough
+    )
+    if backward - node.param_grad_bytes - grads > node.backward_scratch_bytes:
+        node.backward_scratch_bytes = backward - node.param_grad_bytes - grads
+        raised = 1
+    return raised

@@ -1,0 +1,79 @@
+"""`hbp.estimate`: "will it fit?" from capture and simulation only, checked against the
+allocator's peak of the step it predicts (within 3%)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hbp
+from hbp.errors import BudgetError, ConfigError
+from hbp.estimate import Estimate, main
+from hbp.runtime.tracker import allocator_peak
+
+
+class ConvClassifier(nn.Module):
+    def __init__(self, c=32):
+        super().__init__()
+        self.blocks = nn.Sequential(
+            *[
+                m
+                for _ in range(6)
+                for m in (nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+            ]
+        )
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def setup():
+    torch.manual_seed(0)
+    return ConvClassifier(), torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+
+def test_estimate_agrees_with_measured_steps_within_3_percent():
+    model, x, y = setup()
+    est = hbp.estimate(model, x, loss_fn=F.cross_entropy, targets=y, budgets=[1.0, 0.5, "min"])
+    assert isinstance(est, Estimate) and est.granularity == "op"
+    model.zero_grad(set_to_none=True)
+    _, naive = allocator_peak(lambda: F.cross_entropy(model(x), y).backward())
+    assert abs(est.naive_peak_bytes - naive) <= 0.03 * naive
+    by_budget = {p.budget: p for p in est.frontier}
+    assert set(by_budget) == {1.0, 0.5, "min"}
+    assert by_budget["min"].budget_bytes == est.min_peak_bytes
+    assert by_budget[1.0].recompute_flops == 0 < by_budget["min"].recompute_flops
+    for budget in (0.5, "min"):
+        hc = hbp.HCModule(model, budget, loss_fn=F.cross_entropy)
+        hc.prepare(x, targets=y)
+        model.zero_grad(set_to_none=True)
+        _, measured = allocator_peak(lambda hc=hc: hc(x, targets=y).backward())
+        assert abs(by_budget[budget].predicted_peak_bytes - measured) <= 0.03 * measured
+    # the least reachable peak is HCModule's BudgetError.minimum
+    with pytest.raises(BudgetError) as err:
+        hbp.HCModule(model, 1, loss_fn=F.cross_entropy).prepare(x, targets=y)
+    assert err.value.minimum == est.min_peak_bytes
+    assert est.fits(0.5) and est.fits(est.min_peak_bytes) and not est.fits(est.min_peak_bytes - 1)
+    assert "least reachable" in str(est)
+
+
+def test_estimate_without_loss_and_module_state_kept():
+    model, x, _ = setup()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    est = hbp.estimate(model, x, budgets=[0.5])
+    assert est.frontier[0].predicted_peak_bytes <= est.frontier[0].budget_bytes
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ConfigError, match="loss_fn"):
+        hbp.estimate(model, x, loss_fn="ce")
+
+
+def test_command_line_on_a_workload_config(capsys):
+    argv = ["workload=gpt2", "profile=small", "budgets=0.5,min", "workload.n_layer=1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "workload=gpt2" in out and "least reachable" in out and "min" in out
+    with pytest.raises(ConfigError, match="workload=NAME"):
+        main(["budgets=0.5"])

@@ -1,0 +1,110 @@
+"""The budget holds on the whole training step, the caller's loss included (issue 10).
+
+A small LM (embedding, 8 Linear layers with in-place relu_, a head tied to the embedding, a
+tuple output) whose cross-entropy the caller computes on the logits: the loss and its
+backward run while the module's saved tensors are alive. With `loss_fn` hbp plans the whole
+step and the allocator's peak meets the budget from the first step; without it, the closed
+loop (`calibrate=True` on CPU) measures the first step and plans again, so the budget holds
+from the second step on."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hbp
+from hbp.runtime.tracker import allocator_peak
+
+V, D, B, T = 256, 128, 16, 256
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(8))
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = layer(h).relu_()
+        return self.head(h), h
+
+
+def lm_loss(output, targets):
+    logits, _ = output
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batch():
+    torch.manual_seed(0)
+    return torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+
+
+def test_closed_loop_meets_the_budget_from_the_second_step():
+    torch.manual_seed(0)
+    model = TiedLM()
+    idx, targets = batch()
+    hc = hbp.HCModule(model, 0.7, calibrate=True)
+    with pytest.warns(UserWarning, match="Planned again"):
+        lm_loss(hc(idx), targets).backward()
+        first = hc.measured_peak_bytes
+    budget = hc.compiled.budget_bytes
+    assert first > 1.1 * budget  # the caller's loss was outside the plan
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        _, peak = allocator_peak(lambda: lm_loss(hc(idx), targets).backward())
+        assert peak <= 1.05 * budget, (peak, budget)
+
+
+def test_closed_loop_gradients_are_those_of_the_plain_model():
+    torch.manual_seed(0)
+    model = TiedLM()
+    idx, targets = batch()
+    lm_loss(model(idx), targets).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    hc = hbp.HCModule(model, 0.7, calibrate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # the measured step, then the replanned one
+            model.zero_grad(set_to_none=True)
+            lm_loss(hc(idx), targets).backward()
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)
+    assert hc.measured_peak_bytes is not None
+
+
+@pytest.mark.parametrize("budget", [0.5, "min"])
+def test_loss_fn_meets_the_budget_from_the_first_step(budget):
+    torch.manual_seed(0)
+    model = TiedLM()
+    idx, targets = batch()
+    hc = hbp.HCModule(model, budget, loss_fn=lm_loss)
+    plan = hc.prepare(idx, targets=targets)
+    model.zero_grad(set_to_none=True)
+    _, peak = allocator_peak(lambda: hc(idx, targets=targets).backward())
+    assert peak <= 1.05 * plan.budget_bytes, (peak, plan.budget_bytes)
+    assert abs(plan.predicted_peak_bytes - peak) <= 0.03 * peak
+    # the same loss and gradients as the plain step
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    lm_loss(model(idx), targets).backward()
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+    with torch.no_grad():
+        expected_loss = float(lm_loss(model(idx), targets))
+    assert float(hc(idx, targets=targets).detach()) == pytest.approx(expected_loss)
+
+
+def test_loss_fn_output_without_targets_and_bad_loss_fn():
+    model = TiedLM()
+    idx, _ = batch()
+    hc = hbp.HCModule(model, 0.5, loss_fn=lm_loss)
+    logits, hidden = hc(idx)  # no targets: the module's own output
+    assert logits.shape == (B, T, V) and hidden.shape == (B, T, D)
+    with pytest.raises(hbp.errors.ConfigError, match="loss_fn"):
+        hbp.HCModule(model, 0.5, loss_fn="cross_entropy")
