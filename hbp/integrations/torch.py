@@ -70,6 +70,7 @@ class Compiled:
     naive_peak_bytes: int
     capture_time_s: float
     plan_time_s: float
+    segments_compiled: Any = None  # the executor with compiled segments, made on first use
 
 
 class HCModule(nn.Module):
@@ -85,6 +86,10 @@ class HCModule(nn.Module):
         verbose: print the plan summary whenever a new signature is planned.
         plan_in_eval: also plan (and enforce the budget) in eval mode when grad is enabled
             (eval-mode fine-tuning); by default eval mode runs the plain module.
+        compile: run each segment of the plan through `torch.compile`: True, or a dict of
+            `torch.compile` keyword arguments (`{"backend": "aot_eager"}`, `{"mode": ...}`).
+            `torch.compile(hc)` does the same with the default options (NOTE [ torch.compile
+            of an HCModule ]).
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
@@ -100,6 +105,7 @@ class HCModule(nn.Module):
         planner: str = "optimal",
         verbose: bool = False,
         plan_in_eval: bool = False,
+        compile: bool | dict = False,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -116,6 +122,9 @@ class HCModule(nn.Module):
         self.planner = planner
         self.verbose = verbose
         self.plan_in_eval = bool(plan_in_eval)
+        if not isinstance(compile, (bool, dict)):
+            raise ConfigError("compile", compile, "True, False or a dict of torch.compile options")
+        self.compile = compile
         self._compiled: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
         self._warned: set[str] = set()
@@ -137,9 +146,54 @@ class HCModule(nn.Module):
         return self._current
 
     def forward(self, *args, **kwargs):
+        if (
+            torch.compiler.is_compiling()
+        ):  # torch.compile(hc): NOTE [ torch.compile of an HCModule ]
+            return self._forward_with_compiled_segments(*args, **kwargs)
         if not self._plans_for(args, kwargs):
             return self.module(*args, **kwargs)
-        return self._prepare(args, kwargs).executor(*args, **kwargs)
+        compiled = self._prepare(args, kwargs)
+        if self.compile is not False:
+            return self._segments_compiled(compiled)(*args, **kwargs)
+        return compiled.executor(*args, **kwargs)
+
+    # NOTE [ torch.compile of an HCModule ]
+    # Dynamo cannot trace the plan as one graph and keep its memory: the executor's nested
+    # non-reentrant checkpoints need a context_fn that swaps BatchNorm statistics and buffers
+    # during the recompute and switch autocast's cache off (Dynamo's checkpoint higher-order
+    # op accepts neither), and inside one graph AOTAutograd's partitioner and Inductor's
+    # scheduler, not the plan, would decide what is saved and when it is freed (nested
+    # recomputation flattened to one level). So torch.compile(hc) stops at HCModule's forward
+    # (a graph break, `torch.compiler.disable`), and the forward runs the plan with each
+    # segment compiled on its own (`hbp.runtime.executor`, NOTE [ Compiled segments ]), as
+    # HCModule(..., compile=True) does. Code around hc (the loss) is compiled as usual.
+
+    @torch.compiler.disable(
+        reason="HCModule runs its plan outside Dynamo and compiles each segment itself "
+        "(torch.compile(hc) cannot use fullgraph=True; use HCModule(model, compile=True))"
+    )
+    def _forward_with_compiled_segments(self, *args, **kwargs):
+        if not self._plans_for(args, kwargs):
+            return self.module(*args, **kwargs)
+        return self._segments_compiled(self._prepare(args, kwargs))(*args, **kwargs)
+
+    def _segments_compiled(self, compiled: Compiled):
+        """The executor of `compiled` with every segment run through torch.compile."""
+        if compiled.segments_compiled is None:
+            options = self.compile if isinstance(self.compile, dict) else {}
+            if compiled.captured.granularity == MODULE:
+                self._warn_once(
+                    "compile-module-level",
+                    "HCModule compiles the segments of op-level captures only; this module "
+                    f"fell back to module level ({compiled.captured.fallback_reason}) and runs "
+                    "eagerly",
+                )
+                compiled.segments_compiled = compiled.executor
+            else:
+                compiled.segments_compiled = make_executor(
+                    compiled.captured, compiled.plan, self.module, compile_options=options
+                )
+        return compiled.segments_compiled
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Capture and plan for these inputs as a training step (grad enabled, current
@@ -156,6 +210,7 @@ class HCModule(nn.Module):
 
     def extra_repr(self) -> str:
         extra = ", plan_in_eval=True" if self.plan_in_eval else ""
+        extra += f", compile={self.compile!r}" if self.compile is not False else ""
         return (
             f"budget={self.budget!r}, block_size={self.block_size}, planner={self.planner!r}"
             + extra

@@ -1,0 +1,96 @@
+"""torch.compile and HCModule on one workload: eager HCModule, compiled HCModule (each
+segment compiled: `torch.compile(hc)`), and the compiled plain model (no budget).
+
+    python experiments/bench_compile.py                      # gpt2, profile small, budget 0.5
+    python experiments/bench_compile.py --workload resnet --budget 0.3 --repeats 5
+
+Prints one row per variant: the step's peak by the CPU allocator (`allocator_peak`: the
+profiler's allocation events, what Inductor's own buffers are counted by), that peak over the
+plan's budget, the median step time of `--repeats` timed steps after warm-up (compilation
+happens in warm-up; its time is printed apart), and the largest gradient difference from the
+eager plain model (Inductor with `fallback_random`: the same dropout masks as eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch._inductor.config as inductor_config
+
+import hbp
+from hbp.runtime.tracker import allocator_peak
+from hbp.workloads import build
+
+MIB = 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="gpt2")
+    parser.add_argument("--profile", default="small")
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    inductor_config.fallback_random = True  # dropout masks as eager: gradients comparable
+
+    workload = build(args.workload, args.profile)
+    batch = workload.make_batch(0).to(args.device)
+    model = workload.model.to(args.device)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step(runner) -> None:
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(0)
+        workload.step_loss(runner, batch).backward()
+
+    def grads() -> list[torch.Tensor]:
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    step(model)
+    reference = grads()
+    hc = hbp.HCModule(model, budget=args.budget)
+    variants = {
+        "eager HCModule": hc,
+        "torch.compile(HCModule)": torch.compile(hc),
+        "torch.compile(model), no budget": torch.compile(model),
+    }
+    budget = None
+    print(
+        f"{args.workload}/{args.profile}, budget {args.budget}, {args.threads} thread(s), "
+        f"torch {torch.__version__}"
+    )
+    header = f"{'variant':34s} {'peak MiB':>9s} {'/budget':>8s} {'step s':>8s} "
+    print(header + f"{'warm-up s':>10s} {'max |grad diff|':>16s}")
+    for name, runner in variants.items():
+        model.load_state_dict(state)
+        start = time.perf_counter()
+        step(runner)  # warm-up: capture, plan, compile
+        step(runner)
+        warmup_s = time.perf_counter() - start
+        error = max((g - r).abs().max().item() for g, r in zip(grads(), reference, strict=True))
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            step(runner)
+            times.append(time.perf_counter() - start)
+        _, peak = allocator_peak(step, runner)
+        if budget is None:
+            budget = hc.plan.budget_bytes
+        print(
+            f"{name:34s} {peak / MIB:9.1f} {peak / budget:8.2f} {statistics.median(times):8.3f} "
+            f"{warmup_s:10.1f} {error:16.2e}"
+        )
+    print(
+        f"plan budget {budget / MIB:.1f} MiB, naive peak {hc.plan.naive_peak_bytes / MIB:.1f} MiB"
+    )
+
+
+if __name__ == "__main__":
+    main()
