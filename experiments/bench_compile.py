@@ -3,6 +3,7 @@ segment compiled: `torch.compile(hc)`), and the compiled plain model (no budget)
 
     python experiments/bench_compile.py                      # gpt2, profile small, budget 0.5
     python experiments/bench_compile.py --workload resnet --budget 0.3 --repeats 5
+    python experiments/bench_compile.py --workload transformers-gpt2   # GPT2LMHeadModel, tiny
 
 Prints one row per variant: the step's peak by the CPU allocator (`allocator_peak`: the
 profiler's allocation events, what Inductor's own buffers are counted by), that peak over the
@@ -39,16 +40,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     inductor_config.fallback_random = True  # dropout masks as eager: gradients comparable
 
-    workload = build(args.workload, args.profile)
-    batch = workload.make_batch(0).to(args.device)
-    model = workload.model.to(args.device)
+    if args.workload == "transformers-gpt2":
+        model, loss_of = transformers_gpt2(args.device)
+        args.profile = "tiny GPT2Config, random weights"
+    else:
+        workload = build(args.workload, args.profile)
+        batch = workload.make_batch(0).to(args.device)
+        model = workload.model.to(args.device)
+
+        def loss_of(runner):
+            return workload.step_loss(runner, batch)
+
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
     def step(runner) -> None:
         for p in model.parameters():
             p.grad = None
         torch.manual_seed(0)
-        workload.step_loss(runner, batch).backward()
+        loss_of(runner).backward()
 
     def grads() -> list[torch.Tensor]:
         return [p.grad.detach().clone() for p in model.parameters()]
@@ -90,6 +99,18 @@ def main() -> None:
     print(
         f"plan budget {budget / MIB:.1f} MiB, naive peak {hc.plan.naive_peak_bytes / MIB:.1f} MiB"
     )
+
+
+def transformers_gpt2(device: str):
+    """transformers' GPT2LMHeadModel from a small GPT2Config (random weights, no download),
+    the loss computed by the model from `labels`; dropout on."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=4, n_head=4, n_embd=128, n_positions=128, vocab_size=2048)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).to(device).train()
+    ids = torch.randint(0, config.vocab_size, (8, 128), device=device)
+    return model, lambda runner: runner(input_ids=ids, labels=ids).loss
 
 
 if __name__ == "__main__":

@@ -146,9 +146,7 @@ class HCModule(nn.Module):
         return self._current
 
     def forward(self, *args, **kwargs):
-        if (
-            torch.compiler.is_compiling()
-        ):  # torch.compile(hc): NOTE [ torch.compile of an HCModule ]
+        if torch.compiler.is_compiling():  # NOTE [ torch.compile of an HCModule ]
             return self._forward_with_compiled_segments(*args, **kwargs)
         if not self._plans_for(args, kwargs):
             return self.module(*args, **kwargs)
