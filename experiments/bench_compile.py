@@ -7,9 +7,10 @@ segment compiled: `torch.compile(hc)`), and the compiled plain model (no budget)
 
 Prints one row per variant: the step's peak by the CPU allocator (`allocator_peak`: the
 profiler's allocation events, what Inductor's own buffers are counted by), that peak over the
-plan's budget, the median step time of `--repeats` timed steps after warm-up (compilation
-happens in warm-up; its time is printed apart), and the largest gradient difference from the
-eager plain model (Inductor with `fallback_random`: the same dropout masks as eager).
+plan's budget, the median wall and CPU (process) time of `--repeats` timed steps after
+warm-up, the variants interleaved round by round (compilation happens in warm-up; its time is
+printed apart), and the largest gradient difference from the eager plain model (Inductor
+with `fallback_random`: the same dropout masks as eager).
 """
 
 from __future__ import annotations
@@ -70,31 +71,36 @@ def main() -> None:
         "torch.compile(HCModule)": torch.compile(hc),
         "torch.compile(model), no budget": torch.compile(model),
     }
-    budget = None
     print(
         f"{args.workload}/{args.profile}, budget {args.budget}, {args.threads} thread(s), "
         f"torch {torch.__version__}"
     )
-    header = f"{'variant':34s} {'peak MiB':>9s} {'/budget':>8s} {'step s':>8s} "
-    print(header + f"{'warm-up s':>10s} {'max |grad diff|':>16s}")
-    for name, runner in variants.items():
+    rows = {}
+    for name, runner in variants.items():  # warm-up (capture, plan, compile) and checks
         model.load_state_dict(state)
         start = time.perf_counter()
-        step(runner)  # warm-up: capture, plan, compile
+        step(runner)
         step(runner)
         warmup_s = time.perf_counter() - start
         error = max((g - r).abs().max().item() for g, r in zip(grads(), reference, strict=True))
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            step(runner)
-            times.append(time.perf_counter() - start)
         _, peak = allocator_peak(step, runner)
-        if budget is None:
-            budget = hc.plan.budget_bytes
+        rows[name] = dict(peak=peak, warmup_s=warmup_s, error=error, wall=[], cpu=[])
+    for _ in range(args.repeats):  # interleaved, so that load drifts hit all variants alike
+        for name, runner in variants.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            step(runner)
+            rows[name]["wall"].append(time.perf_counter() - wall)
+            rows[name]["cpu"].append(time.process_time() - cpu)
+    budget = hc.plan.budget_bytes
+    print(
+        f"{'variant':34s} {'peak MiB':>9s} {'/budget':>8s} {'step s':>8s} {'cpu s':>8s} "
+        f"{'warm-up s':>10s} {'max |grad diff|':>16s}"
+    )
+    for name, row in rows.items():
         print(
-            f"{name:34s} {peak / MIB:9.1f} {peak / budget:8.2f} {statistics.median(times):8.3f} "
-            f"{warmup_s:10.1f} {error:16.2e}"
+            f"{name:34s} {row['peak'] / MIB:9.1f} {row['peak'] / budget:8.2f} "
+            f"{statistics.median(row['wall']):8.3f} {statistics.median(row['cpu']):8.3f} "
+            f"{row['warmup_s']:10.1f} {row['error']:16.2e}"
         )
     print(
         f"plan budget {budget / MIB:.1f} MiB, naive peak {hc.plan.naive_peak_bytes / MIB:.1f} MiB"
