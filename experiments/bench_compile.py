@@ -102,8 +102,11 @@ def main() -> None:
             f"{statistics.median(row['wall']):8.3f} {statistics.median(row['cpu']):8.3f} "
             f"{row['warmup_s']:10.1f} {row['error']:16.2e}"
         )
+    segments = getattr(hc.compiled.segments_compiled, "blocks", [])  # module level: none
     print(
-        f"plan budget {budget / MIB:.1f} MiB, naive peak {hc.plan.naive_peak_bytes / MIB:.1f} MiB"
+        f"plan budget {budget / MIB:.1f} MiB, naive peak {hc.plan.naive_peak_bytes / MIB:.1f} MiB; "
+        f"{hc.captured.granularity}-level capture of {len(hc.captured.graph)} nodes, "
+        f"{len(segments)} top-level segments ({sum(b.recompute for b in segments)} recomputed)"
     )
 
 
@@ -113,6 +116,7 @@ def transformers_gpt2(device: str):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=4, n_head=4, n_embd=128, n_positions=128, vocab_size=2048)
+    config.bos_token_id = config.eos_token_id = 0
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).to(device).train()
     ids = torch.randint(0, config.vocab_size, (8, 128), device=device)
