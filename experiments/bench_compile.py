@@ -70,6 +70,7 @@ def main() -> None:
         "eager HCModule": hc,
         "torch.compile(HCModule)": torch.compile(hc),
         "torch.compile(model), no budget": torch.compile(model),
+        "eager model, no budget": model,
     }
     print(
         f"{args.workload}/{args.profile}, budget {args.budget}, {args.threads} thread(s), "
