@@ -164,7 +164,8 @@ class HCModule(nn.Module):
     # recomputation flattened to one level). So torch.compile(hc) stops at HCModule's forward
     # (a graph break, `torch.compiler.disable`), and the forward runs the plan with each
     # segment compiled on its own (`hbp.runtime.executor`, NOTE [ Compiled segments ]), as
-    # HCModule(..., compile=True) does. Code around hc (the loss) is compiled as usual.
+    # HCModule(..., compile=True) does. Code around the call (a compiled function that calls
+    # hc and computes the loss) is compiled as usual.
 
     @torch.compiler.disable(
         reason="HCModule runs its plan outside Dynamo and compiles each segment itself "
