@@ -94,6 +94,16 @@ def test_torch_compile_of_hcmodule_compiles_the_segments():
     assert hc.compiled.executor is not hc.compiled.segments_compiled  # eager one kept apart
 
 
+def test_a_compiled_loss_function_calling_hc_breaks_the_graph_there():
+    model, x, plain = reference(mlp)
+    hc = hbp.HCModule(model, budget=0.5, compile=AOT_EAGER)
+    loss_fn = torch.compile(lambda x: hc(x).square().mean(), backend="aot_eager")
+    torch.manual_seed(1)  # as `step` does
+    loss_fn(x).backward()
+    assert compiled_segments(hc) >= 2
+    assert_same_step(model, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_torch_compile_fullgraph_says_why_and_what_to_use():
     model, x = mlp()
     compiled = torch.compile(hbp.HCModule(model, budget=0.5), fullgraph=True)
