@@ -87,6 +87,7 @@ class Compiled:
     measured_peak_bytes: int | None = None
     measurements: int = 0
     settled: bool = False
+    segments_compiled: Any = None  # the executor with compiled segments, made on first use
 
 
 class HCModule(nn.Module):
@@ -109,6 +110,10 @@ class HCModule(nn.Module):
         calibrate: on CPU, measure the first training step of each signature with the
             allocator (profiler memory events: slower, once) and plan again if it is above
             the budget. On CUDA the first step is always measured (it costs nothing).
+        compile: run each segment of the plan through `torch.compile`: True, or a dict of
+            `torch.compile` keyword arguments (`{"backend": "aot_eager"}`, `{"mode": ...}`).
+            `torch.compile(hc)` does the same with the default options (NOTE [ torch.compile
+            of an HCModule ]).
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
@@ -128,6 +133,7 @@ class HCModule(nn.Module):
         plan_in_eval: bool = False,
         loss_fn=None,
         calibrate: bool = False,
+        compile: bool | dict = False,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -150,6 +156,9 @@ class HCModule(nn.Module):
         self.calibrate = bool(calibrate)
         self._measured_peak_bytes: int | None = None
         self._probe: tuple[_StepPeakProbe, Compiled] | None = None
+        if not isinstance(compile, (bool, dict)):
+            raise ConfigError("compile", compile, "True, False or a dict of torch.compile options")
+        self.compile = compile
         self._compiled: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
         self._warned: set[str] = set()
@@ -177,11 +186,59 @@ class HCModule(nn.Module):
         return self._current
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # NOTE [ torch.compile of an HCModule ]
+            return self._forward_with_compiled_segments(*args, **kwargs)
         if self.loss_fn is not None and "targets" in kwargs:
             return self._forward_with_loss(args, kwargs)
         if not self._plans_for(args, kwargs):
             return self.module(*args, **kwargs)
         return self._run(self._prepare(args, kwargs), args, kwargs)
+
+    # NOTE [ torch.compile of an HCModule ]
+    # Dynamo cannot trace the plan as one graph and keep its memory: the executor's nested
+    # non-reentrant checkpoints need a context_fn that swaps BatchNorm statistics and buffers
+    # during the recompute and switch autocast's cache off (Dynamo's checkpoint higher-order
+    # op accepts neither), and inside one graph AOTAutograd's partitioner and Inductor's
+    # scheduler, not the plan, would decide what is saved and when it is freed (nested
+    # recomputation flattened to one level). So torch.compile(hc) stops at HCModule's forward
+    # (a graph break, `torch.compiler.disable`), and the forward runs the plan with each
+    # segment compiled on its own (`hbp.runtime.executor`, NOTE [ Compiled segments ]), as
+    # HCModule(..., compile=True) does. Code around the call (a compiled function that calls
+    # hc and computes the loss) is compiled as usual.
+
+    @torch.compiler.disable(
+        reason="HCModule runs its plan outside Dynamo and compiles each segment itself "
+        "(torch.compile(hc) cannot use fullgraph=True; use HCModule(model, compile=True))"
+    )
+    def _forward_with_compiled_segments(self, *args, **kwargs):
+        if not self._plans_for(args, kwargs):
+            return self.module(*args, **kwargs)
+        return self._segments_compiled(self._prepare(args, kwargs))(*args, **kwargs)
+
+    def _executor(self, compiled: Compiled):
+        """The executor a call runs: with compiled segments if `compile` is set."""
+        return compiled.executor if self.compile is False else self._segments_compiled(compiled)
+
+    def _segments_compiled(self, compiled: Compiled):
+        """The executor of `compiled` with every segment run through torch.compile."""
+        if compiled.segments_compiled is None:
+            options = self.compile if isinstance(self.compile, dict) else {}
+            if compiled.captured.granularity == MODULE:
+                self._warn_once(
+                    "compile-module-level",
+                    "HCModule compiles the segments of op-level captures only; this module "
+                    f"fell back to module level ({compiled.captured.fallback_reason}) and runs "
+                    "eagerly",
+                )
+                compiled.segments_compiled = compiled.executor
+            else:
+                compiled.segments_compiled = make_executor(
+                    compiled.captured,
+                    compiled.plan,
+                    compiled.root or self.module,
+                    compile_options=options,
+                )
+        return compiled.segments_compiled
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Capture and plan for these inputs as a training step (grad enabled, current
@@ -201,6 +258,7 @@ class HCModule(nn.Module):
 
     def extra_repr(self) -> str:
         extra = ", plan_in_eval=True" if self.plan_in_eval else ""
+        extra += f", compile={self.compile!r}" if self.compile is not False else ""
         return (
             f"budget={self.budget!r}, block_size={self.block_size}, planner={self.planner!r}"
             + extra
@@ -480,14 +538,15 @@ class HCModule(nn.Module):
         """Run the executor; measure the step with the allocator while the closed loop is
         open (NOTE [ The step around the module ])."""
         self._finish_probe()
+        executor = self._executor(compiled)
         device = _step_device(compiled.root, args, kwargs)
         if compiled.settled or not (device.type == "cuda" or self.calibrate):
-            return compiled.executor(*args, **kwargs)
+            return executor(*args, **kwargs)
         if device.type == "cpu" and torch.autograd._profiler_enabled():
-            return compiled.executor(*args, **kwargs)  # a profiler is running: cannot nest
+            return executor(*args, **kwargs)  # a profiler is running: cannot nest
         probe = _StepPeakProbe(device)
         try:
-            output = compiled.executor(*args, **kwargs)
+            output = executor(*args, **kwargs)
         except BaseException:
             probe.cancel()
             raise
@@ -567,6 +626,7 @@ class HCModule(nn.Module):
             )
         compiled.plan = plan
         compiled.executor = make_executor(captured, plan, compiled.root or self.module)
+        compiled.segments_compiled = None
 
     def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
         if key not in self._warned:

@@ -128,6 +128,7 @@ class PlanExecutor:
         plan: Plan,
         module: nn.Module,
         node_hook: Callable[[str], None] | None = None,
+        compile_options: dict | None = None,
     ):
         if captured.gm is None:
             raise ValueError("PlanExecutor needs an op-level capture; use ModuleCallExecutor")
@@ -135,6 +136,7 @@ class PlanExecutor:
         self.plan = plan
         self.gm = captured.gm
         self.node_hook = node_hook
+        self.compile_options = compile_options  # None: eager; else torch.compile(**options)
         self._norm_context_fn = checkpoint_context_fn(module)
         self._placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -388,6 +390,8 @@ class _LeafCall:
         self.variants: dict[tuple, fx.GraphModule] = {}
 
     def __call__(self, values: list, outputs: tuple) -> tuple:
+        if self.executor.compile_options is not None:
+            return _compiled_leaf_call(self, values, outputs)
         module = self.variants.get(outputs)
         if module is None:
             module = self.executor.segment_module(self.nodes, self.inputs, outputs)
@@ -667,8 +671,49 @@ class _Chain:
         return x
 
 
-def make_executor(captured: CapturedGraph, plan: Plan, module: nn.Module):
-    """The executor for `captured`'s granularity."""
+def make_executor(
+    captured: CapturedGraph, plan: Plan, module: nn.Module, compile_options: dict | None = None
+):
+    """The executor for `captured`'s granularity. `compile_options` (op level only): run each
+    leaf segment through `torch.compile(segment, **compile_options)` (NOTE [ Compiled
+    segments ])."""
     if captured.granularity == MODULE:
         return ModuleCallExecutor(captured, plan, module)
-    return PlanExecutor(captured, plan, module)
+    return PlanExecutor(captured, plan, module, compile_options=compile_options)
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled segments (HCModule(..., compile=True), and torch.compile(hc))
+# ---------------------------------------------------------------------------------------
+
+# NOTE [ Compiled segments ]
+# With `compile_options`, every leaf segment's generated code is compiled on its own
+# (`torch.compile(segment, dynamic=False, **options)`); the plan's structure around the
+# segments (the executor's environment, nested non-reentrant checkpoints with their
+# context_fn, autocast's cache switch) stays eager Python, so memory is still decided by the
+# plan: a recomputed segment keeps only its inputs and outputs, whatever its compiled code
+# saves inside. One rule makes this exact: a leaf segment always runs the code that returns
+# all its forward outputs, also in a recompute pass that needs fewer (the caller drops the
+# rest). Eagerly, each variant of the generated code saves the same tensors (autograd saves
+# per op); compiled, AOTAutograd's partitioner picks what a graph saves from the graph's
+# outputs, so a second variant would save a different number of tensors and non-reentrant
+# checkpoint's recompute check would fail. BatchNorm statistics frozen during a recompute
+# (`hbp.runtime.recompute`) are buffers swapped on the module: the compiled segment reads
+# them as graph inputs, so the swap needs no recompilation. Dropout: the recompute replays the
+# RNG state (checkpoint's `preserve_rng_state`); Inductor draws its random numbers from that
+# state too, so the recompute's masks are the forward's (the same masks as eager PyTorch
+# only with `torch._inductor.config.fallback_random = True`).
+
+
+def _compiled_leaf_call(leaf: _LeafCall, values: list, outputs: tuple) -> tuple:
+    """`leaf(values, outputs)` through the one compiled variant that returns every output of
+    the forward pass (the first call is the forward: see NOTE [ Compiled segments ])."""
+    if not leaf.variants:
+        module = leaf.executor.segment_module(leaf.nodes, leaf.inputs, outputs)
+        options = {"dynamic": False, **leaf.executor.compile_options}
+        leaf.variants[outputs] = torch.compile(module, **options)
+    ((full, module),) = leaf.variants.items()
+    if full == outputs:
+        return module(values)
+    produced = dict(zip(full, module(values)))
+    return tuple(produced[n] for n in outputs)

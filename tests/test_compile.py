@@ -1,0 +1,151 @@
+"""torch.compile and HCModule: `torch.compile(hc)` and `HCModule(..., compile=...)` run each
+segment of the plan compiled (NOTE [ torch.compile of an HCModule ]) with the gradients of
+plain autograd, BatchNorm statistics updated once per step, and the allocator's peak within
+the budget (Inductor's buffers are seen by the allocator, not by dispatch-mode trackers).
+
+Fast tests compile with the `aot_eager` backend (Dynamo + AOTAutograd, the parts that decide
+what is saved); the Inductor ones are marked slow (C++ compilation)."""
+
+import copy
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+import hbp
+from hbp.runtime.tracker import allocator_peak
+
+AOT_EAGER = {"backend": "aot_eager"}
+
+
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    layers = [m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1))]
+    return nn.Sequential(*layers, nn.Linear(64, 1)), torch.randn(512, 64)
+
+
+def cnn() -> tuple[nn.Module, torch.Tensor]:
+    def conv(c_in: int) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+
+    model = nn.Sequential(*conv(3), *conv(8), *conv(8), nn.Flatten(), nn.Linear(8 * 16 * 16, 1))
+    return model, torch.randn(16, 3, 16, 16)
+
+
+def step(runner, model: nn.Module, x: torch.Tensor) -> None:
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    runner(x).square().mean().backward()
+
+
+def reference(build) -> tuple[nn.Module, torch.Tensor, nn.Module]:
+    """(model, input, a copy of the model after one plain autograd step)."""
+    model, x = build()
+    plain = copy.deepcopy(model)
+    step(plain, plain, x)
+    return model, x, plain
+
+
+def assert_same_step(model: nn.Module, plain: nn.Module, rtol: float, atol: float) -> None:
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=name)
+    for (name, b), c in zip(plain.named_buffers(), model.buffers(), strict=True):
+        torch.testing.assert_close(c, b, rtol=rtol, atol=atol, msg=name)  # updated once
+
+
+def compiled_segments(hc: hbp.HCModule) -> int:
+    """How many leaf segments of the current plan run compiled code."""
+    executor = hc.compiled.segments_compiled
+    leaves = []
+
+    def visit(blocks) -> None:
+        for block in blocks:
+            call = block.call
+            if hasattr(call, "variants"):
+                leaves.append(call)
+            else:
+                visit(call.children)
+
+    visit(executor.blocks)
+    return sum(
+        isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+        for leaf in leaves
+        for m in leaf.variants.values()
+    )
+
+
+@pytest.mark.parametrize("build", [mlp, cnn])
+def test_compiled_segments_give_plain_gradients_and_running_stats(build):
+    model, x, plain = reference(build)
+    hc = hbp.HCModule(model, budget=0.5, compile=AOT_EAGER)
+    step(hc, model, x)
+    assert any(s.recompute for s in hc.plan.segments)
+    assert compiled_segments(hc) >= 2
+    assert_same_step(model, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_of_hcmodule_compiles_the_segments():
+    model, x, plain = reference(cnn)
+    hc = hbp.HCModule(model, budget=0.5, compile=AOT_EAGER)
+    step(torch.compile(hc, backend="aot_eager"), model, x)
+    assert compiled_segments(hc) >= 2
+    assert_same_step(model, plain, rtol=1e-5, atol=1e-6)
+    assert hc.compiled.executor is not hc.compiled.segments_compiled  # eager one kept apart
+
+
+def test_a_compiled_loss_function_calling_hc_breaks_the_graph_there():
+    model, x, plain = reference(mlp)
+    hc = hbp.HCModule(model, budget=0.5, compile=AOT_EAGER)
+    loss_fn = torch.compile(lambda x: hc(x).square().mean(), backend="aot_eager")
+    torch.manual_seed(1)  # as `step` does
+    loss_fn(x).backward()
+    assert compiled_segments(hc) >= 2
+    assert_same_step(model, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_fullgraph_says_why_and_what_to_use():
+    model, x = mlp()
+    compiled = torch.compile(hbp.HCModule(model, budget=0.5), fullgraph=True)
+    with pytest.raises(Exception, match="HCModule runs its plan outside Dynamo") as info:
+        compiled(x)
+    assert "compile=True" in str(info.value)
+
+
+def test_compile_option_is_checked():
+    with pytest.raises(hbp.ConfigError, match="compile"):
+        hbp.HCModule(nn.Linear(2, 2), compile="inductor")
+
+
+def test_compiled_step_allocator_peak_within_budget():
+    model, x = mlp()
+    hc = hbp.HCModule(model, budget=0.5, compile=AOT_EAGER)
+    step(hc, model, x)  # plans and compiles
+    _, peak = allocator_peak(step, hc, model, x)
+    assert peak <= 1.05 * hc.plan.budget_bytes, (peak, hc.plan.budget_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [mlp, cnn])
+@inductor_config.patch(fallback_random=True)  # eager's dropout masks
+def test_torch_compile_inductor_matches_plain_and_keeps_the_saving(build):
+    """Inductor: the gradients and statistics of plain autograd, and the allocator's peak near
+    the eager HCModule's (within 15%; measured 1.13x on the MLP, 1.03x on the CNN) and far
+    below the plain step's. The plan's budget itself is not asserted here: on these tiny
+    models the eager HCModule's allocator peak is already 0.97x (MLP) and 1.31x (CNN: conv
+    workspace the IR does not count) of it; see README "torch.compile and HCModule"."""
+    model, x, plain = reference(build)
+    other = copy.deepcopy(plain)
+    _, plain_peak = allocator_peak(step, other, other, x)
+    hc = hbp.HCModule(model, budget=0.5)
+    state = copy.deepcopy(model.state_dict())
+    step(hc, model, x)
+    _, eager_peak = allocator_peak(step, hc, model, x)
+    model.load_state_dict(state)
+    compiled = torch.compile(hc)
+    step(compiled, model, x)
+    assert compiled_segments(hc) >= 2
+    assert_same_step(model, plain, rtol=1e-4, atol=1e-5)
+    _, peak = allocator_peak(step, compiled, model, x)
+    assert peak <= 1.15 * eager_peak, (peak, eager_peak)
+    assert peak <= 0.8 * plain_peak, (peak, plain_peak)
