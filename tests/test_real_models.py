@@ -141,3 +141,18 @@ def test_hcmodule_beats_the_librarys_own_checkpointing(name):
 
     hc_min, _, least = _compare(name, "min", copy.deepcopy(model), (args, kwargs))
     assert least.peak_bytes < library.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_backward_starts_at_the_models_own_loss_and_the_prediction_holds(name):
+    """The logits beside `output.loss` get no gradient of their own (NOTE [ Where backward
+    starts ]): the predicted peak is the measured one, where seeding every output would add
+    the logits' gradient."""
+    model, args, kwargs = _build(name)
+    case = REAL_CASE[name]
+    hc = hbp.HCModule(model, budget=1.0)
+    got = train_step(hc, model, None, args, kwargs, loss_fn=case.loss)
+    graph = hc.captured.graph
+    assert graph.grad_outputs is not None and len(graph.grad_outputs) == 1
+    assert graph.node(graph.grad_outputs[0]).output_bytes <= 16  # the scalar loss
+    assert got.peak_bytes == pytest.approx(hc.plan.predicted_peak_bytes, rel=0.03)

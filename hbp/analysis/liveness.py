@@ -47,6 +47,7 @@ class GraphInfo:
         root: per node, the index of its storage root (itself unless it is an alias).
         storage_bytes: per node, bytes of new storage it allocates (0 for aliases and inputs).
         is_input / is_output: graph inputs / graph outputs.
+        grad_seed: outputs whose gradient backward starts with (`Graph.grad_outputs`).
         receives_grad / has_backward: see the module docstring.
         grad_bytes: per node, bytes of its output gradient (0 unless it receives one).
         saved: per node, the indices of the inputs its backward keeps (empty without backward).
@@ -69,6 +70,7 @@ class GraphInfo:
     storage_bytes: np.ndarray
     is_input: np.ndarray
     is_output: np.ndarray
+    grad_seed: np.ndarray
     receives_grad: np.ndarray
     has_backward: np.ndarray
     grad_bytes: np.ndarray
@@ -142,10 +144,14 @@ class GraphInfo:
 
         is_input = np.array([nd.is_input for nd in nodes], dtype=bool)
         requires_grad = np.array([nd.requires_grad for nd in nodes], dtype=bool)
+        grad_seed = is_output & requires_grad
+        if graph.grad_outputs is not None:
+            seeds = set(graph.grad_outputs)
+            grad_seed &= np.array([nd.name in seeds for nd in nodes], dtype=bool)
         receives_grad = np.zeros(n, dtype=bool)
         has_backward = np.zeros(n, dtype=bool)
         for i in range(n - 1, -1, -1):
-            if requires_grad[i] and (is_output[i] or any(has_backward[u] for u in users[i])):
+            if requires_grad[i] and (grad_seed[i] or any(has_backward[u] for u in users[i])):
                 receives_grad[i] = True
                 has_backward[i] = not is_input[i]
         for i in range(n):
@@ -185,6 +191,7 @@ class GraphInfo:
             storage_bytes=storage,
             is_input=is_input,
             is_output=is_output,
+            grad_seed=grad_seed,
             receives_grad=receives_grad,
             has_backward=has_backward,
             grad_bytes=grad_bytes,

@@ -312,7 +312,7 @@ class _Run:
         self._pass(segments, None)
         forward_end = self.live
         for j in range(info.n):
-            if info.is_output[j] and info.receives_grad[j]:
+            if info.grad_seed[j]:
                 self.grad[j] = self._new(info.grad_bytes[j])
         self._record(BACKWARD, None)
         self._backward(segments)

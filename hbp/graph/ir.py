@@ -128,6 +128,11 @@ class Graph:
     Attributes:
         nodes: the nodes, in the order forward runs them (inputs first).
         outputs: names of the values the graph returns.
+        grad_outputs: the outputs backward starts from (their gradients are allocated when
+            backward starts); None: every output that requires grad. A HuggingFace-style
+            output with a scalar `loss` is trained through the loss alone: its logits are an
+            output, but their gradient comes only through the loss (NOTE [ Where backward
+            starts ] in hbp/graph/torch_capture.py).
         meta: provenance of the capture (framework, granularity, timings, warnings); memory
             facts are `Node` fields. Graphs built with the legacy per-node meta keys
             (`LEGACY_META_FIELDS`) have them moved onto the nodes by `adopt_legacy_meta`,
@@ -137,6 +142,7 @@ class Graph:
     nodes: list[Node]
     outputs: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    grad_outputs: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -183,6 +189,7 @@ class Graph:
         return {
             "nodes": [asdict(n) for n in self.nodes],
             "outputs": list(self.outputs),
+            "grad_outputs": None if self.grad_outputs is None else list(self.grad_outputs),
             "meta": dict(self.meta),
         }
 
@@ -196,6 +203,8 @@ class Graph:
                 kw[name] = tuple(kw.get(name, ()))
             nodes.append(Node(**kw))
         graph = cls(nodes, list(d.get("outputs", [])), dict(d.get("meta", {})))
+        if d.get("grad_outputs") is not None:
+            graph.grad_outputs = list(d["grad_outputs"])
         return graph.adopt_legacy_meta()
 
     def to_json(self, path: str | Path | None = None) -> str:

@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,7 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
                 stacklevel=3,
             )
             captured = _capture_modules(module, bound, signature, reason, args, kwargs)
+    _seed_backward_at_the_loss(captured)
     captured.capture_time_s = time.perf_counter() - start
     captured.graph.meta["capture_time_s"] = captured.capture_time_s
     return captured
@@ -207,6 +208,34 @@ def _python_assignments_recorded(module: nn.Module, out: list[_Assignment]) -> I
         yield
     finally:
         nn.Module.__setattr__ = original
+
+
+# NOTE [ Where backward starts ]
+# The simulator allocates, when backward starts, a gradient for every graph output that
+# requires grad: right for a module whose outputs all feed the caller's loss. A model that
+# returns its own loss (HuggingFace: `labels=` given, `output.loss`) is trained through that
+# loss alone: `output.loss.backward()`, while the logits beside it (the largest tensor of a
+# language model) are returned for the caller to look at, and their gradient only ever comes
+# through the loss. So for an output mapping with a scalar `loss`, backward starts at the loss
+# (`Graph.grad_outputs`); every other output is held, with no gradient of its own.
+
+
+def _seed_backward_at_the_loss(captured: CapturedGraph) -> None:
+    """Set `graph.grad_outputs` to the model's own loss, if it returns one (see the NOTE)."""
+    template = captured.output_template
+    if captured.gm is None or not isinstance(template, Mapping):
+        return
+    slot = template.get("loss")
+    if not isinstance(slot, OutputSlot):
+        return
+    output = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    flat = output.args[0]
+    loss = flat[slot.index] if isinstance(flat, (tuple, list)) else None
+    if loss is None or loss.name not in captured.graph.outputs:
+        return
+    node = captured.graph.node(loss.name)
+    if node.requires_grad and node.output_bytes <= 16:  # a scalar (0-dim) loss
+        captured.graph.grad_outputs = [loss.name]
 
 
 #: Op-level tracers, tried in order; module-level cut points if every one fails.

@@ -699,10 +699,14 @@ class _StepPeakProbe:
             torch.cuda.reset_peak_memory_stats(device)
             self._base = torch.cuda.memory_allocated(device)
             return
-        self._profiler = torch.profiler.profile(
+        from hbp.runtime.tracker import close_open_windows, hold_open
+
+        close_open_windows()  # another module's measurement still recording: CPU profilers
+        self._profiler = torch.profiler.profile(  # do not nest
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
         self._profiler.start()
+        hold_open(self)
         marker = torch.empty(1, dtype=torch.uint8)
         self._marker_ptr = marker.data_ptr()
         del marker
@@ -724,9 +728,9 @@ class _StepPeakProbe:
             return self._peak
         profiler, self._profiler = self._profiler, None
         profiler.stop()
-        if self._end_ptr is None:
-            return None
-        return profiler_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
+        if self._end_ptr is not None:
+            self._peak = profiler_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
+        return self._peak
 
     def cancel(self) -> None:
         if self._profiler is not None:

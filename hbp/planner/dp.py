@@ -171,7 +171,7 @@ class CostModel:
             return len(size) - 1
 
         for j in range(n):
-            if info.is_output[j] and info.receives_grad[j]:
+            if info.grad_seed[j]:
                 grad[j] = new(info.grad_bytes[j])
                 live += int(info.grad_bytes[j])
         self.pos_bwd = np.zeros(n, dtype=np.int64)

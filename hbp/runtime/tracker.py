@@ -283,6 +283,7 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
         return result, int(torch.cuda.max_memory_allocated(dev) - base)
     if _EventType is None:  # pragma: no cover
         raise RuntimeError("allocator_peak needs torch._C._profiler._EventType (torch >= 2.1)")
+    close_open_windows()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
@@ -290,6 +291,24 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
         del marker
         result = fn(*args, **kwargs)
     return result, profiler_peak_bytes(prof, marker_ptr)
+
+
+#: CPU profiler windows a measurement left open because it ends inside the autograd engine,
+#: where a profiler cannot be stopped (HCModule's closed loop, `_StepPeakProbe`): CPU profilers
+#: do not nest, so each is closed (its result kept) before another profiler starts.
+_OPEN_WINDOWS: weakref.WeakSet = weakref.WeakSet()
+
+
+def hold_open(window) -> None:
+    """Register a measurement window (an object with `stop()`) still recording."""
+    _OPEN_WINDOWS.add(window)
+
+
+def close_open_windows() -> None:
+    """Stop every registered window still recording (each keeps its result)."""
+    for window in list(_OPEN_WINDOWS):
+        window.stop()
+        _OPEN_WINDOWS.discard(window)
 
 
 # NOTE [ CPU allocator peak ]
