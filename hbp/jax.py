@@ -22,6 +22,7 @@ from hbp.integrations.jax import (
     jit,
     measure,
     record_pieces,
+    rss_growth,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "height_compressed_grad",
     "measure",
     "record_pieces",
+    "rss_growth",
 ]
