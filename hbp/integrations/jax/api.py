@@ -241,14 +241,7 @@ class HeightCompressedGrad(Planned):
         values = [*leaves, *program.consts]
         traced = any(isinstance(v, jax.core.Tracer) for v in values)
         executor = self._executor(values)
-        if executor == "pieces":
-            if traced:
-                raise ConfigError(
-                    "strategy",
-                    "pieces",
-                    '"auto", "fenced" or "remat" under jax.jit / vmap / grad: the pieces '
-                    "executor needs concrete arrays",
-                )
+        if executor == "pieces":  # (traced, its pieces are inlined into the caller's trace)
             grads, aux = self._pieces_grad(compiled, leaves, argnums)
         else:
             grads, aux = self._program_grad(executor, compiled, traced_args, argnums, traced)

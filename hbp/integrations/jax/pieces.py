@@ -97,24 +97,32 @@ class PiecesExecutor:
 
         return run
 
-    def _build_apply_vjp(self, info: SegmentInfo):
+    def _build_apply_vjp(self, info: SegmentInfo, has_acc: tuple[bool, ...]):
         program = self.program
 
-        @partial(jax.jit, donate_argnums=1)  # the cotangents are dead after this piece
-        def apply_vjp(vjp_fn, cts):
-            return vjp_fn(fill_zeros(cts, info.diff_out, program))[0]
+        @partial(jax.jit, donate_argnums=(1, 2))  # cotangents and accumulators die here
+        def apply_vjp(vjp_fn, cts, accs):
+            in_cts = vjp_fn(fill_zeros(cts, info.diff_out, program))[0]
+            return _add_accumulated(in_cts, accs, has_acc)
 
         return apply_vjp
 
-    def _build_fused(self, info: SegmentInfo, keep: tuple[int, ...], dead: tuple[bool, ...]):
+    def _build_fused(
+        self,
+        info: SegmentInfo,
+        keep: tuple[int, ...],
+        dead: tuple[bool, ...],
+        has_acc: tuple[bool, ...],
+    ):
         """Forward (or recompute) and backward of a childless segment in one program;
-        returns the outputs listed in `keep` and the cotangents of the diff inputs. Diff
-        inputs flagged `dead` (nothing else refers to them) and the cotangents are donated,
-        so XLA can write the results into them."""
+        returns the outputs listed in `keep` and the cotangents of the diff inputs (added to
+        their accumulators, see `_take_accumulators`). Diff inputs flagged `dead` (nothing
+        else refers to them), the cotangents and the accumulators are donated, so XLA can
+        write the results into them."""
         program = self.program
 
-        @partial(jax.jit, donate_argnums=(0, 3))
-        def fused(dead_in, live_in, nondiff_in, cts):
+        @partial(jax.jit, donate_argnums=(0, 3, 4))
+        def fused(dead_in, live_in, nondiff_in, cts, accs):
             dead_it, live_it = iter(dead_in), iter(live_in)
             diff_in = [next(dead_it) if d else next(live_it) for d in dead]
             outs, vjp_fn, aux = jax.vjp(
@@ -123,19 +131,20 @@ class PiecesExecutor:
             values = dict(zip(info.diff_out, outs))
             values.update(zip(info.nondiff_out, aux))
             in_cts = vjp_fn(fill_zeros(cts, info.diff_out, program))[0]
-            return [values[o] for o in keep], in_cts
+            return [values[o] for o in keep], _add_accumulated(in_cts, accs, has_acc)
 
         return fused
 
-    def _run_fused(self, name, info, keep, diff_in: list, nondiff_in: list, cts: list):
+    def _run_fused(self, name, info, keep, diff_in: list, nondiff_in: list, cts: list, ct: dict):
         # An array only `diff_in` refers to (list entry + getrefcount's argument) is dead
         # after this piece: donate it.
         dead = tuple(sys.getrefcount(diff_in[k]) <= 2 for k in range(len(diff_in)))
         dead_in = [v for v, d in zip(diff_in, dead) if d]
         live_in = [v for v, d in zip(diff_in, dead) if not d]
         diff_in.clear()
-        fused = self._piece("fused", info, (keep, dead))
-        return self._call(name, fused, dead_in, live_in, nondiff_in, cts)
+        has_acc, accs = _take_accumulators(ct, info.diff_in)
+        fused = self._piece("fused", info, (keep, dead, has_acc))
+        return self._call(name, fused, dead_in, live_in, nondiff_in, cts, accs)
 
     def _aval(self, i: int):
         a = self.program.avals[i]
@@ -185,12 +194,15 @@ class PiecesExecutor:
                 continue
             if tape.vjp is not None:
                 name = f"backward {info.label}"
-                in_cts = self._call(name, self._piece("apply_vjp", info), tape.vjp, cts)
+                has_acc, accs = _take_accumulators(ct, info.diff_in)
+                apply_vjp = self._piece("apply_vjp", info, (has_acc,))
+                in_cts = self._call(name, apply_vjp, tape.vjp, cts, accs)
+                del accs
             elif not info.children:
                 diff_in, nondiff_in = tape.inputs
                 del tape
                 name = f"recompute+backward {info.label}"
-                _, in_cts = self._run_fused(name, info, (), diff_in, nondiff_in, cts)
+                _, in_cts = self._run_fused(name, info, (), diff_in, nondiff_in, cts, ct)
                 del diff_in, nondiff_in, cts
                 self._accumulate(ct, info.diff_in, in_cts)
                 del in_cts  # else this frame keeps them alive through the next recursion
@@ -231,7 +243,7 @@ class PiecesExecutor:
                 if i not in keep:
                     env.pop(i, None)
             name = f"forward+backward {last.label}"
-            outs, in_cts = self._run_fused(name, last, out_keep, diff_in, nondiff_in, cts)
+            outs, in_cts = self._run_fused(name, last, out_keep, diff_in, nondiff_in, cts, ct)
             del diff_in, nondiff_in, cts
             env.update(zip(out_keep, outs))
             self._accumulate(ct, last.diff_in, in_cts)
@@ -240,7 +252,30 @@ class PiecesExecutor:
 
     def _accumulate(self, ct: dict, ids, values) -> None:
         for i, v in zip(ids, values):
-            if i in ct:
+            if i in ct:  # (a value read twice by one segment)
                 ct[i] = self._call("accumulate", self._add, ct[i], v)
             else:
                 ct[i] = v
+
+
+# NOTE [ Accumulating cotangents inside the piece ]
+# A value read by several segments (a weight used twice, or a stacked scan weight that every
+# unrolled layer slices) gets a cotangent from each of their backward pieces. The slice's
+# cotangent is a full-size array (zeros but the slice): made by the piece and added to the
+# running sum afterwards, two full-size arrays are live at once, one more than the memory
+# model (a parameter's gradient, held once) counts. So a backward piece takes the running
+# sums of its inputs' cotangents as donated arguments and returns `running + its own`: XLA
+# fuses the padding into the add and writes the result into the donated buffer.
+
+
+def _take_accumulators(ct: dict, ids) -> tuple[tuple[bool, ...], list]:
+    """Pop the running cotangents of `ids` out of `ct` (for a piece to add into):
+    (which ids had one, the arrays)."""
+    has_acc = tuple(i in ct for i in ids)
+    return has_acc, [ct.pop(i) for i, h in zip(ids, has_acc) if h]
+
+
+def _add_accumulated(in_cts, accs, has_acc: tuple[bool, ...]) -> list:
+    """Inside a piece: each input cotangent plus its running sum, where there is one."""
+    it = iter(accs)
+    return [c + next(it) if h else c for c, h in zip(in_cts, has_acc)]
