@@ -20,7 +20,8 @@ temp = the compiled program's temp buffer (memory analysis; hbp as is: the progr
 at the peak), peak = memory-analysis peak (temp + outputs; pieces: live arrays + the running
 piece's temp + outputs), rss = process max-RSS growth of one call after a warm-up call (min-max
 over the repeats), *_vs_jit = ratio to `jax.jit(jax.grad)` (rss: of the medians), max_err = the
-largest absolute gradient difference to `jax.jit(jax.grad)`, step_s = the median call time.
+largest absolute gradient difference to `jax.jit(jax.grad)`, step_s = the measured call's time
+(median over the repeats; on a shared machine, a rough figure).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 MIB = 2**20
@@ -87,8 +87,10 @@ def make(variant: str, loss):
     return grad_fn
 
 
-def worker(variant: str, steps: int, quick: bool) -> dict:
-    """One measurement, in this (fresh) process."""
+def worker(variant: str, quick: bool) -> dict:
+    """One measurement, in this (fresh) process: compile and warm up, then one measured call
+    (RSS growth, wall time). The gradients are compared with those the `REFERENCE` variant
+    saved (`HBP_BENCH_REFERENCE`, written by the first measurement of each run)."""
     import jax
     import jax.numpy as jnp
 
@@ -101,32 +103,36 @@ def worker(variant: str, steps: int, quick: bool) -> dict:
         analysis = fn.lower(params, x).compile().memory_analysis()
         row["temp_mib"] = analysis.temp_size_in_bytes / MIB
         row["peak_mib"] = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / MIB
-    with hj.record_pieces() as warm:
+    with hj.record_pieces():
         jax.block_until_ready(fn(params, x))  # warm-up: compiles everything
-    growth, _ = hj.rss_growth(fn, params, x)
+    with hj.record_pieces() as rec:
+        growth, wall = hj.rss_growth(fn, params, x)
+        got = fn(params, x) if not rec.records else None  # (hbp: keep its records clean)
     row["rss_mib"] = growth / MIB if growth >= 0 else None
-    if warm.records:  # hbp called as is: the programs it ran
-        report = hj.measure(fn, params, x)
+    row["step_s"] = wall
+    if rec.records:  # hbp called as is: the programs it ran
+        top = max(rec.records, key=lambda r: r.peak_bytes)
+        names = [r.name for r in rec.records if r.name.startswith("one program (")]
         row.update(
-            strategy=report.strategy,
-            temp_mib=report.temp_bytes / MIB,
-            peak_mib=report.peak_bytes / MIB,
-            programs=report.n_pieces,
+            strategy=names[0][len("one program (") : -1] if names else "pieces",
+            temp_mib=top.temp_bytes / MIB,
+            peak_mib=top.peak_bytes / MIB,
+            programs=len(rec.records),
         )
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        got = jax.block_until_ready(fn(params, x))
-        times.append(time.perf_counter() - start)
-    row["step_s"] = statistics.median(times)
-    want = jax.jit(jax.grad(loss))(params, x)
-    row["max_err"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, want))
+        got = fn(params, x)
+    reference = Path(os.environ.get("HBP_BENCH_REFERENCE", "/nonexistent"))
+    if variant == REFERENCE:
+        jnp.save(reference, jnp.concatenate([g.ravel() for g in got]))
+        row["max_err"] = 0.0
+    elif reference.exists():
+        want = jnp.load(reference)
+        row["max_err"] = float(jnp.max(jnp.abs(jnp.concatenate([g.ravel() for g in got]) - want)))
     if hasattr(fn, "plan") and fn.plan is not None:
         row["predicted_mib"] = fn.plan.predicted_peak_bytes / MIB
     return row
 
 
-def run_one(variant: str, steps: int, quick: bool) -> dict:
+def run_one(variant: str, quick: bool, reference: Path) -> dict:
     env = dict(os.environ)
     env.update(
         MALLOC_MMAP_THRESHOLD_="65536",
@@ -134,8 +140,9 @@ def run_one(variant: str, steps: int, quick: bool) -> dict:
         OMP_NUM_THREADS="1",
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        HBP_BENCH_REFERENCE=str(reference),
     )
-    cmd = [sys.executable, __file__, "--worker", variant, "--steps", str(steps)]
+    cmd = [sys.executable, __file__, "--worker", variant]
     if quick:
         cmd.append("--quick")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -165,7 +172,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "peak_mib": first.get("peak_mib"),
                 "rss_mib": f"{min(rss):.0f}-{max(rss):.0f}" if rss else "",
                 "rss_median": statistics.median(rss) if rss else None,
-                "max_err": max(r["max_err"] for r in runs),
+                "max_err": max((r["max_err"] for r in runs if "max_err" in r), default=None),
                 "step_s": statistics.median(r["step_s"] for r in runs),
                 "predicted_mib": first.get("predicted_mib"),
                 "runs": len(runs),
@@ -218,23 +225,27 @@ def main() -> None:
     parser.add_argument("--worker", metavar="VARIANT")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench"))
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.quick)))
+        print(json.dumps(worker(args.worker, args.quick)))
         return
     repeats = 1 if args.quick else args.repeats
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    reference = out / "jax_reference_grads.npy"
+    reference.unlink(missing_ok=True)
+    variants = args.variants.split(",")
+    variants = [REFERENCE] + [v for v in variants if v != REFERENCE]
     rows = []
     for _ in range(repeats):  # interleaved, so slow drift on a shared machine hits all alike
-        for variant in args.variants.split(","):
-            row = run_one(variant, args.steps, args.quick)
+        for variant in variants:
+            row = run_one(variant, args.quick, reference)
             print(json.dumps(row), flush=True)
             rows.append(row)
     table = summarise(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    reference.unlink(missing_ok=True)
     (out / "jax_runs.json").write_text(json.dumps(rows, indent=1))
     import jax
 
