@@ -343,10 +343,11 @@ def height_compressed(
             `hbp.ConfigError`.
         block_size: granularity of the plan's leaves (planner option).
         planner: planner name (see `hbp.planner.plan`).
-        strategy: "auto" (default: separately compiled pieces when called eagerly, remat
-            under tracing), "pieces" or "remat" (see the module docstring). "auto"/"pieces"
-            define a `jax.custom_vjp`, so forward-mode (`jax.jvp`) is not available; "remat"
-            composes with everything.
+        strategy: "auto" (default), "fenced", "pieces" or "remat" (see the
+            `hbp.integrations.jax` docstring). "auto": `jax.grad` of the result called
+            eagerly runs the pieces, under `jax.jit`/`jax.vmap` the fenced segments. All but
+            "remat" use `jax.custom_vjp`, so forward mode (`jax.jvp`) is not available;
+            "remat" composes with everything but needs `hbp.jax.jit` on XLA:CPU.
         argnums: the arguments whose leaves are differentiated (parameters in the plan's
             memory model). None (default): every leaf with an inexact dtype. Differentiating
             an argument outside `argnums` raises ConfigError; one inside it that is not
@@ -376,9 +377,16 @@ def height_compressed_grad(
     as `jax.grad`, raised before planning). As with `jax.grad`, keyword arguments are passed
     through undifferentiated and non-array leaves (strings, callables) are static: each
     static value gets its own capture and plan (they must be hashable). budget="min" plans
-    for the least memory the planner can reach. Works eagerly (where
-    "auto" runs separately compiled pieces: the memory saving is real on XLA:CPU) and under
-    `jax.jit` (planning happens at trace time from the avals; execution is one program with
-    `jax.checkpoint` segments). Other arguments as in `height_compressed`.
+    for the least memory the planner can reach. Works eagerly and under the caller's
+    `jax.jit`/`jax.vmap` (planning happens at trace time from the avals): "auto" runs the
+    "fenced" executor, one program whose recomputation XLA cannot merge back into the
+    forward, so the saving is real in both cases (NOTE [ Recomputation under the caller's
+    jax.jit ]); called eagerly it is compiled once per input signature. Other arguments as
+    in `height_compressed`; here `strategy="pieces"` runs every segment as its own program
+    (the peak then follows the planner's model closely, but only when called eagerly).
+
+    .. warning::
+        `argnums` naming one argument twice raises (a TypeError and `hbp.ConfigError`), as
+        `jax.grad` does.
     """
     return HeightCompressedGrad(fun, budget, argnums, has_aux, block_size, planner, strategy, plan)
