@@ -104,11 +104,10 @@ def worker(variant: str, quick: bool) -> dict:
         row["temp_mib"] = analysis.temp_size_in_bytes / MIB
         row["peak_mib"] = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / MIB
     with hj.record_pieces():  # the first call compiles everything (issue 13's measurement)
-        first_growth, _ = hj.rss_growth(fn, params, x)
+        first_growth = hj.rss_growth(fn, params, x)[0]
     row["rss_first_mib"] = first_growth / MIB if first_growth >= 0 else None
     with hj.record_pieces() as rec:
-        growth, wall = hj.rss_growth(fn, params, x)
-        got = fn(params, x) if not rec.records else None  # (hbp: keep its records clean)
+        growth, wall, got = hj.rss_growth(fn, params, x)
     row["rss_mib"] = growth / MIB if growth >= 0 else None
     row["step_s"] = wall
     if rec.records:  # hbp called as is: the programs it ran
@@ -120,7 +119,6 @@ def worker(variant: str, quick: bool) -> dict:
             peak_mib=top.peak_bytes / MIB,
             programs=len(rec.records),
         )
-        got = fn(params, x)
     reference = Path(os.environ.get("HBP_BENCH_REFERENCE", "/nonexistent"))
     if variant == REFERENCE:
         jnp.save(reference, jnp.concatenate([g.ravel() for g in got]))

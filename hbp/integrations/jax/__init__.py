@@ -30,7 +30,9 @@ Executors (`strategy=`):
   piece needs them, so the step's peak follows the planner's model whatever the compiler does.
 
 `strategy="auto"` (the default) runs "fenced": one program, compiled once per signature when
-called eagerly, inlined in the caller's trace under `jax.jit`/`jax.vmap`.
+`height_compressed_grad` is called eagerly, inlined in the caller's trace under
+`jax.jit`/`jax.vmap`. (`jax.grad` of a `height_compressed` function called eagerly runs the
+pieces: its custom_vjp's forward sees concrete arrays and nothing would compile one program.)
 """
 
 from hbp.integrations.jax.api import (

@@ -6,6 +6,7 @@ import gc
 import resource
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 
@@ -63,7 +64,7 @@ def measure(fn, *args) -> MemoryReport:
         analysis = run.lower(*args).compile().memory_analysis()
         jax.block_until_ready(run(*args))
     with record_pieces() as rec:
-        growth, wall = rss_growth(run, *args)
+        growth, wall, _ = rss_growth(run, *args)
     if analysis is not None:
         temp, outb = int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes)
         return MemoryReport(
@@ -91,10 +92,10 @@ def measure(fn, *args) -> MemoryReport:
     )
 
 
-def rss_growth(fn, *args) -> tuple[int, float]:
-    """(process max-RSS growth in bytes, seconds) of one call of `fn(*args)` as it is (warm it
-    up first: compilation counts too). The growth is -1 where the high-water mark cannot be
-    reset (then only a lower bound is known)."""
+def rss_growth(fn, *args) -> tuple[int, float, Any]:
+    """(process max-RSS growth in bytes, seconds, the output) of one call of `fn(*args)` as
+    it is (warm it up first: compilation counts too). The growth is -1 where the high-water
+    mark cannot be reset (then only a lower bound is known)."""
     gc.collect()
     rss_before, reset = _current_rss(), _reset_rss_peak()
     start = time.perf_counter()
@@ -102,8 +103,7 @@ def rss_growth(fn, *args) -> tuple[int, float]:
     jax.block_until_ready(out)
     wall = time.perf_counter() - start
     growth = _max_rss() - rss_before if reset else -1
-    del out
-    return growth, wall
+    return growth, wall, out
 
 
 def _current_rss() -> int:
