@@ -186,6 +186,8 @@ def summarise(rows: list[dict]) -> list[dict]:
             continue
         if t.get("temp_mib") is not None:
             t["temp_vs_jit"] = t["temp_mib"] / ref["temp_mib"]
+        if t.get("peak_mib") is not None:
+            t["peak_vs_jit"] = t["peak_mib"] / ref["peak_mib"]
         if t.get("rss_median") is not None:
             t["rss_vs_jit"] = t["rss_median"] / ref["rss_median"]
         if t.get("first_median") is not None:
@@ -199,6 +201,7 @@ COLUMNS = [
     "temp_mib",
     "temp_vs_jit",
     "peak_mib",
+    "peak_vs_jit",
     "predicted_mib",
     "rss_mib",
     "rss_vs_jit",
