@@ -1,25 +1,28 @@
-"""JAX on XLA:CPU: plain `jax.grad` vs `hbp.jax.height_compressed_grad` at several budgets.
+"""JAX on XLA:CPU: `jax.grad` vs `hbp.jax.height_compressed_grad`, called as is and jitted.
 
-    .venv/bin/python experiments/bench_jax.py            # writes outputs/bench/jax.{md,csv}
-    .venv/bin/python experiments/bench_jax.py --quick    # smaller models, fewer steps
+    python experiments/bench_jax.py                  # writes outputs/bench/jax.{md,csv}
+    python experiments/bench_jax.py --quick          # smaller model, one repeat
 
-Workloads: a deep tanh MLP (a chain) and a small pre-LN transformer (attention + GELU MLP
-blocks with residual connections). Modes:
-- naive: `jax.jit(jax.grad(loss))`, one XLA program;
-- pieces: `height_compressed_grad(loss, budget)` called eagerly (the default "auto"
-  strategy): every segment a separately compiled program;
-- remat: `height_compressed_grad(loss, budget, strategy="remat")` called eagerly: one
-  program with `jax.checkpoint` segments, compiled with `hbp.jax.compiler_options()`;
-- remat-plain-jit: `jax.jit(height_compressed_grad(loss, budget))`: the same program
-  compiled with XLA:CPU's default passes (which undo the recomputation).
+Workload (issue 13's): a 20-layer MLP chain with residual skips, `h = h + tanh(h @ w)`, 4096 x
+1024 float32 activations (16 MiB each), 1024 x 1024 weights, loss `mean(h**2)`; hbp at
+budget 0.3. Variants:
+- `jax.grad`, `jax.jit(jax.grad)`: plain JAX;
+- `hbp` (as is): `height_compressed_grad(loss, 0.3)` called eagerly (strategy "auto");
+- `hbp pieces` (as is): the same with strategy="pieces" (separately compiled pieces);
+- `jax.jit(hbp)`: the user's own `jax.jit` around it ("auto" runs "fenced" in the trace);
+- `jax.jit(hbp remat)`, `hbp.jax.jit(hbp remat)`: the `jax.checkpoint` executor under a plain
+  jit and under hbp's jit (XLA:CPU option that keeps the checkpoint barriers).
 
-Every row runs in a fresh Python process (so the RSS high-water mark belongs to that run) with
-`MALLOC_MMAP_THRESHOLD_` fixed, so freed buffers go back to the OS and RSS tracks live memory.
-Columns (bytes in MiB): peak = memory analysis of the compiled programs that ran (pieces: max
-of live arrays + temp + output of the running piece), temp = that program's temp buffer,
-rss = max-RSS growth of one measured step, predicted = the planner's simulated peak,
-recompute_ratio = predicted recompute FLOPs / forward FLOPs, step_s = median step time over
-the timed steps (with min and max), *_vs_naive = ratio to the naive row.
+Every measurement runs in a fresh Python process (the RSS high-water mark belongs to that run)
+with `MALLOC_MMAP_THRESHOLD_` fixed, so freed buffers go back to the OS and RSS tracks live
+memory; each variant is repeated `--repeats` times (fresh process each). Columns (MiB):
+temp = the compiled program's temp buffer (memory analysis; hbp as is: the program or piece
+at the peak), peak = memory-analysis peak (temp + outputs; pieces: live arrays + the running
+piece's temp + outputs), rss = process max-RSS growth of one call after a warm-up call (min-max
+over the repeats), rss_first = the same for the first call, compilation included (how issue 13
+measured), *_vs_jit = ratio to `jax.jit(jax.grad)` (rss: of the medians), max_err = the
+largest absolute gradient difference to `jax.jit(jax.grad)`, step_s = the measured call's time
+(median over the repeats; on a shared machine, a rough figure).
 """
 
 from __future__ import annotations
@@ -30,214 +33,236 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 MIB = 2**20
-BUDGETS = (1.0, 0.5, 0.3)
+BUDGET = 0.3
 ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = (
+    "jax.grad",
+    "jax.jit(jax.grad)",
+    "hbp",
+    "hbp pieces",
+    "jax.jit(hbp)",
+    "jax.jit(hbp remat)",
+    "hbp.jax.jit(hbp remat)",
+)
+REFERENCE = "jax.jit(jax.grad)"
 
 
-def build(workload: str, quick: bool):
-    """(loss_fn, params, batch) for a workload, random weights, fixed seeds."""
+def build(quick: bool):
+    """(loss, params, x): the residual MLP chain, random weights, fixed seeds."""
     import jax
     import jax.numpy as jnp
 
-    key = jax.random.PRNGKey(0)
-    if workload == "mlp":
-        depth, batch, width = (16, 2048, 64) if quick else (32, 2048, 256)
-        keys = jax.random.split(key, depth + 1)
-        params = [jax.random.normal(k, (width, width)) / width**0.5 for k in keys[:-1]]
-        x = jax.random.normal(keys[-1], (batch, width))
+    depth, batch, width = (12, 2048, 256) if quick else (20, 4096, 1024)
+    keys = jax.random.split(jax.random.PRNGKey(0), depth + 1)
+    params = [jax.random.normal(k, (width, width)) / width**0.5 for k in keys[:-1]]
+    x = jax.random.normal(keys[-1], (batch, width))
 
-        def loss(params, x):
-            for w in params:
-                x = jnp.tanh(x @ w)
-            return jnp.mean(x**2)
+    def loss(params, x):
+        h = x
+        for w in params:
+            h = h + jnp.tanh(h @ w)
+        return jnp.mean(h**2)
 
-        return loss, params, x
-
-    if workload == "transformer":
-        blocks, batch, seq, width, heads = (2, 2, 64, 64, 4) if quick else (6, 4, 256, 256, 4)
-        keys = iter(jax.random.split(key, 8 * blocks + 2))
-
-        def dense(n_in, n_out):
-            return jax.random.normal(next(keys), (n_in, n_out)) / n_in**0.5
-
-        params = [
-            {
-                "ln1": jnp.ones((width,)),
-                "qkv": dense(width, 3 * width),
-                "proj": dense(width, width),
-                "ln2": jnp.ones((width,)),
-                "fc": dense(width, 4 * width),
-                "out": dense(4 * width, width),
-            }
-            for _ in range(blocks)
-        ]
-        x = jax.random.normal(next(keys), (batch, seq, width))
-
-        def layer_norm(h, scale):
-            mu = jnp.mean(h, -1, keepdims=True)
-            var = jnp.mean((h - mu) ** 2, -1, keepdims=True)
-            return (h - mu) * jax.lax.rsqrt(var + 1e-5) * scale
-
-        def attention(h, p):
-            b, t, d = h.shape
-            q, k, v = jnp.split(h @ p["qkv"], 3, axis=-1)
-            q, k, v = (a.reshape(b, t, heads, d // heads).transpose(0, 2, 1, 3) for a in (q, k, v))
-            scores = q @ k.transpose(0, 1, 3, 2) / (d // heads) ** 0.5
-            mask = jnp.tril(jnp.ones((t, t), bool))
-            att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
-            return (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d) @ p["proj"]
-
-        def loss(params, x):
-            h = x
-            for p in params:
-                h = h + attention(layer_norm(h, p["ln1"]), p)
-                h = h + jax.nn.gelu(layer_norm(h, p["ln2"]) @ p["fc"]) @ p["out"]
-            return jnp.mean(h**2)
-
-        return loss, params, x
-    raise SystemExit(f"unknown workload {workload!r}: expected mlp or transformer")
+    return loss, params, x
 
 
-def worker(workload: str, mode: str, budget: float, steps: int, quick: bool) -> dict:
-    """One row, in this (fresh) process."""
+def make(variant: str, loss):
     import jax
 
-    import hbp
     import hbp.jax as hj
 
-    loss, params, x = build(workload, quick)
-    row = {"workload": workload, "mode": mode, "budget": budget if mode != "naive" else None}
-    plan = None
-    if mode == "naive":
-        fn = jax.jit(jax.grad(loss))
-    else:
-        strategy = "remat" if mode == "remat" else "auto"
-        grad_fn = hj.height_compressed_grad(loss, budget=budget, strategy=strategy)
-        plan_start = time.perf_counter()
-        try:
-            plan = grad_fn.get_plan(params, x)
-        except hbp.BudgetError as e:
-            return {**row, "error": f"infeasible: minimum {e.minimum / MIB:.2f} MiB"}
-        row["plan_s"] = time.perf_counter() - plan_start
-        fn = jax.jit(grad_fn) if mode == "remat-plain-jit" else grad_fn
-    report = hj.measure(fn, params, x)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(params, x))
-        times.append(time.perf_counter() - start)
-    row.update(
-        strategy=report.strategy,
-        peak_mib=report.peak_bytes / MIB,
-        temp_mib=report.temp_bytes / MIB,
-        rss_mib=report.rss_growth_bytes / MIB if report.rss_growth_bytes >= 0 else None,
-        pieces=report.n_pieces,
-        step_s=statistics.median(times),
-        step_min_s=min(times),
-        step_max_s=max(times),
-    )
-    if plan is not None:
+    plain = {"jax.grad": jax.grad(loss), "jax.jit(jax.grad)": jax.jit(jax.grad(loss))}
+    if variant in plain:
+        return plain[variant]
+    strategy = {"hbp pieces": "pieces", "jax.jit(hbp remat)": "remat"}.get(variant, "auto")
+    if variant == "hbp.jax.jit(hbp remat)":
+        strategy = "remat"
+    grad_fn = hj.height_compressed_grad(loss, budget=BUDGET, strategy=strategy)
+    if variant.startswith("jax.jit("):
+        return jax.jit(grad_fn)
+    if variant.startswith("hbp.jax.jit("):
+        return hj.jit(grad_fn)
+    return grad_fn
+
+
+def worker(variant: str, quick: bool) -> dict:
+    """One measurement, in this (fresh) process: compile and warm up, then one measured call
+    (RSS growth, wall time). The gradients are compared with those the `REFERENCE` variant
+    saved (`HBP_BENCH_REFERENCE`, written by the first measurement of each run)."""
+    import jax.numpy as jnp
+
+    import hbp.jax as hj
+
+    loss, params, x = build(quick)
+    fn = make(variant, loss)
+    row = {"variant": variant}
+    if hasattr(fn, "lower"):  # one jitted program: its memory analysis
+        analysis = fn.lower(params, x).compile().memory_analysis()
+        row["temp_mib"] = analysis.temp_size_in_bytes / MIB
+        row["peak_mib"] = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / MIB
+    with hj.record_pieces():  # the first call compiles everything (issue 13's measurement)
+        first_growth = hj.rss_growth(fn, params, x)[0]
+    row["rss_first_mib"] = first_growth / MIB if first_growth >= 0 else None
+    with hj.record_pieces() as rec:
+        growth, wall, got = hj.rss_growth(fn, params, x)
+    row["rss_mib"] = growth / MIB if growth >= 0 else None
+    row["step_s"] = wall
+    if rec.records:  # hbp called as is: the programs it ran
+        top = max(rec.records, key=lambda r: r.peak_bytes)
+        names = [r.name for r in rec.records if r.name.startswith("one program (")]
         row.update(
-            predicted_mib=plan.predicted_peak_bytes / MIB,
-            naive_predicted_mib=plan.naive_peak_bytes / MIB,
-            segments=len(plan.segments),
-            depth=max((s.depth() for s in plan.segments), default=0),
-            recompute_ratio=plan.predicted_recompute_ratio,
+            strategy=names[0][len("one program (") : -1] if names else "pieces",
+            temp_mib=top.temp_bytes / MIB,
+            peak_mib=top.peak_bytes / MIB,
+            programs=len(rec.records),
         )
+    reference = Path(os.environ.get("HBP_BENCH_REFERENCE", "/nonexistent"))
+    if variant == REFERENCE:
+        jnp.save(reference, jnp.concatenate([g.ravel() for g in got]))
+        row["max_err"] = 0.0
+    elif reference.exists():
+        want = jnp.load(reference)
+        row["max_err"] = float(jnp.max(jnp.abs(jnp.concatenate([g.ravel() for g in got]) - want)))
+    if hasattr(fn, "plan") and fn.plan is not None:
+        row["predicted_mib"] = fn.plan.predicted_peak_bytes / MIB
     return row
 
 
-def run_row(workload: str, mode: str, budget: float, steps: int, quick: bool) -> dict:
+def run_one(variant: str, quick: bool, reference: Path) -> dict:
     env = dict(os.environ)
     env.update(
         MALLOC_MMAP_THRESHOLD_="65536",
         MALLOC_TRIM_THRESHOLD_="0",
         OMP_NUM_THREADS="1",
-        JAX_PLATFORMS="cpu",
+        JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        HBP_BENCH_REFERENCE=str(reference),
     )
-    cmd = [sys.executable, __file__, "--worker", workload, mode, str(budget), "--steps", str(steps)]
+    cmd = [sys.executable, __file__, "--worker", variant]
     if quick:
         cmd.append("--quick")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"workload": workload, "mode": mode, "budget": budget, "error": last[:200]}
+        lines = out.stderr.strip().splitlines() or ["no output"]
+        last = next((x for x in reversed(lines) if "Error" in x), lines[-1])
+        return {"variant": variant, "error": last[:200]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def to_markdown(table) -> str:
-    """A pipe table (pandas' to_markdown needs tabulate, which hbp does not depend on)."""
+def summarise(rows: list[dict]) -> list[dict]:
+    """One line per variant: memory analysis (deterministic), RSS min-max and median."""
+    table = []
+    for variant in [v for v in VARIANTS if any(r["variant"] == v for r in rows)]:
+        runs = [r for r in rows if r["variant"] == variant and "error" not in r]
+        if not runs:
+            errors = [r["error"] for r in rows if r["variant"] == variant]
+            table.append({"variant": variant, "error": errors[0] if errors else "not run"})
+            continue
+        rss = [r["rss_mib"] for r in runs if r.get("rss_mib") is not None]
+        firsts = [r["rss_first_mib"] for r in runs if r.get("rss_first_mib") is not None]
+        first = runs[0]
+        table.append(
+            {
+                "variant": variant,
+                "strategy": first.get("strategy", ""),
+                "temp_mib": first.get("temp_mib"),
+                "peak_mib": first.get("peak_mib"),
+                "rss_mib": f"{min(rss):.0f}-{max(rss):.0f}" if rss else "",
+                "rss_median": statistics.median(rss) if rss else None,
+                "rss_first_mib": f"{min(firsts):.0f}-{max(firsts):.0f}" if firsts else "",
+                "first_median": statistics.median(firsts) if firsts else None,
+                "max_err": max((r["max_err"] for r in runs if "max_err" in r), default=None),
+                "step_s": statistics.median(r["step_s"] for r in runs),
+                "predicted_mib": first.get("predicted_mib"),
+                "runs": len(runs),
+            }
+        )
+    ref = next((t for t in table if t["variant"] == REFERENCE and "error" not in t), None)
+    for t in table:
+        if ref is None or "error" in t:
+            continue
+        if t.get("temp_mib") is not None:
+            t["temp_vs_jit"] = t["temp_mib"] / ref["temp_mib"]
+        if t.get("peak_mib") is not None:
+            t["peak_vs_jit"] = t["peak_mib"] / ref["peak_mib"]
+        if t.get("rss_median") is not None:
+            t["rss_vs_jit"] = t["rss_median"] / ref["rss_median"]
+        if t.get("first_median") is not None:
+            t["first_vs_jit"] = t["first_median"] / ref["first_median"]
+    return table
+
+
+COLUMNS = [
+    "variant",
+    "strategy",
+    "temp_mib",
+    "temp_vs_jit",
+    "peak_mib",
+    "peak_vs_jit",
+    "predicted_mib",
+    "rss_mib",
+    "rss_vs_jit",
+    "rss_first_mib",
+    "first_vs_jit",
+    "max_err",
+    "step_s",
+    "runs",
+    "error",
+]
+
+
+def to_markdown(table: list[dict]) -> str:
+    columns = [c for c in COLUMNS if any(c in t for t in table)]
 
     def cell(v) -> str:
-        if v is None or (isinstance(v, float) and v != v):
+        if v is None or v == "":
             return ""
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+        if isinstance(v, float):
+            return f"{v:.2g}" if abs(v) < 0.01 else f"{v:.3g}" if v < 100 else f"{v:.0f}"
+        return str(v)
 
-    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(False)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(t.get(c)) for c in columns) + " |" for t in table]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worker", nargs=3, metavar=("WORKLOAD", "MODE", "BUDGET"))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--worker", metavar="VARIANT")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--workloads", default="mlp,transformer")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench"))
     args = parser.parse_args()
     if args.worker:
-        workload, mode, budget = args.worker
-        print(json.dumps(worker(workload, mode, float(budget), args.steps, args.quick)))
+        print(json.dumps(worker(args.worker, args.quick)))
         return
-
-    import pandas as pd
-
-    rows = []
-    for workload in args.workloads.split(","):
-        configs = [("naive", 1.0)]
-        for mode in ("pieces", "remat", "remat-plain-jit"):
-            configs += [(mode, b) for b in BUDGETS]
-        for mode, budget in configs:
-            row = run_row(workload, mode, budget, args.steps, args.quick)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    table = pd.DataFrame(rows)
-    naive = table[table["mode"] == "naive"].set_index("workload")
-    table["peak_vs_naive"] = table["peak_mib"] / table["workload"].map(naive["peak_mib"])
-    table["time_vs_naive"] = table["step_s"] / table["workload"].map(naive["step_s"])
-    columns = [
-        "workload",
-        "mode",
-        "budget",
-        "strategy",
-        "predicted_mib",
-        "peak_mib",
-        "peak_vs_naive",
-        "temp_mib",
-        "rss_mib",
-        "pieces",
-        "segments",
-        "depth",
-        "recompute_ratio",
-        "step_s",
-        "step_min_s",
-        "step_max_s",
-        "time_vs_naive",
-    ]
-    table = table[[c for c in columns if c in table] + [c for c in table if c not in columns]]
+    repeats = 1 if args.quick else args.repeats
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "jax.csv", index=False)
+    reference = out / "jax_reference_grads.npy"
+    reference.unlink(missing_ok=True)
+    variants = args.variants.split(",")
+    variants = [REFERENCE] + [v for v in variants if v != REFERENCE]
+    rows = []
+    for _ in range(repeats):  # interleaved, so slow drift on a shared machine hits all alike
+        for variant in variants:
+            row = run_one(variant, args.quick, reference)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    table = summarise(rows)
+    reference.unlink(missing_ok=True)
+    (out / "jax_runs.json").write_text(json.dumps(rows, indent=1))
+    import jax
+
+    command = "python experiments/bench_jax.py" + (" --quick" if args.quick else "")
     header = (
-        "# JAX on XLA:CPU: naive jax.grad vs hbp.jax.height_compressed_grad\n\n"
-        f"Command: `python experiments/bench_jax.py{' --quick' if args.quick else ''}`; "
-        f"jax {__import__('jax').__version__}; MiB; one fresh process per row.\n\n"
+        "# JAX: jax.grad vs hbp.jax.height_compressed_grad (budget 0.3)\n\n"
+        f"Command: `{command}`; jax {jax.__version__}, backend {jax.default_backend()}; MiB; "
+        f"one fresh process per measurement, {repeats} per variant.\n\n"
     )
     markdown = to_markdown(table)
     (out / "jax.md").write_text(header + markdown + "\n")

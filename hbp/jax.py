@@ -2,14 +2,14 @@
 
     import hbp.jax
     grad_fn = hbp.jax.height_compressed_grad(loss_fn, budget=0.3)   # like jax.grad
-    grads = grad_fn(params, batch)
+    step = jax.jit(lambda p, b: sgd(p, grad_fn(p, b)))               # the saving survives jit
+    grads = grad_fn(params, batch)                                   # ... and called as is
     print(grad_fn.plan)                                              # the plan it used
     report = hbp.jax.measure(grad_fn, params, batch)                 # peak bytes, RSS growth
-    step = hbp.jax.jit(train_step)  # jax.jit that keeps jax.checkpoint's recompute on XLA:CPU
 
 `height_compressed(fun, budget=...)` wraps `fun` so that `jax.grad`/`jax.vjp` of it follow the
-plan. See `hbp.integrations.jax` for the two executors ("pieces", "remat") and which one saves
-memory where (on XLA:CPU, `jax.checkpoint` under a plain `jax.jit` saves nothing).
+plan. See `hbp.integrations.jax` for the executors ("fenced", the default; "pieces";
+"remat", which needs `hbp.jax.jit` on XLA:CPU) and their trade-offs.
 """
 
 from hbp.integrations.jax import (
@@ -22,6 +22,7 @@ from hbp.integrations.jax import (
     jit,
     measure,
     record_pieces,
+    rss_growth,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "height_compressed_grad",
     "measure",
     "record_pieces",
+    "rss_growth",
 ]

@@ -1,0 +1,163 @@
+"""The one-program executors: the plan evaluated in the current trace.
+
+Both walk the resolved segments in order, evaluating plain segments' equations as they are
+(JAX's own reverse mode keeps their residuals) and wrapping every recomputed segment (its
+children nested inside) so that backward recomputes it instead of keeping its inside:
+
+- `run_fenced` ("fenced"): the segment is a `jax.custom_vjp`; its forward keeps only its
+  inputs, its backward recomputes and backpropagates inside a `lax.cond` whose predicate
+  XLA cannot fold. Survives any `jax.jit` (see the NOTE below).
+- `run_remat` ("remat"): the segment is `jax.checkpoint(prevent_cse=True)`. Composes with
+  forward mode too, but on XLA:CPU it needs `compiler_options()` (`hbp.jax.jit`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from hbp.integrations.jax.segments import SegmentInfo, eval_ops
+
+# NOTE [ Recomputation under the caller's jax.jit ]
+# A user jits the whole training step, so whatever hbp builds is inlined into one XLA
+# program and the compiler decides what is recomputed. `jax.checkpoint(prevent_cse=True)`
+# marks a recomputation with optimisation barriers, but XLA:CPU's `cse_barrier_expander`
+# pass removes them; CSE then merges the recomputation with the original forward and its
+# activations live until backward again: no saving (measured: experiments/bench_jax.py).
+# hbp cannot pass compiler options through the caller's `jax.jit`, and a host callback
+# (pure_callback running the pieces) would copy every boundary value through the host and
+# stop at the first tracer it cannot see through (vmap, higher-order grads).
+#
+# What survives every pass is a computation boundary XLA cannot see through at compile time.
+# Each recomputed segment becomes a `jax.custom_vjp`: forward = the segment's primal
+# computation, residuals = its inputs only; backward = `lax.cond(opaque_true(), recompute +
+# vjp, zeros)`. The recomputation lives in the conditional's branch computation, which CSE
+# does not merge with the forward, and the predicate (`rng_uniform(0, 1) < 2`, true at run
+# time) comes from a stateful random op that no pass constant-folds, so the conditional is
+# never inlined. The cotangents are operands of the conditional, so it cannot be scheduled
+# before backward reaches the segment. (Early JAX lowered `remat` this way, before XLA had
+# optimisation barriers.)
+#
+# Trade-offs: a custom_vjp has no forward-mode rule (`jax.jvp`, `jax.hessian` through it
+# fail: use strategy="remat" there); each recomputed segment costs one conditional (a
+# predicate read, on GPU a device-to-host sync of one bool); XLA cannot fuse across the
+# boundary (a few elementwise ops are not fused with their neighbours); and the memory of the
+# inside of one segment is the compiler's (the pieces executor holds the memory model
+# exactly, but only when called eagerly).
+
+
+def opaque_true():
+    """A boolean scalar that is True at run time and that XLA cannot constant-fold."""
+    return lax.rng_uniform(jnp.float32(0), jnp.float32(1), ()) < 2
+
+
+def _cotangent_zeros(x):
+    """The zero cotangent of a primal value (float0 for integer and boolean values)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def fenced_segment(info: SegmentInfo):
+    """The recomputed segment `info` as `f(diff_in, nondiff_in) -> (diff_out, nondiff_out)`
+    that keeps only its inputs for backward and recomputes behind a conditional."""
+    body = partial(_fenced_body, info)
+
+    @jax.custom_vjp
+    def segment(diff_in, nondiff_in):
+        return body(diff_in, nondiff_in)
+
+    def forward(diff_in, nondiff_in):
+        return body(diff_in, nondiff_in), (diff_in, nondiff_in)
+
+    def backward(inputs, cts):
+        diff_in, nondiff_in = inputs
+        diff_cts = cts[0]
+
+        def recompute(diff_in, nondiff_in, diff_cts):
+            _, vjp_fn, _ = jax.vjp(lambda d: body(d, nondiff_in), diff_in, has_aux=True)
+            return vjp_fn(diff_cts)[0]
+
+        def skip(diff_in, nondiff_in, diff_cts):
+            return [jnp.zeros_like(d) for d in diff_in]
+
+        in_cts = lax.cond(opaque_true(), recompute, skip, diff_in, nondiff_in, diff_cts)
+        return in_cts, [_cotangent_zeros(v) for v in nondiff_in]
+
+    segment.defvjp(forward, backward)
+    return segment
+
+
+def _fenced_body(info: SegmentInfo, diff_in: list, nondiff_in: list):
+    env = dict(zip(info.diff_in, diff_in))
+    env.update(zip(info.nondiff_in, nondiff_in))
+    if info.children:
+        run_fenced(info.children, env)
+    else:
+        eval_ops(info.ops, env)
+    return [env[o] for o in info.diff_out], [env[o] for o in info.nondiff_out]
+
+
+def run_fenced(infos: list[SegmentInfo], env: dict) -> None:
+    """The "fenced" executor: evaluate segments in the current trace, each recomputed segment
+    that backward reaches as a `fenced_segment` (children nested inside)."""
+    for info in infos:
+        if not (info.recompute and info.diff_in and info.diff_out):
+            if info.children:
+                run_fenced(info.children, env)
+            else:
+                eval_ops(info.ops, env)
+            continue
+        diff_in = [env[i] for i in info.diff_in]
+        nondiff_in = [env[i] for i in info.nondiff_in]
+        diff_out, nondiff_out = fenced_segment(info)(diff_in, nondiff_in)
+        env.update(zip(info.diff_out, diff_out))
+        env.update(zip(info.nondiff_out, nondiff_out))
+
+
+def run_remat(infos: list[SegmentInfo], env: dict) -> None:
+    """The "remat" executor: evaluate segments in the current trace, each recomputed segment
+    under `jax.checkpoint` (its children nested inside)."""
+    for info in infos:
+        if not info.recompute:
+            eval_ops(info.ops, env)
+            continue
+        inputs = [env[i] for i in info.live_in]
+        outs = jax.checkpoint(partial(_remat_body, info), prevent_cse=True)(inputs)
+        env.update(zip(info.live_out, outs))
+
+
+def _remat_body(info: SegmentInfo, inputs: list) -> list:
+    env = dict(zip(info.live_in, inputs))
+    if info.children:
+        run_remat(info.children, env)
+    else:
+        eval_ops(info.ops, env)
+    return [env[o] for o in info.live_out]
+
+
+RUNNERS = {"fenced": run_fenced, "remat": run_remat}
+
+# XLA:CPU's `cse_barrier_expander` pass strips the optimisation barriers `jax.checkpoint`
+# (prevent_cse=True) puts around a recomputation (NOTE [ Recomputation under the caller's
+# jax.jit ]). Without that pass the barriers survive and the recomputation is real.
+CPU_REMAT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def compiler_options() -> dict[str, str]:
+    """XLA compiler options that make `jax.checkpoint` really recompute on this backend
+    (empty where XLA already keeps its barriers)."""
+    return dict(CPU_REMAT_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
+def jit(fun, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` with `compiler_options()` merged in: jit a function that
+    contains `jax.checkpoint` segments (e.g. a `height_compressed_grad(...,
+    strategy="remat")` function) without XLA:CPU undoing the recomputation. Options given in
+    `jit_kwargs` take precedence. Not needed for the default "fenced" strategy."""
+    options = {**compiler_options(), **(jit_kwargs.pop("compiler_options", None) or {})}
+    return jax.jit(fun, compiler_options=options or None, **jit_kwargs)
