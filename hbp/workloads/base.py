@@ -47,6 +47,11 @@ class Workload:
         make_batch: seed -> Batch.
         loss_fn: (model output, Batch) -> scalar tensor.
         config: the numbers that define the model and batch (for metrics.json).
+        library: for a library's model (hbp.workloads.hf, diffusers_unet), the library
+            ("transformers", "diffusers") whose own checkpointing mode=library_checkpoint
+            switches on; its `blocks` are then the library's layers in forward order, for
+            reading only (they take the library's arguments: not the chain above). None for
+            hbp's own workloads.
     """
 
     name: str
@@ -55,6 +60,7 @@ class Workload:
     make_batch: Callable[[int], Batch]
     loss_fn: Callable[[Any, Batch], torch.Tensor]
     config: dict = field(default_factory=dict)
+    library: str | None = None
 
     @property
     def blocks(self) -> nn.ModuleList:
