@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hbp.errors import ConfigError
+
 
 @dataclass
 class Batch:
@@ -65,6 +67,18 @@ class Workload:
     @property
     def blocks(self) -> nn.ModuleList:
         return self.model.blocks
+
+    def require_chain(self, mode: str) -> None:
+        """ConfigError unless `model.blocks` is a chain that `mode` may regroup (not so for a
+        library's model: its layers take the library's arguments)."""
+        if self.library is not None:
+            raise ConfigError(
+                "mode",
+                mode,
+                f"a mode for workload {self.name}, a {self.library} model whose layers are not "
+                "a chain of states: library_checkpoint (the library's own checkpointing), "
+                "naive, tiny or compile_budget",
+            )
 
     def step_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Forward + loss of `model` (the plain model or a mode's wrapper) on `batch`."""
