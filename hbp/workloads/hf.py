@@ -91,20 +91,20 @@ PROFILES = {
         image_size=16,
         patch_size=4,
         num_labels=4,
-    ),  # fmt: skip
+    ),
     # The bench's size on CPU (README "HCModule vs each library's own checkpointing"):
-    # activations several times the parameter gradients, a step well under a second.
+    # activations several times the parameter gradients, a step in about a second.
     "small": HFConfig(
-        n_layer=6,
+        n_layer=4,
         d_model=128,
         n_head=4,
         d_ff=512,
         vocab_size=2048,
-        seq_len=256,
+        seq_len=128,
         batch_size=4,
-        image_size=64,
+        image_size=48,
         patch_size=4,
-    ),  # fmt: skip
+    ),
     # BERT-base / GPT-2 124M shapes with a 512-token batch.
     "medium": HFConfig(
         n_layer=12,
@@ -117,7 +117,7 @@ PROFILES = {
         image_size=224,
         patch_size=16,
         num_labels=1000,
-    ),  # fmt: skip
+    ),
     # 24 layers of 1024 (GPT-2 medium / BERT-large shapes).
     "large": HFConfig(
         n_layer=24,
@@ -130,7 +130,7 @@ PROFILES = {
         image_size=384,
         patch_size=16,
         num_labels=1000,
-    ),  # fmt: skip
+    ),
 }
 
 
