@@ -30,10 +30,16 @@ import torch
 from hbp.errors import ConfigError
 from hbp.workloads.base import Batch, Workload
 
-WORKLOADS = ("gpt2", "resnet", "unet", "synthetic_dag", "hf", "diffusers_unet")
+# hbp's own models, whose `blocks` are a chain (the checkpoint and sac modes regroup them).
+OWN_WORKLOADS = ("gpt2", "resnet", "unet", "synthetic_dag")
+# Libraries' models (transformers, diffusers), with their own checkpointing.
+LIBRARY_WORKLOADS = ("hf", "diffusers_unet")
+WORKLOADS = OWN_WORKLOADS + LIBRARY_WORKLOADS
 PROFILES = ("tiny", "small", "medium", "large")
 
 __all__ = [
+    "LIBRARY_WORKLOADS",
+    "OWN_WORKLOADS",
     "PROFILES",
     "WORKLOADS",
     "Batch",
