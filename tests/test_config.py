@@ -31,7 +31,7 @@ def make_cfg(*overrides: str, return_hydra_config: bool = False):
 def test_groups_have_the_required_options():
     assert {"gpt2", "resnet", "unet", "synthetic_dag"} <= set(options("workload"))
     assert {"naive", "checkpoint"} <= set(options("mode"))
-    assert options("profile") == ["large", "medium", "small"]
+    assert options("profile") == ["large", "medium", "small", "tiny"]
     assert options("logger") == ["none", "table", "wandb"]
 
 

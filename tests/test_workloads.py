@@ -1,5 +1,6 @@
-"""The four workloads: build, step, determinism, overrides, fx tracing, the block-chain
-contract, Hydra configs and the synthetic DAG's structure. Medium/large profiles are only
+"""The workloads: build, step, determinism, overrides, Hydra configs for all; fx tracing, the
+block-chain contract and the synthetic DAG's structure for hbp's own four (the libraries'
+models: tests/test_workloads_real.py). Medium/large profiles are only
 described (built on the meta device) except one slow GPT-2 medium forward."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hbp.errors import ConfigError
-from hbp.workloads import PROFILES, WORKLOADS, build, describe, resolve_config
+from hbp.workloads import OWN_WORKLOADS, PROFILES, WORKLOADS, build, describe, resolve_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "workload"
 
@@ -69,7 +70,7 @@ def test_same_seed_same_weights_batch_and_loss_different_seed_differs(name):
     assert not torch.equal(step(a)[0], step(c)[0])
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", OWN_WORKLOADS)
 def test_symbolic_trace_gives_same_loss_and_grads(name):
     wl = build(name)
     traced = torch.fx.symbolic_trace(wl.model)
@@ -85,7 +86,7 @@ def test_symbolic_trace_gives_same_loss_and_grads(name):
     assert sum(n.op == "call_module" for n in traced.graph.nodes) > len(wl.blocks)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", OWN_WORKLOADS)
 def test_forward_applies_blocks_in_order_as_a_chain(name):
     wl = build(name)
     calls = []
@@ -121,7 +122,7 @@ class Segment(nn.Module):
         return checkpoint(self.run, state, use_reentrant=False)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", OWN_WORKLOADS)
 def test_grouping_blocks_into_checkpointed_segments_keeps_loss_and_grads(name):
     wl = build(name)
     loss, grads = step(wl)
@@ -199,7 +200,8 @@ def test_hydra_config_lists_every_field_as_null_and_overrides_build(name):
 
     OmegaConf.set_struct(conf, True)
     first = fields[0]
-    value = {"gpt2": 2, "resnet": 34, "unet": 16, "synthetic_dag": 3}[name]
+    value = {"gpt2": 2, "resnet": 34, "unet": 16, "synthetic_dag": 3, "hf": "llama"}.get(name)
+    value = [16, 32] if name == "diffusers_unet" else value
     conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([f"{first}={value}"]))
     with pytest.raises(Exception, match="not_a_field"):
         OmegaConf.merge(conf, OmegaConf.from_dotlist(["not_a_field=1"]))
@@ -378,4 +380,7 @@ def test_small_profiles_are_activation_dominated(name):
 
     _, peak = tracker.measure_callable_peak(training_step)
     param_grad_bytes = wl.config["param_bytes"]
-    assert peak - param_grad_bytes >= 4 * param_grad_bytes
+    # diffusers' UNet at 16x16 latents is heavier in parameters (cross-attention, GEGLU
+    # feed-forwards): activations are ~3.5x its parameter gradients.
+    ratio = 3 if name == "diffusers_unet" else 4
+    assert peak - param_grad_bytes >= ratio * param_grad_bytes

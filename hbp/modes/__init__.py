@@ -23,6 +23,7 @@ MODES: dict[str, str] = {
     "tiny": "hbp.modes.tiny:TinyMode",
     "sac": "hbp.modes.sac:SACMode",
     "compile_budget": "hbp.modes.compile_budget:CompileBudgetMode",
+    "library_checkpoint": "hbp.modes.library_checkpoint:LibraryCheckpointMode",
 }
 
 __all__ = ["MODES", "Mode", "build_mode", "mode_class"]

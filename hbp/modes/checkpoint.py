@@ -108,6 +108,7 @@ class CheckpointMode:
     def apply(self, workload: Workload, batch: Batch) -> nn.Module:
         """Replace `workload.model.blocks` by a ModuleList of `CheckpointedSegment`s holding the
         same blocks; return the model."""
+        workload.require_chain(self.name)
         blocks = list(workload.model.blocks)
         self.bounds = segment_bounds(len(blocks), self.segments, self.block_size)
         workload.model.blocks = nn.ModuleList(

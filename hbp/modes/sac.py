@@ -133,6 +133,7 @@ class SACMode:
     def apply(self, workload: Workload, batch: Batch) -> nn.Module:
         """Replace `workload.model.blocks` by `SelectiveCheckpointBlock`s wrapping the same
         blocks; return the model."""
+        workload.require_chain(self.name)
         blocks = list(workload.model.blocks)
         workload.model.blocks = nn.ModuleList(
             SelectiveCheckpointBlock(block, self.policy_fn, POLICIES[self.policy] is None)

@@ -1,16 +1,20 @@
-"""hbp.workloads: the four benchmark workloads, built from code with random weights and seeded
-synthetic batches.
+"""hbp.workloads: the benchmark workloads, built from code with random weights and seeded
+synthetic batches: hbp's own four (gpt2, resnet, unet, synthetic_dag) and real library models
+(hf: transformers GPT-2 / Llama / BERT / T5 / ViT; diffusers_unet), built from their config
+classes.
 
     wl = hbp.workloads.build("gpt2", "small", seed=0, n_layer=6)
     batch = wl.make_batch(0)
     loss = wl.step_loss(wl.model, batch)
     loss.backward()
 
-Each workload module (gpt2, resnet, unet, synthetic_dag) defines a frozen config dataclass, a
-`PROFILES` table {"small", "medium", "large"} -> config, and `make_model(cfg)`,
+Each workload module defines a frozen config dataclass, a `PROFILES` table
+{"tiny", "small", "medium", "large"} -> config, and `make_model(cfg)`,
 `make_batch(cfg, seed)`, `loss_fn(output, batch)`, `derived_facts(cfg)`. This module resolves a
 profile plus overrides into a config, builds the model under a forked RNG seeded with `seed`
 (same seed -> bit-identical weights, the caller's RNG untouched) and assembles the `Workload`.
+A module that wraps a library's model also sets `LIBRARY` ("transformers", "diffusers"): its
+`blocks` are the library's layers, not a chain, and mode=library_checkpoint applies.
 """
 
 from __future__ import annotations
@@ -26,10 +30,16 @@ import torch
 from hbp.errors import ConfigError
 from hbp.workloads.base import Batch, Workload
 
-WORKLOADS = ("gpt2", "resnet", "unet", "synthetic_dag")
-PROFILES = ("small", "medium", "large")
+# hbp's own models, whose `blocks` are a chain (the checkpoint and sac modes regroup them).
+OWN_WORKLOADS = ("gpt2", "resnet", "unet", "synthetic_dag")
+# Libraries' models (transformers, diffusers), with their own checkpointing.
+LIBRARY_WORKLOADS = ("hf", "diffusers_unet")
+WORKLOADS = OWN_WORKLOADS + LIBRARY_WORKLOADS
+PROFILES = ("tiny", "small", "medium", "large")
 
 __all__ = [
+    "LIBRARY_WORKLOADS",
+    "OWN_WORKLOADS",
     "PROFILES",
     "WORKLOADS",
     "Batch",
@@ -68,6 +78,7 @@ def build(name: str, profile: str = "small", *, seed: int = 0, **overrides) -> W
         make_batch=functools.partial(module.make_batch, cfg),
         loss_fn=module.loss_fn,
         config=_facts(module, cfg, model),
+        library=getattr(module, "LIBRARY", None),
     )
 
 
@@ -105,8 +116,11 @@ def _resolve(name: str, profile: str, overrides: dict) -> tuple[ModuleType, typi
 
 
 def _coerce(key: str, value, hint):
-    """`value` as the field's type (int, float, bool or tuple[int, ...]); Hydra passes
+    """`value` as the field's type (str, int, float, bool or tuple[int, ...]); Hydra passes
     ListConfig for lists and ints for whole floats."""
+    if hint is str:
+        require(isinstance(value, str), key, value, "a string")
+        return value
     if hint is bool:
         require(isinstance(value, bool), key, value, "true or false")
         return value

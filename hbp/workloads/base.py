@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hbp.errors import ConfigError
+
 
 @dataclass
 class Batch:
@@ -47,6 +49,11 @@ class Workload:
         make_batch: seed -> Batch.
         loss_fn: (model output, Batch) -> scalar tensor.
         config: the numbers that define the model and batch (for metrics.json).
+        library: for a library's model (hbp.workloads.hf, diffusers_unet), the library
+            ("transformers", "diffusers") whose own checkpointing mode=library_checkpoint
+            switches on; its `blocks` are then the library's layers in forward order, for
+            reading only (they take the library's arguments: not the chain above). None for
+            hbp's own workloads.
     """
 
     name: str
@@ -55,10 +62,23 @@ class Workload:
     make_batch: Callable[[int], Batch]
     loss_fn: Callable[[Any, Batch], torch.Tensor]
     config: dict = field(default_factory=dict)
+    library: str | None = None
 
     @property
     def blocks(self) -> nn.ModuleList:
         return self.model.blocks
+
+    def require_chain(self, mode: str) -> None:
+        """ConfigError unless `model.blocks` is a chain that `mode` may regroup (not so for a
+        library's model: its layers take the library's arguments)."""
+        if self.library is not None:
+            raise ConfigError(
+                "mode",
+                mode,
+                f"a mode for workload {self.name}, a {self.library} model whose layers are not "
+                "a chain of states: library_checkpoint (the library's own checkpointing), "
+                "naive, tiny or compile_budget",
+            )
 
     def step_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Forward + loss of `model` (the plain model or a mode's wrapper) on `batch`."""

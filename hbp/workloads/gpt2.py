@@ -54,6 +54,8 @@ class GPT2Config:
 
 
 PROFILES = {
+    # Test-sized: a step in about a hundredth of a second.
+    "tiny": GPT2Config(n_layer=2, n_head=2, d_model=32, vocab_size=128, seq_len=16, batch_size=2),
     # ~0.2 s per step on one CPU thread; activations ~12x the parameter gradients, so
     # budgets down to ~0.2 of the naive peak are feasible.
     "small": GPT2Config(batch_size=8),

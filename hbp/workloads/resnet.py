@@ -37,6 +37,8 @@ class ResNetConfig:
 
 
 PROFILES = {
+    # Test-sized: a step in about a hundredth of a second.
+    "tiny": ResNetConfig(depth=10, width=8, image_size=16, batch_size=4),
     # ~0.1 s per step on one CPU thread; activations ~5x the parameter gradients.
     "small": ResNetConfig(),
     # ResNet-18 (11.7M parameters) on 96 x 96 images; activations ~5x the parameter gradients.

@@ -55,6 +55,8 @@ class SyntheticDAGConfig:
 
 
 PROFILES = {
+    # Test-sized: 8 nodes, a step in a few thousandths of a second.
+    "tiny": SyntheticDAGConfig(depth=4, hidden=32, d_model=16, batch_size=32),
     # 16 nodes, ~0.05 s per step on one CPU thread; activations ~10x the parameter gradients.
     "small": SyntheticDAGConfig(),
     # 96 nodes, 25M parameters; activations ~8x the parameter gradients.

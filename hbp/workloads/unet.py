@@ -76,6 +76,10 @@ class UNetConfig:
 
 
 PROFILES = {
+    # Test-sized: a step in about a hundredth of a second.
+    "tiny": UNetConfig(
+        base_channels=16, image_size=8, batch_size=2, num_heads=2, attn_resolutions=(4,)
+    ),
     # ~0.1 s per step on one CPU thread; activations ~5x the parameter gradients.
     "small": UNetConfig(),
     # The DDPM CIFAR-10 network (35.7M parameters) at 32 x 32; activations ~5x the parameter
