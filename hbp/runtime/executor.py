@@ -153,6 +153,7 @@ class PlanExecutor:
             if src in self._readers:
                 self._readers[src].append(n_ir)
         self._graph_outputs = {n for n in self._output.all_input_nodes if n.op != "get_attr"}
+        self._updated_attrs = {t for ts in captured.mutated_attrs.values() for t in ts}
         # Generated code reaches attributes through `root` (the traced module), so swapping an
         # attribute there (frozen buffers) is seen by every generated segment.
         self._holder = nn.Module()
@@ -317,15 +318,20 @@ class PlanExecutor:
         values = graph.call_function(_take_all, (graph.placeholder("inputs"),))
         for i, node in enumerate(inputs):
             env[node] = graph.call_function(operator.getitem, (values, i))
-        # Parameters and buffers are looked up on the traced module when the segment runs, not
-        # copied into the segment at build time (what `get_attr` of a dotted path would do):
-        # a buffer swapped for a throw-away copy during a recompute (`_throwaway_attrs`) must
-        # be the one the segment updates.
-        root = graph.get_attr("root")
+        # A buffer some node updates in place is looked up on the traced module when the
+        # segment runs, not copied into the segment at build time (what `get_attr` of a dotted
+        # path does): the throw-away copy a recompute swaps in (`_throwaway_attrs`) must be the
+        # one the segment updates. Everything else is a `get_attr`.
+        root = None
         for node in nodes:
             for src in node.all_input_nodes:
-                if src.op == "get_attr" and src not in env:
+                if src.op != "get_attr" or src in env:
+                    continue
+                if src.target in self._updated_attrs:
+                    root = graph.get_attr("root") if root is None else root
                     env[src] = graph.call_function(getattr_path, (root, src.target))
+                else:
+                    env[src] = graph.get_attr("root." + src.target)
             modes = node.meta.get(MODES)  # e.g. inside a `with torch.no_grad():` of the forward
             if modes:
                 stack = graph.call_function(enter_modes, (modes,))
