@@ -62,9 +62,11 @@ FULL, UNTIL_SAVE, NOT_RUN = 0, 1, 2  # how much of a child a recompute pass runs
 class CostModel:
     """The simulator's accounting, decomposed over segments (see the module docstring)."""
 
-    def __init__(self, info: GraphInfo, cuts: list[int]):
+    def __init__(self, info: GraphInfo, cuts: list[int], bounds: list[int] | None = None):
         self.info = info
         self.cuts = [int(c) for c in cuts]
+        # stage bounds (a subset of the cuts, 0 and n included): no level crosses one
+        self.bounds = sorted({0, info.n, *bounds}) if bounds else [0, info.n]
         n = self.n = info.n
         root = info.root
         gid = -np.ones(n, dtype=np.int64)
@@ -216,6 +218,14 @@ class CostModel:
             if c in self._cut_set:
                 self.crossing[c] = sorted(active)
 
+    def stop_of(self, e: int) -> int:
+        """The end of the stage that position e lies in (n without stages)."""
+        return self.bounds[bisect_right(self.bounds, e)]
+
+    def start_of(self, d: int) -> int:
+        """The start of the stage that a level ending at d lies in."""
+        return self.bounds[bisect_left(self.bounds, d) - 1]
+
     @property
     def _cut_set(self) -> set[int]:
         s = getattr(self, "_cs", None)
@@ -293,12 +303,13 @@ class CostModel:
             self._intervals[key] = r
         return r
 
-    def crossing_list(self, d: int, top: bool) -> list[frozenset[int]]:
-        """crossing_in(f, d, top) for every cut f <= d, in order (memoised)."""
-        r = self._crossing_lists.get((d, top))
+    def crossing_window(self, d: int, first: int, last: int) -> list[frozenset[int]]:
+        """crossing_in(f, d, False) for the cuts f = cuts[first:last] (memoised)."""
+        key = (d, first, last)
+        r = self._crossing_lists.get(key)
         if r is None:
-            r = self._crossing_lists[d, top] = [
-                self.crossing_in(f, d, top) for f in self.cuts[: bisect_right(self.cuts, d)]
+            r = self._crossing_lists[key] = [
+                self.crossing_in(f, d, False) for f in self.cuts[first:last]
             ]
         return r
 
@@ -328,7 +339,9 @@ class CostModel:
             r = np.zeros(d + 1, dtype=bool)
             r[d] = True
             nearest = d  # nearest cut > f from which a save-free tiling to d exists
-            for f in reversed([c for c in self.cuts if c < d]):
+            k = bisect_left(self.cuts, d)
+            lo = bisect_left(self.cuts, self.start_of(d))
+            for f in reversed(self.cuts[lo:k]):
                 reach = max(self.next_save[f], self.first_reader_from_before(f))
                 if nearest <= reach:
                     r[f] = True
@@ -372,7 +385,8 @@ class _Profile:
         self.m, self.e, self.H, self.mode, self.top = m, e, H, mode, top
         n = m.n
         info = m.info
-        t = np.arange(e, n)
+        stop = self.stop = m.stop_of(e)  # arrays cover positions [e, stop)
+        t = np.arange(e, stop)
         cross = [g for g in m.crossing[e] if not (top and m.g_forced[g])]
         self.local_cross = [g for g in cross if g not in H]
         # forward: live local bytes at the event of node t, over the whole graph scope
@@ -393,12 +407,12 @@ class _Profile:
         if mode == PLAIN:
             live += m.extra_pre[t + 1] - m.extra_pre[e]
         else:  # run with saving off: extras are made and dropped within the node's event
-            live += info.extra_bytes[e:]
+            live += info.extra_bytes[e:stop]
         if top:
             live += m.out_pre[t + 1]
-        live += info.forward_transient[e:]
+        live += info.forward_transient[e:stop]
         self.live = live.astype(float)
-        self.live[~m.node_event[e:]] = -INF
+        self.live[~m.node_event[e:stop]] = -INF
         # kept bytes after [e, f) for f in (e, n]: index f - e - 1
         if mode == PLAIN:
             hp = m.hold_pre[top]
@@ -412,11 +426,11 @@ class _Profile:
                 if h < n:
                     held[h - e :] += m.g_size[g]
             self.kept = held
-            bwd = (held + m.pos_bwd[e:]).astype(float)
-            bwd[~info.has_backward[e:]] = -INF
+            bwd = (held + m.pos_bwd[e:stop]).astype(float)
+            bwd[~info.has_backward[e:stop]] = -INF
             self.bwd_max = np.maximum.accumulate(bwd) if len(bwd) else bwd
         else:
-            kept = np.zeros(n - e, dtype=np.int64)
+            kept = np.zeros(stop - e, dtype=np.int64)
             for g in self.local_cross:
                 r = self.first_read[g]
                 if r < n:
@@ -486,10 +500,13 @@ class _Profile:
                 self._first_cut = first
                 self._held_fulls = [
                     self._held_full[f] if f in self._held_full else self._held_at(f)
-                    for f in m.cuts[first:]
+                    for f in m.cuts[first : bisect_right(m.cuts, self.stop)]
                 ]
             first, last = self._first_cut, bisect_right(m.cuts, d)
-            crossing = m.crossing_list(d, self.top)[first:last]
+            if self.top:  # crossing_in(f, n, top) holds every group _held_at(f) can hold
+                r = self._held_lists[d] = self._held_fulls[: last - first]
+                return r
+            crossing = m.crossing_window(d, first, last)
             meet = m.meet
             r = [meet(a, b) if a else a for a, b in zip(self._held_fulls[: last - first], crossing)]
             self._held_lists[d] = r
@@ -550,14 +567,29 @@ class Solver:
     [e, f) (its recompute pass plus its children) within the slots given.
     """
 
-    def __init__(self, model: CostModel, slots: int, slot_bytes: float, nested: bool = True):
+    def __init__(
+        self,
+        model: CostModel,
+        slots: int,
+        slot_bytes: float,
+        nested: bool = True,
+        *,
+        end: int | None = None,
+        need_offset: float = 0.0,
+    ):
         self.m = model
         self.M = slots
         self.slot = slot_bytes
         self.nested = nested
+        # the top level ends at `end` (a stage bound; n: the whole graph); needs are counted
+        # in slots above `need_offset` bytes (a stage's own memory axis)
+        self.end = model.n if end is None else int(end)
+        self.offset = float(need_offset)
+        self.end_slots = 0  # slots a stage must leave free at its end (see hbp.planner.stages)
         self.mi = np.arange(slots + 1)
         self._tail: dict = {}
         self._top: dict = {}
+        self._top_kept: dict = {}  # (e, H) -> kept bytes of the top plan chosen at each m
         self._rec: dict = {}
         self._rec_plain: dict = {}
         self._rec_need: dict = {}
@@ -607,7 +639,12 @@ class Solver:
         r = self._top.get(key)
         if r is None:
             if e == self.m.n:
-                r = np.where(self.mi >= self.sl(self.m.pos_after[self.m.n]), 0.0, INF)
+                need = self.sl(max(0.0, self.m.pos_after[self.m.n] - self.offset))
+                r = np.where(self.mi >= need, 0.0, INF)
+                self._top_kept[key] = np.zeros(self.M + 1)
+            elif e == self.end:  # a stage ends here: the stages after it are planned apart
+                r = np.where(self.mi >= self.end_slots, 0.0, INF)
+                self._top_kept[key] = np.zeros(self.M + 1)
             else:
                 r = self._evaluate(self.m.n, e, H, None, top=True)
             self._top[key] = r
@@ -623,7 +660,7 @@ class Solver:
             if mode == REC and only is None and not self.nested and not top:
                 continue
             prof = m.profile(e, H, mode, top)
-            p = prof.at(d)
+            p = prof.at(m.stop_of(e) if top else d)
             if len(p["f"]) == 0:
                 continue
             sel = np.ones(len(p["f"]), dtype=bool)
@@ -688,7 +725,7 @@ class Solver:
         next states)."""
         M = self.M
         slots = p.get("slots")
-        if slots is None or slots[0] != (M, self.slot):
+        if slots is None or slots[0] != (M, self.slot, self.offset):
             slots = p["slots"] = self._slot_arrays(p)
         ok = sel & slots[3][variant]  # the child's need and kept bytes fit in M slots
         if sub_flag == 0:  # the rest must be a tail without save events
@@ -698,7 +735,7 @@ class Solver:
             ok &= save_free
         idx = np.flatnonzero(ok)
         rows, keep, states = [], [], []
-        f_list, H_list = p["f_list"], prof.held_list(d)
+        f_list, H_list = p["f_list"], prof.held_list(p["d"])
         limit = slots[4][idx].tolist()
         if top:
             memo, table = self._top, self.top
@@ -729,7 +766,10 @@ class Solver:
         within M by variant, M - kept as int, kept as int, max(kept, need) as int lists by
         variant, kept as an int list)."""
         M = self.M
-        need = tuple(self.sl(p[k]) for k in ("need_full", "need_until", "need_none"))
+        need = tuple(
+            self.sl(np.maximum(p[k] - self.offset, 0.0))
+            for k in ("need_full", "need_until", "need_none")
+        )
         kept = self.sl(p["kept"])
         fits = tuple((x <= M) & (kept <= M) for x in need)
         kept_int = kept.astype(np.int64)
@@ -737,7 +777,7 @@ class Solver:
         if "flops_lists" not in p:
             p["flops_lists"] = (p["flops_full"].tolist(), p["flops_until"].tolist())
         M_minus_kept = (M - kept).astype(np.int64)
-        return (M, self.slot), need, kept, fits, M_minus_kept, kept_int, lows, kept_int.tolist()
+        return (M, self.slot, self.offset), need, kept, fits, M_minus_kept, kept_int, lows, kept_int.tolist()
 
     def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
         best = np.full(self.M + 1, INF)
@@ -745,8 +785,9 @@ class Solver:
             return best
         M = self.M
         first_finite = self._first_finite
+        best_kept = np.zeros(M + 1) if top else None  # kept bytes of the plan at each m
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top, only):
-            slots, keep, rows, _ = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
+            slots, keep, rows, states = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
             if not keep:
                 continue
             # row by row, the same sums as _option_costs: (rest + pass FLOPs) + recompute
@@ -755,7 +796,7 @@ class Solver:
             if not top and variant != NOT_RUN:
                 flops = p["flops_lists"][variant]
             f_list = p["f_list"]
-            for i, sub in zip(keep, rows):
+            for i, sub, H2 in zip(keep, rows, states):
                 kept = kept_list[i]
                 lo = lows[i]  # max(kept, need): below it the option is infeasible
                 part = sub[lo - kept : M + 1 - kept]
@@ -768,29 +809,43 @@ class Solver:
                     lowest = max(lo, kept + first) - kept
                     part = part + self.rec(e, f_list[i], lowest)[lo - kept : M + 1 - kept]
                 low_best = best[lo:]
-                np.minimum(low_best, part, out=low_best)
+                if top:  # least cost, then least kept bytes (what a stage hands the next)
+                    rest = self._top_kept[f_list[i], H2]
+                    k_part = rest[lo - kept : M + 1 - kept] + p["kept"][i]
+                    low_kept = best_kept[lo:]
+                    better = (part < low_best) | ((part == low_best) & (k_part < low_kept))
+                    low_best[better] = part[better]
+                    low_kept[better] = k_part[better]
+                else:
+                    np.minimum(low_best, part, out=low_best)
+        if top:
+            self._top_kept[e, H] = best_kept
         return best
 
     # reconstruction ---------------------------------------------------------------------------
     def _pick(self, d, e, H, flag, top, slots) -> tuple[_Choice, int]:
         """The option that achieves the table's value at `slots`, and its kept slots."""
         target = (self.top(e, H) if top else self.tail(d, e, H, flag))[slots]
+        target_kept = self._top_kept[e, H][slots] if top else 0.0
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top):
             idx, states, cost = self._option_costs(d, e, top, mode, variant, sub_flag, prof, p, sel)
             if cost is None:
                 continue
             col = cost[:, slots]
-            k = int(np.argmin(col))
-            if col[k] <= target + 1e-9 * max(1.0, abs(target)):
+            for k in np.flatnonzero(col <= target + 1e-9 * max(1.0, abs(target))).tolist():
                 i = idx[k]
-                kept = int(self.sl(p["kept"][i]))
-                return _Choice(int(p["f"][i]), mode, variant, states[k], sub_flag), kept
+                kept = int(p["slots"][5][i])
+                f = int(p["f"][i])
+                if top and self._top_kept[f, states[k]][slots - kept] + p["kept"][i] > target_kept:
+                    continue  # as cheap, but keeps more than the table's plan
+                return _Choice(f, mode, variant, states[k], sub_flag), kept
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
-    def top_plan(self, slots: int) -> list[Segment]:
+    def top_plan(self, slots: int, start: int = 0) -> list[Segment]:
+        """The top-level segments from `start` (0 or a stage bound) to `self.end`."""
         segs: list[Segment] = []
-        e, H = 0, frozenset()
-        while e < self.m.n:
+        e, H = start, frozenset()
+        while e < self.end:
             c, kept = self._pick(self.m.n, e, H, None, True, slots)
             seg = Segment(e, c.f, c.mode == REC)
             if c.mode == REC:
@@ -870,12 +925,12 @@ class PeakSolver:
             if only is not None and mode != PLAIN:
                 continue
             prof = m.profile(e, H, mode, top)
-            p = prof.at(d)
+            p = prof.at(m.stop_of(e) if top else d)
             lists = p.get("peak_lists")
             if lists is None:
                 lists = p["peak_lists"] = _peak_lists(p)
             f_list, kept_list, needs, flops, has_save = lists
-            H_list = prof.held_list(d)
+            H_list = prof.held_list(p["d"])
             skip_whole = mode == REC and not top and H == m.crossing_in(e, d, False)
             for i, f in enumerate(f_list):
                 if only is not None and f != only:
@@ -1266,3 +1321,45 @@ def kept_bytes(info: GraphInfo, segments: list[Segment]) -> int:
         if s.recompute:
             roots.update(int(info.root[v]) for v in info.segment_inputs(s.start, s.stop))
     return int(sum(info.storage_bytes[r] for r in roots))
+
+
+# ---------------------------------------------------------------------------------------------
+# windowed solve (large graphs)
+
+
+def window_cuts(info: GraphInfo, per_region: int = 6, region: int = 32) -> list[int]:
+    """Candidate cuts spread evenly: in every run of `region` consecutive positions, the
+    `per_region` best by `candidate_cuts`'s ranking (frontier local minima, fewer crossing
+    values, fewer bytes)."""
+    n = info.n
+    first = 0
+    while first < n and info.is_input[first]:
+        first += 1
+    pos = list(range(max(first, 1), n))
+    if not pos:
+        return [0, n]
+    w, count = _frontier(info)
+    chosen = []
+    for lo in range(0, len(pos), region):
+        block = pos[lo : lo + region]
+        minima = {
+            c
+            for c in block
+            if (c == pos[0] or w[c] <= w[c - 1]) and (c == pos[-1] or w[c] < w[c + 1])
+        }
+        ranked = sorted(
+            range(len(block)),
+            key=lambda k: (block[k] not in minima, count[block[k]], w[block[k]], _spread(k, len(block))),
+        )
+        chosen.extend(block[k] for k in ranked[:per_region])
+    return sorted({0, *chosen, n})
+
+
+def _solve_windowed(info, budget_bytes, *, span, per_region, region, mem_slots, nested):
+    cuts = window_cuts(info, per_region, region)
+    model = CostModel(info, cuts, span=span)
+    with _planning(len(cuts)):
+        solver = Solver(model, mem_slots, budget_bytes / mem_slots, nested, round_kept="nearest")
+        if solver.top(0, frozenset())[mem_slots] < INF:
+            return solver.top_plan(mem_slots), cuts
+    return None, cuts
