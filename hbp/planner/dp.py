@@ -585,7 +585,9 @@ class Solver:
         # in slots above `need_offset` bytes (a stage's own memory axis)
         self.end = model.n if end is None else int(end)
         self.offset = float(need_offset)
-        self.end_slots = 0  # slots a stage must leave free at its end (see hbp.planner.stages)
+        # top tables have one row per end requirement: slots a stage must leave free at its
+        # end (hbp.planner.stages); a whole-graph solve has one row, 0
+        self.end_slots = np.zeros(1, dtype=np.int64)
         self.mi = np.arange(slots + 1)
         self._tail: dict = {}
         self._top: dict = {}
@@ -609,10 +611,8 @@ class Solver:
         built when a caller needs T below that."""
         plain = self._rec_plain.get((e, f))
         if plain is None:
-            H = self.m.crossing_in(e, f, False)
-            plain = self._evaluate(f, e, H, None, only=(f, PLAIN))
+            plain = self._rec_plain[e, f] = self._plain_recompute(e, f)
             finite = np.flatnonzero(plain < INF)
-            self._rec_plain[e, f] = plain
             self._rec_need[e, f] = int(finite[0]) if len(finite) else self.M + 1
         if not self.nested or lowest >= self._rec_need[e, f]:
             return plain
@@ -622,6 +622,24 @@ class Solver:
             r = np.minimum(self.tail(f, e, H, 1), self.tail(f, e, H, 0))
             self._rec[e, f] = r = np.minimum(r, plain)
         return r
+
+    def _plain_recompute(self, e: int, f: int) -> np.ndarray:
+        """T(e, f) restricted to one plain child: the level [e, f) with the single child
+        [e, f), which runs until its last save event (or not at all without one): its FLOPs
+        wherever m covers its need and what it keeps, else infinite. (The general recursion,
+        `_evaluate(f, e, H, None, only=(f, PLAIN))`, gives the same table.)"""
+        H = self.m.crossing_in(e, f, False)
+        p = self.m.profile(e, H, PLAIN, False).at(f)
+        slots = p.get("slots")
+        if slots is None or slots[0] != (self.M, self.slot, self.offset):
+            slots = p["slots"] = self._slot_arrays(p)
+        i = len(p["f_list"]) - 1  # the child ending at f
+        has_save = bool(p["has_save"][i])
+        variant = UNTIL_SAVE if has_save else NOT_RUN
+        out = np.full(self.M + 1, INF)
+        if slots[3][variant][i]:
+            out[slots[6][variant][i] :] = p["flops_until"][i] if has_save else 0.0
+        return out
 
     def tail(self, d: int, e: int, H: frozenset, flag: int) -> np.ndarray:
         key = (d, e, H, flag)
@@ -640,11 +658,12 @@ class Solver:
         if r is None:
             if e == self.m.n:
                 need = self.sl(max(0.0, self.m.pos_after[self.m.n] - self.offset))
-                r = np.where(self.mi >= need, 0.0, INF)
-                self._top_kept[key] = np.zeros(self.M + 1)
+                need = np.maximum(need, self.end_slots)[:, None]
+                r = np.where(self.mi[None, :] >= need, 0.0, INF)
+                self._top_kept[key] = np.zeros_like(r)
             elif e == self.end:  # a stage ends here: the stages after it are planned apart
-                r = np.where(self.mi >= self.end_slots, 0.0, INF)
-                self._top_kept[key] = np.zeros(self.M + 1)
+                r = np.where(self.mi[None, :] >= self.end_slots[:, None], 0.0, INF)
+                self._top_kept[key] = np.zeros_like(r)
             else:
                 r = self._evaluate(self.m.n, e, H, None, top=True)
             self._top[key] = r
@@ -777,7 +796,16 @@ class Solver:
         if "flops_lists" not in p:
             p["flops_lists"] = (p["flops_full"].tolist(), p["flops_until"].tolist())
         M_minus_kept = (M - kept).astype(np.int64)
-        return (M, self.slot, self.offset), need, kept, fits, M_minus_kept, kept_int, lows, kept_int.tolist()
+        return (
+            (M, self.slot, self.offset),
+            need,
+            kept,
+            fits,
+            M_minus_kept,
+            kept_int,
+            lows,
+            kept_int.tolist(),
+        )
 
     def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
         best = np.full(self.M + 1, INF)
@@ -785,7 +813,8 @@ class Solver:
             return best
         M = self.M
         first_finite = self._first_finite
-        best_kept = np.zeros(M + 1) if top else None  # kept bytes of the plan at each m
+        if top:
+            return self._evaluate_top(e, H)
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top, only):
             slots, keep, rows, states = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
             if not keep:
@@ -809,44 +838,97 @@ class Solver:
                     lowest = max(lo, kept + first) - kept
                     part = part + self.rec(e, f_list[i], lowest)[lo - kept : M + 1 - kept]
                 low_best = best[lo:]
-                if top:  # least cost, then least kept bytes (what a stage hands the next)
-                    rest = self._top_kept[f_list[i], H2]
-                    k_part = rest[lo - kept : M + 1 - kept] + p["kept"][i]
-                    low_kept = best_kept[lo:]
-                    better = (part < low_best) | ((part == low_best) & (k_part < low_kept))
-                    low_best[better] = part[better]
-                    low_kept[better] = k_part[better]
-                else:
-                    np.minimum(low_best, part, out=low_best)
-        if top:
-            self._top_kept[e, H] = best_kept
+                np.minimum(low_best, part, out=low_best)
         return best
+
+    def _evaluate_top(self, e: int, H: frozenset) -> np.ndarray:
+        """top(e, H), one row per end requirement: the least recompute at every m and, among
+        the plans that reach it, the least bytes kept (`_top_kept`: what a stage hands the
+        stages after it)."""
+        shape = (len(self.end_slots), self.M + 1)
+        best, best_kept = np.full(shape, INF), np.zeros(shape)
+        for option in self._options(self.m.n, e, H, None, True):
+            rows = self._top_rows(e, *option)
+            if rows is None:
+                continue
+            _, _, cost, kept = rows
+            c_min = cost.min(axis=0)
+            k_min = np.where(cost == c_min, kept, INF).min(axis=0)
+            better = (c_min < best) | ((c_min == best) & (k_min < best_kept))
+            best = np.where(better, c_min, best)
+            best_kept = np.where(better, k_min, best_kept)
+        self._top_kept[e, H] = best_kept
+        return best
+
+    def _top_rows(self, e, mode, variant, sub_flag, prof, p, sel):
+        """The top-level options of one (mode, variant) at e: (f indices, next states,
+        cost and kept bytes, each (option, end requirement, m)), or None. The one place
+        the top level's option values are computed (table fill and plan rebuild).
+
+        Option value at m: T(e, f)[m - kept] (recomputed child) + the rest's value at
+        m - kept, if m >= the child's own need and m >= kept; else infinite."""
+        M = self.M
+        slots, keep, rows, states = self._feasible_rows(
+            self.m.n, True, variant, sub_flag, prof, p, sel
+        )
+        if not keep:
+            return None
+        shape = (len(keep), len(self.end_slots), M + 1)
+        cost, kept = np.full(shape, INF), np.zeros(shape)
+        lows, kept_list, f_list = slots[6][variant], slots[7], p["f_list"]
+        for j, (i, sub, H2) in enumerate(zip(keep, rows, states)):
+            k, lo = kept_list[i], lows[i]  # below max(kept, need) the child does not fit
+            cost[j, :, lo:] = sub[:, lo - k : M + 1 - k]
+            if mode == REC:  # asked from the smallest m at which the rest is feasible
+                first = int(np.argmax(sub[0] < INF))
+                rec = self.rec(e, f_list[i], max(lo, k + first) - k)
+                cost[j, :, lo:] += rec[lo - k : M + 1 - k]
+            kept[j, :, lo:] = self._top_kept[f_list[i], H2][:, lo - k : M + 1 - k]
+            kept[j, :, lo:] += p["kept"][i]
+        return np.array(keep), states, cost, kept
 
     # reconstruction ---------------------------------------------------------------------------
     def _pick(self, d, e, H, flag, top, slots) -> tuple[_Choice, int]:
         """The option that achieves the table's value at `slots`, and its kept slots."""
-        target = (self.top(e, H) if top else self.tail(d, e, H, flag))[slots]
-        target_kept = self._top_kept[e, H][slots] if top else 0.0
+        target = self.tail(d, e, H, flag)[slots]
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top):
             idx, states, cost = self._option_costs(d, e, top, mode, variant, sub_flag, prof, p, sel)
             if cost is None:
                 continue
             col = cost[:, slots]
-            for k in np.flatnonzero(col <= target + 1e-9 * max(1.0, abs(target))).tolist():
+            k = int(np.argmin(col))
+            if col[k] <= target + 1e-9 * max(1.0, abs(target)):
                 i = idx[k]
                 kept = int(p["slots"][5][i])
-                f = int(p["f"][i])
-                if top and self._top_kept[f, states[k]][slots - kept] + p["kept"][i] > target_kept:
-                    continue  # as cheap, but keeps more than the table's plan
-                return _Choice(f, mode, variant, states[k], sub_flag), kept
+                return _Choice(int(p["f"][i]), mode, variant, states[k], sub_flag), kept
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
-    def top_plan(self, slots: int, start: int = 0) -> list[Segment]:
-        """The top-level segments from `start` (0 or a stage bound) to `self.end`."""
+    def _pick_top(self, e, H, slots, row) -> tuple[_Choice, int]:
+        """The top-level option that achieves top(e, H)[row, slots] with the table's kept
+        bytes, and its kept slots."""
+        target = self.top(e, H)[row, slots]
+        target_kept = self._top_kept[e, H][row, slots]
+        for option in self._options(self.m.n, e, H, None, True):
+            rows = self._top_rows(e, *option)
+            if rows is None:
+                continue
+            idx, states, cost, kept = rows
+            fits = (cost[:, row, slots] <= target + 1e-9 * max(1.0, abs(target))) & (
+                kept[:, row, slots] <= target_kept
+            )
+            for k in np.flatnonzero(fits).tolist():
+                p, i = option[4], idx[k]
+                choice = _Choice(int(p["f"][i]), option[0], option[1], states[k], option[2])
+                return choice, int(p["slots"][5][i])
+        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
+
+    def top_plan(self, slots: int, start: int = 0, row: int = 0) -> list[Segment]:
+        """The top-level segments from `start` (0 or a stage bound) to `self.end`, for end
+        requirement `row`."""
         segs: list[Segment] = []
         e, H = start, frozenset()
         while e < self.end:
-            c, kept = self._pick(self.m.n, e, H, None, True, slots)
+            c, kept = self._pick_top(e, H, slots, row)
             seg = Segment(e, c.f, c.mode == REC)
             if c.mode == REC:
                 seg.children = self.rec_plan(e, c.f, slots - kept)
@@ -1188,7 +1270,7 @@ def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, 
     with _planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
         solver = Solver(model, slots, slot_bytes, nested)
-        if solver.top(0, frozenset())[slots] < INF:
+        if solver.top(0, frozenset())[0, slots] < INF:
             return solver.top_plan(slots), slots, slot_bytes, "dp"
         peak_solver = PeakSolver(model, nested)
         minimum = int(peak_solver.top(0, frozenset())[0])
@@ -1261,8 +1343,42 @@ def optimal_plan(
             )
         plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
         plan.meta["solved_by"] = "min-peak (dp over budget)"
+    if how == "dp" and block_size == 1 and _staged_pays(info, cuts):
+        plan = _better_staged(graph, info, plan, naive, nested) or plan
     plan.meta["solve_time_s"] = time.perf_counter() - t0
     return plan
+
+
+# graphs from this size on, where the candidate cuts thin out, are also planned in stages
+STAGED_MIN_NODES = 400
+
+
+def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
+    return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
+
+
+def _better_staged(graph, info, plan, naive, nested) -> Plan | None:
+    """The staged plan (`hbp.planner.stages`) when it fits and recomputes less than `plan`.
+    Its stage-boundary accounting is approximate: an overshoot is taken off the budget and
+    the stages planned again (twice at most)."""
+    from hbp.planner.stages import staged_plan
+
+    budget = target = plan.budget_bytes
+    for _ in range(3):
+        segments = staged_plan(info, target, nested=False)
+        if segments is None:
+            return None
+        sim = simulate(graph, segments, info=info)
+        if sim.peak_bytes <= budget:
+            break
+        target -= sim.peak_bytes - budget
+    else:
+        return None
+    if sim.recompute_flops >= plan.predicted_recompute_flops:
+        return None
+    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    meta = dict(plan.meta, solved_by="staged", whole_graph_recompute=plan.predicted_recompute_flops)
+    return finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
 
 
 def min_feasible_peak(
@@ -1349,17 +1465,12 @@ def window_cuts(info: GraphInfo, per_region: int = 6, region: int = 32) -> list[
         }
         ranked = sorted(
             range(len(block)),
-            key=lambda k: (block[k] not in minima, count[block[k]], w[block[k]], _spread(k, len(block))),
+            key=lambda k: (
+                block[k] not in minima,
+                count[block[k]],
+                w[block[k]],
+                _spread(k, len(block)),
+            ),
         )
         chosen.extend(block[k] for k in ranked[:per_region])
     return sorted({0, *chosen, n})
-
-
-def _solve_windowed(info, budget_bytes, *, span, per_region, region, mem_slots, nested):
-    cuts = window_cuts(info, per_region, region)
-    model = CostModel(info, cuts, span=span)
-    with _planning(len(cuts)):
-        solver = Solver(model, mem_slots, budget_bytes / mem_slots, nested, round_kept="nearest")
-        if solver.top(0, frozenset())[mem_slots] < INF:
-            return solver.top_plan(mem_slots), cuts
-    return None, cuts

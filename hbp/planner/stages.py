@@ -48,7 +48,7 @@ class StageOption:
     kept_bytes: float  # bytes it holds from its forward until its backward
     cost: float  # recompute FLOPs
     local_slots: int  # where to rebuild it in the stage's table
-    end_slots: int  # with which end condition
+    row: int  # with which end requirement
 
 
 def stage_bounds(info: GraphInfo, cuts: list[int], stage_nodes: int) -> list[int]:
@@ -82,7 +82,7 @@ def staged_plan(
     stage_slots: int = 192,
     global_slots: int = 8192,
     nested: bool = True,
-    levels: int = 4,
+    levels: int = 6,
 ) -> list[Segment] | None:
     """Top-level segments of a staged plan within `budget_bytes` (by the cost model), or
     None when no combination of stage options fits."""
@@ -93,22 +93,24 @@ def staged_plan(
     solvers, options = [], []
     with _planning(len(cuts)):
         for a, b in stages:
-            solver = _stage_solver(model, a, b, stage_slots, nested)
+            solver = _stage_solver(model, a, b, stage_slots, nested, levels)
             solvers.append(solver)
-            options.append(_stage_options(solver, a, levels))
+            options.append(_stage_options(solver, a))
     choice = _allocate(options, budget_bytes, global_slots)
     if choice is None:
         return None
     segments: list[Segment] = []
     with _planning(len(cuts)):
         for (a, _), solver, opts, k in zip(stages, solvers, options, choice):
-            _set_end(solver, opts[k].end_slots)
-            segments.extend(solver.top_plan(opts[k].local_slots, start=a))
+            segments.extend(solver.top_plan(opts[k].local_slots, start=a, row=opts[k].row))
     return segments
 
 
-def _stage_solver(model: CostModel, a: int, b: int, slots: int, nested: bool) -> Solver:
-    """A Solver whose top level is the stage [a, b), on the stage's own memory axis."""
+def _stage_solver(
+    model: CostModel, a: int, b: int, slots: int, nested: bool, levels: int
+) -> Solver:
+    """A Solver whose top level is the stage [a, b), on the stage's own memory axis, with
+    `levels + 1` end requirements from 0 to the bytes the stage could keep at most."""
     info = model.info
     has_bwd = info.has_backward[a:b]
     pos = model.pos_bwd[a:b][has_bwd]
@@ -125,45 +127,34 @@ def _stage_solver(model: CostModel, a: int, b: int, slots: int, nested: bool) ->
         top = max(top, float(model.pos_after[model.n]))
     span = float(own) + top - base + float(model.out_total if b == model.n else 0)
     slot = 2 * max(span, 1.0) / slots  # room for needs and for the free space left at the end
-    return Solver(model, slots, slot, nested, end=b, need_offset=base)
+    solver = Solver(model, slots, slot, nested, end=b, need_offset=base)
+    most = float(info.storage_bytes[a:b].sum() + info.extra_bytes[a:b].sum())
+    solver.end_slots = np.unique(np.round(np.linspace(0, most / slot, levels + 1))).astype(int)
+    return solver
 
 
-def _set_end(solver: Solver, end_slots: int) -> None:
-    """Ask the stage to leave `end_slots` free at its end (its top tables are rebuilt; the
-    nested tables do not depend on it)."""
-    if solver.end_slots != end_slots:
-        solver.end_slots = end_slots
-        solver._top.clear()
-        solver._top_kept.clear()
+def _stage_options(solver: Solver, a: int) -> list[StageOption]:
+    """The distinct (need, kept, cost) points of a stage's table, dominated ones dropped.
 
-
-def _stage_options(solver: Solver, a: int, levels: int) -> list[StageOption]:
-    """The distinct (need, kept, cost) points of a stage's tables, dominated ones dropped.
-
-    The table at m gives the least recompute within m; plans that keep less at a higher
-    recompute (worth it where later stages need the memory) come from the same table asked
-    to leave free slots at the stage's end: `levels` requirements from 0 up to what the
-    cheapest plan keeps."""
+    Row 0 of the table gives the least recompute within m; plans that keep less at a higher
+    recompute (worth it where later stages need the memory) come from the rows that ask
+    the stage to leave free slots at its end (`Solver.end_slots`)."""
+    cost = solver.top(a, frozenset())
+    kept = solver._top_kept[a, frozenset()]
     found: list[StageOption] = []
-    plain_kept = 0.0
-    for j in range(levels + 1):
-        end = int(round(plain_kept * j / levels))
-        _set_end(solver, end)
-        cost = solver.top(a, frozenset())
-        kept = solver._top_kept[a, frozenset()]
-        finite = np.flatnonzero(cost < INF)
-        if j == 0:
-            if not len(finite):
-                return []
-            plain_kept = float(kept[-1]) / solver.slot
-        for m in finite.tolist():
-            need = solver.offset + m * solver.slot
-            found.append(StageOption(need, float(kept[m]), float(cost[m]), m, end))
+    for row in range(cost.shape[0]):
+        previous = None
+        for m in np.flatnonzero(cost[row] < INF).tolist():
+            point = (float(cost[row, m]), float(kept[row, m]))
+            if point != previous:  # the plan changes at m
+                need = solver.offset + m * solver.slot
+                found.append(StageOption(need, point[1], point[0], m, row))
+                previous = point
     found.sort(key=lambda o: (o.need_bytes, o.cost, o.kept_bytes))
     out: list[StageOption] = []
-    for o in found:
+    for o in found:  # keep it unless an option needing at most as much is as good
         if not any(p.cost <= o.cost and p.kept_bytes <= o.kept_bytes for p in out):
-            out.append(o)  # no option needing at most as much is as good
+            out.append(o)
     return out
 
 
