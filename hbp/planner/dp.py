@@ -49,7 +49,7 @@ import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
-from hbp.errors import BudgetError
+from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.plan import Plan, Segment
 from hbp.planner.tree import name_segments
@@ -816,7 +816,7 @@ class Solver:
         if top:
             return self._evaluate_top(e, H)
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top, only):
-            slots, keep, rows, states = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
+            slots, keep, rows, _ = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
             if not keep:
                 continue
             # row by row, the same sums as _option_costs: (rest + pass FLOPs) + recompute
@@ -825,7 +825,7 @@ class Solver:
             if not top and variant != NOT_RUN:
                 flops = p["flops_lists"][variant]
             f_list = p["f_list"]
-            for i, sub, H2 in zip(keep, rows, states):
+            for i, sub in zip(keep, rows):
                 kept = kept_list[i]
                 lo = lows[i]  # max(kept, need): below it the option is infeasible
                 part = sub[lo - kept : M + 1 - kept]
@@ -1294,6 +1294,7 @@ def optimal_plan(
     mem_slots: int = 256,
     nested: bool = True,
     info: GraphInfo | None = None,
+    staged: str | None = None,
 ) -> Plan:
     """The plan with the least recompute FLOPs whose simulated peak fits `budget_bytes`.
 
@@ -1301,6 +1302,10 @@ def optimal_plan(
     max_cuts)` (one level only if `nested=False`), up to memory discretisation into at most
     max(mem_slots, 1024) slots of the gcd of the graph's byte counts (exact when the budget
     spans at most that many) or `mem_slots` equal slots of the budget (conservative).
+
+    On large graphs (`staged`: "auto", the default `STAGED`) the graph is also planned in
+    stages (`hbp.planner.stages`: per-stage tables over fine cuts, one allocation across
+    stages) and that plan is taken when it fits and recomputes less.
 
     Raises:
         BudgetError: no plan over the candidate cuts fits; `.minimum` is the smallest peak
@@ -1343,13 +1348,20 @@ def optimal_plan(
             )
         plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
         plan.meta["solved_by"] = "min-peak (dp over budget)"
-    if how == "dp" and block_size == 1 and _staged_pays(info, cuts):
-        plan = _better_staged(graph, info, plan, naive, nested) or plan
+    staged = STAGED if staged is None else staged
+    if staged not in ("auto", "always", "never"):
+        raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
+    if how == "dp" and block_size == 1 and staged != "never":
+        if staged == "always" or _staged_pays(info, cuts):
+            plan = _better_staged(graph, info, plan, naive, always=staged == "always") or plan
     plan.meta["solve_time_s"] = time.perf_counter() - t0
     return plan
 
 
-# graphs from this size on, where the candidate cuts thin out, are also planned in stages
+# "auto": graphs from STAGED_MIN_NODES nodes on, where the candidate cuts thin out, are also
+# planned in stages and the staged plan is taken when it recomputes less; "always": taken
+# whenever it fits (tests); "never"
+STAGED = "auto"
 STAGED_MIN_NODES = 400
 
 
@@ -1357,8 +1369,9 @@ def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
     return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
 
 
-def _better_staged(graph, info, plan, naive, nested) -> Plan | None:
-    """The staged plan (`hbp.planner.stages`) when it fits and recomputes less than `plan`.
+def _better_staged(graph, info, plan, naive, always=False) -> Plan | None:
+    """The staged plan (`hbp.planner.stages`) when it fits and recomputes less than `plan`
+    (or, with `always`, when it fits).
     Its stage-boundary accounting is approximate: an overshoot is taken off the budget and
     the stages planned again (twice at most)."""
     from hbp.planner.stages import staged_plan
@@ -1374,7 +1387,7 @@ def _better_staged(graph, info, plan, naive, nested) -> Plan | None:
         target -= sim.peak_bytes - budget
     else:
         return None
-    if sim.recompute_flops >= plan.predicted_recompute_flops:
+    if sim.recompute_flops >= plan.predicted_recompute_flops and not always:
         return None
     segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
     meta = dict(plan.meta, solved_by="staged", whole_graph_recompute=plan.predicted_recompute_flops)
