@@ -7,8 +7,8 @@ MILP optimum on random DAGs.
 Depth sweep: `hbp.graph.synthetic.residual_net(L)` at budget 0.5 of the naive peak, planned by
 `hbp.planner.plan` (the default: whole-graph DP, plus staged planning on large graphs) and by
 the whole-graph DP alone (`staged="never"`, the planner before staged planning). Recompute is
-in % of the graph's forward FLOPs; time is wall-clock seconds of one `plan` call on this
-machine. Random DAGs: `synthetic.random_dag(n)` for n = 5..8, 40 seeds, at 4 budgets from the
+in % of the graph's forward FLOPs; time is the CPU seconds (and wall seconds) of one `plan`
+call on this machine. Random DAGs: `synthetic.random_dag(n)` for n = 5..8, 40 seeds, at 4 budgets from the
 planner's minimum to naive (min, +1/4, +1/2, +3/4), planner recompute / MILP optimum. Writes
 outputs/bench/planner.md.
 """
@@ -33,39 +33,38 @@ OUT = Path(__file__).resolve().parents[1] / "outputs" / "bench"
 
 def depth_sweep(depths: list[int]) -> list[str]:
     lines = [
-        "| layers | nodes | recompute % (plan) | solved by | plan s | "
-        "recompute % (whole-graph DP only) | whole-graph DP s |",
+        "| layers | nodes | recompute % (plan) | solved by | plan CPU s (wall) | "
+        "recompute % (whole-graph DP only) | whole-graph DP CPU s (wall) |",
         "|---|---|---|---|---|---|---|",
     ]
     first = None
     for layers in depths:
         graph = synthetic.residual_net(layers)
         forward = sum(n.flops for n in graph.nodes)
-        t0 = time.perf_counter()
-        p = plan(graph, 0.5)
-        t_plan = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        whole = plan(graph, 0.5, staged="never")
-        t_whole = time.perf_counter() - t0
+        p, t_plan = timed(plan, graph, 0.5)
+        whole, t_whole = timed(plan, graph, 0.5, staged="never")
         ratio = p.predicted_recompute_flops / forward
         first = first if first is not None else ratio
         lines.append(
             f"| {layers} | {len(graph.nodes)} | {100 * ratio:.1f} ({ratio / first:.2f}x) | "
-            f"{p.meta['solved_by']} | {t_plan:.2f} | "
-            f"{100 * whole.predicted_recompute_flops / forward:.1f} | {t_whole:.2f} |"
+            f"{p.meta['solved_by']} | {t_plan} | "
+            f"{100 * whole.predicted_recompute_flops / forward:.1f} | {t_whole} |"
         )
         print(lines[-1], flush=True)
     return lines
 
 
+def timed(fn, *args, **kwargs):
+    """(result, "CPU s (wall s)") of one call."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, f"{time.process_time() - c0:.2f} ({time.perf_counter() - w0:.2f})"
+
+
 def small_graph_time() -> list[str]:
     graph = synthetic.residual_net(3)  # 184 nodes
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        plan(graph, 0.5)
-        times.append(time.perf_counter() - t0)
-    line = f"residual_net(3), {len(graph.nodes)} nodes: plan in {statistics.median(times):.2f} s"
+    times = [timed(plan, graph, 0.5)[1] for _ in range(3)]
+    line = f"residual_net(3), {len(graph.nodes)} nodes: plan in {min(times)} CPU s (wall s)"
     print(line, flush=True)
     return [line]
 

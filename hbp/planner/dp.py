@@ -43,7 +43,9 @@ import sys
 import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import reduce
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,8 +57,39 @@ from hbp.planner.plan import Plan, Segment
 from hbp.planner.tree import name_segments
 
 INF = math.inf
-PLAIN, REC = 0, 1
-FULL, UNTIL_SAVE, NOT_RUN = 0, 1, 2  # how much of a child a recompute pass runs
+
+
+class ChildMode(IntEnum):
+    """How a child of a level runs: plain autograd, or recomputed (checkpointed)."""
+
+    PLAIN = 0
+    RECOMPUTE = 1
+
+
+class PassExtent(IntEnum):
+    """How much of a child a recompute pass runs (torch's early stop: a pass ends at its
+    last save event)."""
+
+    FULL = 0  # all of it: the rest of the level has a save event
+    UNTIL_SAVE = 1  # up to its own last save event: nothing after it saves
+    NOT_RUN = 2  # none of it: no save event from here to the level's end
+
+
+PLAIN, REC = ChildMode.PLAIN, ChildMode.RECOMPUTE
+FULL, UNTIL_SAVE, NOT_RUN = PassExtent.FULL, PassExtent.UNTIL_SAVE, PassExtent.NOT_RUN
+
+
+class SlotArrays(NamedTuple):
+    """A profile's byte arrays at d (one entry per candidate end f) in memory slots."""
+
+    key: tuple  # (slots, slot bytes, need offset) they were made for
+    need: tuple  # need slots by PassExtent
+    kept: np.ndarray  # kept slots
+    fits: tuple  # need and kept within the slots, by PassExtent
+    room: np.ndarray  # slots - kept (int)
+    kept_slots: np.ndarray  # kept slots (int)
+    low: tuple  # max(kept, need) by PassExtent, int lists: below it the child does not fit
+    kept_list: list  # kept slots as an int list
 
 
 class CostModel:
@@ -631,14 +664,14 @@ class Solver:
         H = self.m.crossing_in(e, f, False)
         p = self.m.profile(e, H, PLAIN, False).at(f)
         slots = p.get("slots")
-        if slots is None or slots[0] != (self.M, self.slot, self.offset):
+        if slots is None or slots.key != (self.M, self.slot, self.offset):
             slots = p["slots"] = self._slot_arrays(p)
         i = len(p["f_list"]) - 1  # the child ending at f
         has_save = bool(p["has_save"][i])
         variant = UNTIL_SAVE if has_save else NOT_RUN
         out = np.full(self.M + 1, INF)
-        if slots[3][variant][i]:
-            out[slots[6][variant][i] :] = p["flops_until"][i] if has_save else 0.0
+        if slots.fits[variant][i]:
+            out[slots.low[variant][i] :] = p["flops_until"][i] if has_save else 0.0
         return out
 
     def tail(self, d: int, e: int, H: frozenset, flag: int) -> np.ndarray:
@@ -711,13 +744,13 @@ class Solver:
         value at m - kept, if m >= the child's own need and m >= kept; else infinite."""
         slots, keep, rows, states = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
         M = self.M
-        need = slots[1][variant]
+        need = slots.need[variant]
         f_list = p["f_list"]
         if not keep:
             return np.zeros(0, dtype=np.int64), states, None
         idx = np.array(keep)
         k = len(idx)
-        kept_i = slots[5][idx]
+        kept_i = slots.kept_slots[idx]
         mi = self.mi
         cols = mi[None, :] - kept_i[:, None]
         flat = (np.arange(k) * (M + 1))[:, None] + np.minimum(np.maximum(cols, 0), M)
@@ -744,9 +777,9 @@ class Solver:
         next states)."""
         M = self.M
         slots = p.get("slots")
-        if slots is None or slots[0] != (M, self.slot, self.offset):
+        if slots is None or slots.key != (M, self.slot, self.offset):
             slots = p["slots"] = self._slot_arrays(p)
-        ok = sel & slots[3][variant]  # the child's need and kept bytes fit in M slots
+        ok = sel & slots.fits[variant]  # the child's need and kept bytes fit in M slots
         if sub_flag == 0:  # the rest must be a tail without save events
             save_free = p.get("save_free")
             if save_free is None:
@@ -755,7 +788,7 @@ class Solver:
         idx = np.flatnonzero(ok)
         rows, keep, states = [], [], []
         f_list, H_list = p["f_list"], prof.held_list(p["d"])
-        limit = slots[4][idx].tolist()
+        limit = slots.room[idx].tolist()
         if top:
             memo, table = self._top, self.top
             for i, lim in zip(idx.tolist(), limit):
@@ -780,31 +813,26 @@ class Solver:
                     states.append(H2)
         return slots, keep, rows, states
 
-    def _slot_arrays(self, p: dict) -> tuple:
-        """A profile's byte arrays at d in slots: (key, need by variant, kept, need and kept
-        within M by variant, M - kept as int, kept as int, max(kept, need) as int lists by
-        variant, kept as an int list)."""
+    def _slot_arrays(self, p: dict) -> SlotArrays:
+        """A profile's byte arrays at d in slots (needs above `self.offset`, rounded up)."""
         M = self.M
         need = tuple(
             self.sl(np.maximum(p[k] - self.offset, 0.0))
             for k in ("need_full", "need_until", "need_none")
         )
         kept = self.sl(p["kept"])
-        fits = tuple((x <= M) & (kept <= M) for x in need)
         kept_int = kept.astype(np.int64)
-        lows = tuple(np.maximum(kept_int, x).astype(np.int64).tolist() for x in need)
         if "flops_lists" not in p:
             p["flops_lists"] = (p["flops_full"].tolist(), p["flops_until"].tolist())
-        M_minus_kept = (M - kept).astype(np.int64)
-        return (
-            (M, self.slot, self.offset),
-            need,
-            kept,
-            fits,
-            M_minus_kept,
-            kept_int,
-            lows,
-            kept_int.tolist(),
+        return SlotArrays(
+            key=(M, self.slot, self.offset),
+            need=need,
+            kept=kept,
+            fits=tuple((x <= M) & (kept <= M) for x in need),
+            room=(M - kept).astype(np.int64),
+            kept_slots=kept_int,
+            low=tuple(np.maximum(kept_int, x).astype(np.int64).tolist() for x in need),
+            kept_list=kept_int.tolist(),
         )
 
     def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
@@ -820,7 +848,7 @@ class Solver:
             if not keep:
                 continue
             # row by row, the same sums as _option_costs: (rest + pass FLOPs) + recompute
-            lows, kept_list = slots[6][variant], slots[7]
+            lows, kept_list = slots.low[variant], slots.kept_list
             flops = None
             if not top and variant != NOT_RUN:
                 flops = p["flops_lists"][variant]
@@ -875,7 +903,7 @@ class Solver:
             return None
         shape = (len(keep), len(self.end_slots), M + 1)
         cost, kept = np.full(shape, INF), np.zeros(shape)
-        lows, kept_list, f_list = slots[6][variant], slots[7], p["f_list"]
+        lows, kept_list, f_list = slots.low[variant], slots.kept_list, p["f_list"]
         for j, (i, sub, H2) in enumerate(zip(keep, rows, states)):
             k, lo = kept_list[i], lows[i]  # below max(kept, need) the child does not fit
             cost[j, :, lo:] = sub[:, lo - k : M + 1 - k]
@@ -899,7 +927,7 @@ class Solver:
             k = int(np.argmin(col))
             if col[k] <= target + 1e-9 * max(1.0, abs(target)):
                 i = idx[k]
-                kept = int(p["slots"][5][i])
+                kept = int(p["slots"].kept_slots[i])
                 return _Choice(int(p["f"][i]), mode, variant, states[k], sub_flag), kept
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
@@ -919,7 +947,7 @@ class Solver:
             for k in np.flatnonzero(fits).tolist():
                 p, i = option[4], idx[k]
                 choice = _Choice(int(p["f"][i]), option[0], option[1], states[k], option[2])
-                return choice, int(p["slots"][5][i])
+                return choice, int(p["slots"].kept_slots[i])
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
     def top_plan(self, slots: int, start: int = 0, row: int = 0) -> list[Segment]:
