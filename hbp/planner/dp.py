@@ -32,6 +32,13 @@ graph's byte counts when that gives at most max(mem_slots, 1024) slots; otherwis
 Candidate cuts are limited (`candidate_cuts`) so that planning stays at a few seconds. A separate min-max DP without
 discretisation gives the smallest peak reachable with the candidate cuts (BudgetError's
 minimum) and a fallback plan when rounding rejects a budget that is in fact feasible.
+
+Stages. `CostModel(info, cuts, bounds)` confines every level to one stage between two bounds,
+and `Solver(..., end=b, need_offset=...)` runs the top level of one stage [a, b) on the
+stage's own memory axis, with one table row per end requirement (`end_slots`: slots the
+stage must leave free at b) and, beside each top table, the bytes kept by the plan it
+chose (`_top_kept`). `hbp.planner.stages` combines the stages; `optimal_plan` takes its plan
+on large graphs when it recomputes less than the whole-graph DP's.
 """
 
 from __future__ import annotations
