@@ -77,12 +77,12 @@ def staged_plan(
     budget_bytes: int,
     *,
     stage_nodes: int = 40,
-    per_region: int = 8,
+    per_region: int = 6,
     region: int = 32,
-    stage_slots: int = 192,
+    stage_slots: int = 128,
     global_slots: int = 8192,
     nested: bool = True,
-    levels: int = 6,
+    levels: int = 4,
 ) -> list[Segment] | None:
     """Top-level segments of a staged plan within `budget_bytes` (by the cost model), or
     None when no combination of stage options fits."""
