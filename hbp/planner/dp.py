@@ -663,6 +663,12 @@ class Solver:
             self._rec[e, f] = r = np.minimum(r, plain)
         return r
 
+    def top_kept(self, e: int, H: frozenset) -> np.ndarray:
+        """Bytes kept across the forward by the plan that top(e, H) chose at each m (one row
+        per end requirement)."""
+        self.top(e, H)
+        return self._top_kept[e, H]
+
     def _plain_recompute(self, e: int, f: int) -> np.ndarray:
         """T(e, f) restricted to one plain child: the level [e, f) with the single child
         [e, f), which runs until its last save event (or not at all without one): its FLOPs

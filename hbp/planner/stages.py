@@ -140,7 +140,7 @@ def _stage_options(solver: Solver, a: int) -> list[StageOption]:
     recompute (worth it where later stages need the memory) come from the rows that ask
     the stage to leave free slots at its end (`Solver.end_slots`)."""
     cost = solver.top(a, frozenset())
-    kept = solver._top_kept[a, frozenset()]
+    kept = solver.top_kept(a, frozenset())
     found: list[StageOption] = []
     for row in range(cost.shape[0]):
         previous = None
