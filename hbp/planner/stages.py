@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
-from hbp.planner.dp import INF, CostModel, Solver, _frontier, _planning, window_cuts
+from hbp.planner.cuts import _frontier, window_cuts
+from hbp.planner.dp import INF, CostModel, Solver, _planning
 from hbp.planner.plan import Segment
 
 
