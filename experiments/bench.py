@@ -1,7 +1,7 @@
 """`make bench`: every benchmark behind the README's tables, results under outputs/bench/.
 
     python experiments/bench.py                 # everything (about two hours on 2 cores)
-    python experiments/bench.py --only matrix   # one part: matrix | optimum | chunked_ce | medium | jax
+    python experiments/bench.py --only matrix   # one part: matrix | optimum | chunked_ce | medium | jax | planner
     python experiments/bench.py --quick         # fewer steps and budgets (a smoke run)
 
 Parts:
@@ -16,6 +16,8 @@ Parts:
 - medium: GPT-2 124M shape (profile medium): naive, checkpoint, tiny at the budget equal to
   checkpoint's measured peak, tiny at 0.25 (experiments/gpt2_medium.py).
 - jax: naive jax.grad against hbp.jax.height_compressed_grad.
+- planner: plan quality and planning time against depth (residual_net 12..192 layers at 0.5),
+  planner vs MILP optimum on random DAGs (experiments/bench_planner.py, planner.md).
 Every run is a `run.py` process (Hydra multirun), so one crash leaves the others intact.
 """
 
@@ -79,6 +81,7 @@ PARTS = {
     "chunked_ce": lambda quick: script("bench_chunked_ce.py", *(["--quick"] if quick else [])),
     "medium": lambda quick: script("gpt2_medium.py", *(["--quick"] if quick else [])),
     "jax": lambda quick: script("bench_jax.py", *(["--quick"] if quick else [])),
+    "planner": lambda quick: script("bench_planner.py", *(["--quick"] if quick else [])),
 }
 
 

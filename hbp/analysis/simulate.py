@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 from hbp.analysis.liveness import GraphInfo
 from hbp.graph.ir import Graph
 
-if TYPE_CHECKING:  # hbp.planner imports this module: import plan types on use
+if TYPE_CHECKING:  # types only: the planner imports the simulator, never the reverse
     from hbp.planner.plan import Plan, Segment
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
@@ -105,13 +105,11 @@ def simulate(
         ValueError: the graph breaks the IR's invariants, the segments do not tile it, or
             (with `check`) a node would read a value that was freed.
     """
-    from hbp.planner.plan import Plan, Segment
-
     info = info or GraphInfo.of(graph)
     if plan is None:
-        segments = [Segment(0, info.n)] if info.n else []
-    else:
-        segments = plan.segments if isinstance(plan, Plan) else list(plan)
+        segments = [_Whole(0, info.n)] if info.n else []
+    else:  # a Plan, or a list of Segments (duck-typed: start, stop, recompute, children)
+        segments = list(getattr(plan, "segments", plan))
     check_tiling(segments, 0, info.n)
     return _Run(info, check).step(segments)
 
@@ -135,6 +133,16 @@ def check_tiling(segments: list[Segment], start: int, stop: int, where: str = "p
             check_tiling(seg.children, seg.start, seg.stop, f"{where}.segments[{k}].children")
     if pos != stop:
         raise ValueError(f"{where}: segments end at {pos}, expected {stop}")
+
+
+@dataclass
+class _Whole:
+    """The whole graph as one plain segment (plain autograd)."""
+
+    start: int
+    stop: int
+    recompute: bool = False
+    children: list = field(default_factory=list)
 
 
 class _Run:
@@ -301,7 +309,7 @@ class _Run:
                 for j in range(seg.stop - 1, seg.start - 1, -1):
                     self._backward_node(j)
                 continue
-            children = seg.children or [type(seg)(seg.start, seg.stop)]
+            children = seg.children or [_Whole(seg.start, seg.stop)]
             self._pass(children, (seg.start, seg.stop))
             self._backward(children)
             for inst in self.segment_holds.pop(id(seg), []):

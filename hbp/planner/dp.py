@@ -32,6 +32,13 @@ graph's byte counts when that gives at most max(mem_slots, 1024) slots; otherwis
 Candidate cuts are limited (`candidate_cuts`) so that planning stays at a few seconds. A separate min-max DP without
 discretisation gives the smallest peak reachable with the candidate cuts (BudgetError's
 minimum) and a fallback plan when rounding rejects a budget that is in fact feasible.
+
+Stages. `CostModel(info, cuts, bounds)` confines every level to one stage between two bounds,
+and `Solver(..., end=b, need_offset=...)` runs the top level of one stage [a, b) on the
+stage's own memory axis, with one table row per end requirement (`end_slots`: slots the
+stage must leave free at b) and, beside each top table, the bytes kept by the plan it
+chose (`_top_kept`). `hbp.planner.stages` combines the stages; `optimal_plan` takes its plan
+on large graphs when it recomputes less than the whole-graph DP's.
 """
 
 from __future__ import annotations
@@ -43,28 +50,77 @@ import sys
 import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import reduce
+from typing import NamedTuple
 
 import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
-from hbp.errors import BudgetError
+from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
+from hbp.planner.cuts import WORK_LIMIT, candidate_cuts, frontier_bytes, window_cuts
 from hbp.planner.plan import Plan, Segment
 from hbp.planner.tree import name_segments
 
+__all__ = [
+    "WORK_LIMIT",
+    "CostModel",
+    "PeakSolver",
+    "Solver",
+    "candidate_cuts",
+    "finish_plan",
+    "frontier_bytes",
+    "min_feasible_peak",
+    "optimal_plan",
+    "window_cuts",
+]
+
 INF = math.inf
-PLAIN, REC = 0, 1
-FULL, UNTIL_SAVE, NOT_RUN = 0, 1, 2  # how much of a child a recompute pass runs
+
+
+class ChildMode(IntEnum):
+    """How a child of a level runs: plain autograd, or recomputed (checkpointed)."""
+
+    PLAIN = 0
+    RECOMPUTE = 1
+
+
+class PassExtent(IntEnum):
+    """How much of a child a recompute pass runs (torch's early stop: a pass ends at its
+    last save event)."""
+
+    FULL = 0  # all of it: the rest of the level has a save event
+    UNTIL_SAVE = 1  # up to its own last save event: nothing after it saves
+    NOT_RUN = 2  # none of it: no save event from here to the level's end
+
+
+PLAIN, REC = ChildMode.PLAIN, ChildMode.RECOMPUTE
+FULL, UNTIL_SAVE, NOT_RUN = PassExtent.FULL, PassExtent.UNTIL_SAVE, PassExtent.NOT_RUN
+
+
+class SlotArrays(NamedTuple):
+    """A profile's byte arrays at d (one entry per candidate end f) in memory slots."""
+
+    key: tuple  # (slots, slot bytes, need offset) they were made for
+    need: tuple  # need slots by PassExtent
+    kept: np.ndarray  # kept slots
+    fits: tuple  # need and kept within the slots, by PassExtent
+    room: np.ndarray  # slots - kept (int)
+    kept_slots: np.ndarray  # kept slots (int)
+    low: tuple  # max(kept, need) by PassExtent, int lists: below it the child does not fit
+    kept_list: list  # kept slots as an int list
 
 
 class CostModel:
     """The simulator's accounting, decomposed over segments (see the module docstring)."""
 
-    def __init__(self, info: GraphInfo, cuts: list[int]):
+    def __init__(self, info: GraphInfo, cuts: list[int], bounds: list[int] | None = None):
         self.info = info
         self.cuts = [int(c) for c in cuts]
+        # stage bounds (a subset of the cuts, 0 and n included): no level crosses one
+        self.bounds = sorted({0, info.n, *bounds}) if bounds else [0, info.n]
         n = self.n = info.n
         root = info.root
         gid = -np.ones(n, dtype=np.int64)
@@ -216,6 +272,14 @@ class CostModel:
             if c in self._cut_set:
                 self.crossing[c] = sorted(active)
 
+    def stop_of(self, e: int) -> int:
+        """The end of the stage that position e lies in (n without stages)."""
+        return self.bounds[bisect_right(self.bounds, e)]
+
+    def start_of(self, d: int) -> int:
+        """The start of the stage that a level ending at d lies in."""
+        return self.bounds[bisect_left(self.bounds, d) - 1]
+
     @property
     def _cut_set(self) -> set[int]:
         s = getattr(self, "_cs", None)
@@ -293,12 +357,13 @@ class CostModel:
             self._intervals[key] = r
         return r
 
-    def crossing_list(self, d: int, top: bool) -> list[frozenset[int]]:
-        """crossing_in(f, d, top) for every cut f <= d, in order (memoised)."""
-        r = self._crossing_lists.get((d, top))
+    def crossing_window(self, d: int, first: int, last: int) -> list[frozenset[int]]:
+        """crossing_in(f, d, False) for the cuts f = cuts[first:last] (memoised)."""
+        key = (d, first, last)
+        r = self._crossing_lists.get(key)
         if r is None:
-            r = self._crossing_lists[d, top] = [
-                self.crossing_in(f, d, top) for f in self.cuts[: bisect_right(self.cuts, d)]
+            r = self._crossing_lists[key] = [
+                self.crossing_in(f, d, False) for f in self.cuts[first:last]
             ]
         return r
 
@@ -328,7 +393,9 @@ class CostModel:
             r = np.zeros(d + 1, dtype=bool)
             r[d] = True
             nearest = d  # nearest cut > f from which a save-free tiling to d exists
-            for f in reversed([c for c in self.cuts if c < d]):
+            k = bisect_left(self.cuts, d)
+            lo = bisect_left(self.cuts, self.start_of(d))
+            for f in reversed(self.cuts[lo:k]):
                 reach = max(self.next_save[f], self.first_reader_from_before(f))
                 if nearest <= reach:
                     r[f] = True
@@ -372,7 +439,8 @@ class _Profile:
         self.m, self.e, self.H, self.mode, self.top = m, e, H, mode, top
         n = m.n
         info = m.info
-        t = np.arange(e, n)
+        stop = self.stop = m.stop_of(e)  # arrays cover positions [e, stop)
+        t = np.arange(e, stop)
         cross = [g for g in m.crossing[e] if not (top and m.g_forced[g])]
         self.local_cross = [g for g in cross if g not in H]
         # forward: live local bytes at the event of node t, over the whole graph scope
@@ -393,12 +461,12 @@ class _Profile:
         if mode == PLAIN:
             live += m.extra_pre[t + 1] - m.extra_pre[e]
         else:  # run with saving off: extras are made and dropped within the node's event
-            live += info.extra_bytes[e:]
+            live += info.extra_bytes[e:stop]
         if top:
             live += m.out_pre[t + 1]
-        live += info.forward_transient[e:]
+        live += info.forward_transient[e:stop]
         self.live = live.astype(float)
-        self.live[~m.node_event[e:]] = -INF
+        self.live[~m.node_event[e:stop]] = -INF
         # kept bytes after [e, f) for f in (e, n]: index f - e - 1
         if mode == PLAIN:
             hp = m.hold_pre[top]
@@ -412,11 +480,11 @@ class _Profile:
                 if h < n:
                     held[h - e :] += m.g_size[g]
             self.kept = held
-            bwd = (held + m.pos_bwd[e:]).astype(float)
-            bwd[~info.has_backward[e:]] = -INF
+            bwd = (held + m.pos_bwd[e:stop]).astype(float)
+            bwd[~info.has_backward[e:stop]] = -INF
             self.bwd_max = np.maximum.accumulate(bwd) if len(bwd) else bwd
         else:
-            kept = np.zeros(n - e, dtype=np.int64)
+            kept = np.zeros(stop - e, dtype=np.int64)
             for g in self.local_cross:
                 r = self.first_read[g]
                 if r < n:
@@ -486,10 +554,13 @@ class _Profile:
                 self._first_cut = first
                 self._held_fulls = [
                     self._held_full[f] if f in self._held_full else self._held_at(f)
-                    for f in m.cuts[first:]
+                    for f in m.cuts[first : bisect_right(m.cuts, self.stop)]
                 ]
             first, last = self._first_cut, bisect_right(m.cuts, d)
-            crossing = m.crossing_list(d, self.top)[first:last]
+            if self.top:  # crossing_in(f, n, top) holds every group _held_at(f) can hold
+                r = self._held_lists[d] = self._held_fulls[: last - first]
+                return r
+            crossing = m.crossing_window(d, first, last)
             meet = m.meet
             r = [meet(a, b) if a else a for a, b in zip(self._held_fulls[: last - first], crossing)]
             self._held_lists[d] = r
@@ -550,14 +621,31 @@ class Solver:
     [e, f) (its recompute pass plus its children) within the slots given.
     """
 
-    def __init__(self, model: CostModel, slots: int, slot_bytes: float, nested: bool = True):
+    def __init__(
+        self,
+        model: CostModel,
+        slots: int,
+        slot_bytes: float,
+        nested: bool = True,
+        *,
+        end: int | None = None,
+        need_offset: float = 0.0,
+    ):
         self.m = model
         self.M = slots
         self.slot = slot_bytes
         self.nested = nested
+        # the top level ends at `end` (a stage bound; n: the whole graph); needs are counted
+        # in slots above `need_offset` bytes (a stage's own memory axis)
+        self.end = model.n if end is None else int(end)
+        self.offset = float(need_offset)
+        # top tables have one row per end requirement: slots a stage must leave free at its
+        # end (hbp.planner.stages); a whole-graph solve has one row, 0
+        self.end_slots = np.zeros(1, dtype=np.int64)
         self.mi = np.arange(slots + 1)
         self._tail: dict = {}
         self._top: dict = {}
+        self._top_kept: dict = {}  # (e, H) -> kept bytes of the top plan chosen at each m
         self._rec: dict = {}
         self._rec_plain: dict = {}
         self._rec_need: dict = {}
@@ -577,10 +665,8 @@ class Solver:
         built when a caller needs T below that."""
         plain = self._rec_plain.get((e, f))
         if plain is None:
-            H = self.m.crossing_in(e, f, False)
-            plain = self._evaluate(f, e, H, None, only=(f, PLAIN))
+            plain = self._rec_plain[e, f] = self._plain_recompute(e, f)
             finite = np.flatnonzero(plain < INF)
-            self._rec_plain[e, f] = plain
             self._rec_need[e, f] = int(finite[0]) if len(finite) else self.M + 1
         if not self.nested or lowest >= self._rec_need[e, f]:
             return plain
@@ -590,6 +676,30 @@ class Solver:
             r = np.minimum(self.tail(f, e, H, 1), self.tail(f, e, H, 0))
             self._rec[e, f] = r = np.minimum(r, plain)
         return r
+
+    def top_kept(self, e: int, H: frozenset) -> np.ndarray:
+        """Bytes kept across the forward by the plan that top(e, H) chose at each m (one row
+        per end requirement)."""
+        self.top(e, H)
+        return self._top_kept[e, H]
+
+    def _plain_recompute(self, e: int, f: int) -> np.ndarray:
+        """T(e, f) restricted to one plain child: the level [e, f) with the single child
+        [e, f), which runs until its last save event (or not at all without one): its FLOPs
+        wherever m covers its need and what it keeps, else infinite. (The general recursion,
+        `_evaluate(f, e, H, None, only=(f, PLAIN))`, gives the same table.)"""
+        H = self.m.crossing_in(e, f, False)
+        p = self.m.profile(e, H, PLAIN, False).at(f)
+        slots = p.get("slots")
+        if slots is None or slots.key != (self.M, self.slot, self.offset):
+            slots = p["slots"] = self._slot_arrays(p)
+        i = len(p["f_list"]) - 1  # the child ending at f
+        has_save = bool(p["has_save"][i])
+        variant = UNTIL_SAVE if has_save else NOT_RUN
+        out = np.full(self.M + 1, INF)
+        if slots.fits[variant][i]:
+            out[slots.low[variant][i] :] = p["flops_until"][i] if has_save else 0.0
+        return out
 
     def tail(self, d: int, e: int, H: frozenset, flag: int) -> np.ndarray:
         key = (d, e, H, flag)
@@ -607,7 +717,13 @@ class Solver:
         r = self._top.get(key)
         if r is None:
             if e == self.m.n:
-                r = np.where(self.mi >= self.sl(self.m.pos_after[self.m.n]), 0.0, INF)
+                need = self.sl(max(0.0, self.m.pos_after[self.m.n] - self.offset))
+                need = np.maximum(need, self.end_slots)[:, None]
+                r = np.where(self.mi[None, :] >= need, 0.0, INF)
+                self._top_kept[key] = np.zeros_like(r)
+            elif e == self.end:  # a stage ends here: the stages after it are planned apart
+                r = np.where(self.mi[None, :] >= self.end_slots[:, None], 0.0, INF)
+                self._top_kept[key] = np.zeros_like(r)
             else:
                 r = self._evaluate(self.m.n, e, H, None, top=True)
             self._top[key] = r
@@ -623,7 +739,7 @@ class Solver:
             if mode == REC and only is None and not self.nested and not top:
                 continue
             prof = m.profile(e, H, mode, top)
-            p = prof.at(d)
+            p = prof.at(m.stop_of(e) if top else d)
             if len(p["f"]) == 0:
                 continue
             sel = np.ones(len(p["f"]), dtype=bool)
@@ -655,13 +771,13 @@ class Solver:
         value at m - kept, if m >= the child's own need and m >= kept; else infinite."""
         slots, keep, rows, states = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
         M = self.M
-        need = slots[1][variant]
+        need = slots.need[variant]
         f_list = p["f_list"]
         if not keep:
             return np.zeros(0, dtype=np.int64), states, None
         idx = np.array(keep)
         k = len(idx)
-        kept_i = slots[5][idx]
+        kept_i = slots.kept_slots[idx]
         mi = self.mi
         cols = mi[None, :] - kept_i[:, None]
         flat = (np.arange(k) * (M + 1))[:, None] + np.minimum(np.maximum(cols, 0), M)
@@ -688,9 +804,9 @@ class Solver:
         next states)."""
         M = self.M
         slots = p.get("slots")
-        if slots is None or slots[0] != (M, self.slot):
+        if slots is None or slots.key != (M, self.slot, self.offset):
             slots = p["slots"] = self._slot_arrays(p)
-        ok = sel & slots[3][variant]  # the child's need and kept bytes fit in M slots
+        ok = sel & slots.fits[variant]  # the child's need and kept bytes fit in M slots
         if sub_flag == 0:  # the rest must be a tail without save events
             save_free = p.get("save_free")
             if save_free is None:
@@ -698,8 +814,8 @@ class Solver:
             ok &= save_free
         idx = np.flatnonzero(ok)
         rows, keep, states = [], [], []
-        f_list, H_list = p["f_list"], prof.held_list(d)
-        limit = slots[4][idx].tolist()
+        f_list, H_list = p["f_list"], prof.held_list(p["d"])
+        limit = slots.room[idx].tolist()
         if top:
             memo, table = self._top, self.top
             for i, lim in zip(idx.tolist(), limit):
@@ -724,20 +840,27 @@ class Solver:
                     states.append(H2)
         return slots, keep, rows, states
 
-    def _slot_arrays(self, p: dict) -> tuple:
-        """A profile's byte arrays at d in slots: (key, need by variant, kept, need and kept
-        within M by variant, M - kept as int, kept as int, max(kept, need) as int lists by
-        variant, kept as an int list)."""
+    def _slot_arrays(self, p: dict) -> SlotArrays:
+        """A profile's byte arrays at d in slots (needs above `self.offset`, rounded up)."""
         M = self.M
-        need = tuple(self.sl(p[k]) for k in ("need_full", "need_until", "need_none"))
+        need = tuple(
+            self.sl(np.maximum(p[k] - self.offset, 0.0))
+            for k in ("need_full", "need_until", "need_none")
+        )
         kept = self.sl(p["kept"])
-        fits = tuple((x <= M) & (kept <= M) for x in need)
         kept_int = kept.astype(np.int64)
-        lows = tuple(np.maximum(kept_int, x).astype(np.int64).tolist() for x in need)
         if "flops_lists" not in p:
             p["flops_lists"] = (p["flops_full"].tolist(), p["flops_until"].tolist())
-        M_minus_kept = (M - kept).astype(np.int64)
-        return (M, self.slot), need, kept, fits, M_minus_kept, kept_int, lows, kept_int.tolist()
+        return SlotArrays(
+            key=(M, self.slot, self.offset),
+            need=need,
+            kept=kept,
+            fits=tuple((x <= M) & (kept <= M) for x in need),
+            room=(M - kept).astype(np.int64),
+            kept_slots=kept_int,
+            low=tuple(np.maximum(kept_int, x).astype(np.int64).tolist() for x in need),
+            kept_list=kept_int.tolist(),
+        )
 
     def _evaluate(self, d, e, H, flag, top=False, only=None) -> np.ndarray:
         best = np.full(self.M + 1, INF)
@@ -745,12 +868,14 @@ class Solver:
             return best
         M = self.M
         first_finite = self._first_finite
+        if top:
+            return self._evaluate_top(e, H)
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top, only):
             slots, keep, rows, _ = self._feasible_rows(d, top, variant, sub_flag, prof, p, sel)
             if not keep:
                 continue
             # row by row, the same sums as _option_costs: (rest + pass FLOPs) + recompute
-            lows, kept_list = slots[6][variant], slots[7]
+            lows, kept_list = slots.low[variant], slots.kept_list
             flops = None
             if not top and variant != NOT_RUN:
                 flops = p["flops_lists"][variant]
@@ -771,10 +896,56 @@ class Solver:
                 np.minimum(low_best, part, out=low_best)
         return best
 
+    def _evaluate_top(self, e: int, H: frozenset) -> np.ndarray:
+        """top(e, H), one row per end requirement: the least recompute at every m and, among
+        the plans that reach it, the least bytes kept (`_top_kept`: what a stage hands the
+        stages after it)."""
+        shape = (len(self.end_slots), self.M + 1)
+        best, best_kept = np.full(shape, INF), np.zeros(shape)
+        for option in self._options(self.m.n, e, H, None, True):
+            rows = self._top_rows(e, *option)
+            if rows is None:
+                continue
+            _, _, cost, kept = rows
+            c_min = cost.min(axis=0)
+            k_min = np.where(cost == c_min, kept, INF).min(axis=0)
+            better = (c_min < best) | ((c_min == best) & (k_min < best_kept))
+            best = np.where(better, c_min, best)
+            best_kept = np.where(better, k_min, best_kept)
+        self._top_kept[e, H] = best_kept
+        return best
+
+    def _top_rows(self, e, mode, variant, sub_flag, prof, p, sel):
+        """The top-level options of one (mode, variant) at e: (f indices, next states,
+        cost and kept bytes, each (option, end requirement, m)), or None. The one place
+        the top level's option values are computed (table fill and plan rebuild).
+
+        Option value at m: T(e, f)[m - kept] (recomputed child) + the rest's value at
+        m - kept, if m >= the child's own need and m >= kept; else infinite."""
+        M = self.M
+        slots, keep, rows, states = self._feasible_rows(
+            self.m.n, True, variant, sub_flag, prof, p, sel
+        )
+        if not keep:
+            return None
+        shape = (len(keep), len(self.end_slots), M + 1)
+        cost, kept = np.full(shape, INF), np.zeros(shape)
+        lows, kept_list, f_list = slots.low[variant], slots.kept_list, p["f_list"]
+        for j, (i, sub, H2) in enumerate(zip(keep, rows, states)):
+            k, lo = kept_list[i], lows[i]  # below max(kept, need) the child does not fit
+            cost[j, :, lo:] = sub[:, lo - k : M + 1 - k]
+            if mode == REC:  # asked from the smallest m at which the rest is feasible
+                first = int(np.argmax(sub[0] < INF))
+                rec = self.rec(e, f_list[i], max(lo, k + first) - k)
+                cost[j, :, lo:] += rec[lo - k : M + 1 - k]
+            kept[j, :, lo:] = self._top_kept[f_list[i], H2][:, lo - k : M + 1 - k]
+            kept[j, :, lo:] += p["kept"][i]
+        return np.array(keep), states, cost, kept
+
     # reconstruction ---------------------------------------------------------------------------
     def _pick(self, d, e, H, flag, top, slots) -> tuple[_Choice, int]:
         """The option that achieves the table's value at `slots`, and its kept slots."""
-        target = (self.top(e, H) if top else self.tail(d, e, H, flag))[slots]
+        target = self.tail(d, e, H, flag)[slots]
         for mode, variant, sub_flag, prof, p, sel in self._options(d, e, H, flag, top):
             idx, states, cost = self._option_costs(d, e, top, mode, variant, sub_flag, prof, p, sel)
             if cost is None:
@@ -783,15 +954,36 @@ class Solver:
             k = int(np.argmin(col))
             if col[k] <= target + 1e-9 * max(1.0, abs(target)):
                 i = idx[k]
-                kept = int(self.sl(p["kept"][i]))
+                kept = int(p["slots"].kept_slots[i])
                 return _Choice(int(p["f"][i]), mode, variant, states[k], sub_flag), kept
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
-    def top_plan(self, slots: int) -> list[Segment]:
+    def _pick_top(self, e, H, slots, row) -> tuple[_Choice, int]:
+        """The top-level option that achieves top(e, H)[row, slots] with the table's kept
+        bytes, and its kept slots."""
+        target = self.top(e, H)[row, slots]
+        target_kept = self._top_kept[e, H][row, slots]
+        for option in self._options(self.m.n, e, H, None, True):
+            rows = self._top_rows(e, *option)
+            if rows is None:
+                continue
+            idx, states, cost, kept = rows
+            fits = (cost[:, row, slots] <= target + 1e-9 * max(1.0, abs(target))) & (
+                kept[:, row, slots] <= target_kept
+            )
+            for k in np.flatnonzero(fits).tolist():
+                p, i = option[4], idx[k]
+                choice = _Choice(int(p["f"][i]), option[0], option[1], states[k], option[2])
+                return choice, int(p["slots"].kept_slots[i])
+        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
+
+    def top_plan(self, slots: int, start: int = 0, row: int = 0) -> list[Segment]:
+        """The top-level segments from `start` (0 or a stage bound) to `self.end`, for end
+        requirement `row`."""
         segs: list[Segment] = []
-        e, H = 0, frozenset()
-        while e < self.m.n:
-            c, kept = self._pick(self.m.n, e, H, None, True, slots)
+        e, H = start, frozenset()
+        while e < self.end:
+            c, kept = self._pick_top(e, H, slots, row)
             seg = Segment(e, c.f, c.mode == REC)
             if c.mode == REC:
                 seg.children = self.rec_plan(e, c.f, slots - kept)
@@ -870,12 +1062,12 @@ class PeakSolver:
             if only is not None and mode != PLAIN:
                 continue
             prof = m.profile(e, H, mode, top)
-            p = prof.at(d)
+            p = prof.at(m.stop_of(e) if top else d)
             lists = p.get("peak_lists")
             if lists is None:
                 lists = p["peak_lists"] = _peak_lists(p)
             f_list, kept_list, needs, flops, has_save = lists
-            H_list = prof.held_list(d)
+            H_list = prof.held_list(p["d"])
             skip_whole = mode == REC and not top and H == m.crossing_in(e, d, False)
             for i, f in enumerate(f_list):
                 if only is not None and f != only:
@@ -997,98 +1189,6 @@ def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
 
 
 # ---------------------------------------------------------------------------------------------
-# candidate cuts
-
-
-# DP work grows like cuts^3 x the number of held-sets per cut (2^crossing groups); this
-# bound keeps planning at 1-3 s of CPU (56 cuts with 1-2 groups crossing each).
-WORK_LIMIT = 56**3 * 3
-
-
-def frontier_bytes(info: GraphInfo) -> np.ndarray:
-    """w[c] for c in [0, n]: bytes of storage made before c and touched at or after c
-    (forward users, aliases), outputs included."""
-    return _frontier(info)[0]
-
-
-def _frontier(info: GraphInfo) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, number of storage groups) crossing each cut c in [0, n]."""
-    n = info.n
-    w = np.zeros(n + 2, dtype=np.int64)
-    count = np.zeros(n + 2, dtype=np.int64)
-    root = info.root
-    lu = np.full(n, -1, dtype=np.int64)
-    for j in range(n):
-        r = root[j]
-        lu[r] = max(lu[r], j, info.last_user[j])
-    for r in range(n):
-        if root[r] == r and info.storage_bytes[r] > 0 and lu[r] > r:
-            w[r + 1] += info.storage_bytes[r]
-            w[lu[r] + 1] -= info.storage_bytes[r]
-            count[r + 1] += 1
-            count[lu[r] + 1] -= 1
-    return np.cumsum(w)[: n + 1], np.cumsum(count)[: n + 1]
-
-
-def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> list[int]:
-    """Positions c (cut before node c) the planner may use, plus 0 and n.
-
-    Positions inside the leading run of graph inputs are never useful. Of the others at most
-    `max_cuts` are kept, fewer where many values cross the cuts (the DP's work,
-    `WORK_LIMIT`, grows with 2^(values crossing)): local minima of the frontier bytes (bytes
-    crossing the cut) first, then positions with fewer crossing values, then fewer bytes
-    (equal ones evenly spread over the graph). Small graphs keep every position, so the DP
-    is exact over all cut subsets there.
-
-    With block size k, the positions are grouped into windows of k consecutive positions and
-    of the kept ones only the one with the smallest frontier is used per window: a leaf of
-    the interval tree is then about k nodes, cut where it is cheapest. The set for
-    block size k is a subset of the set for block size 1, so the planner and its minimum are
-    never worse at block size 1 than at a coarser one.
-    """
-    n = info.n
-    if n == 0:
-        return [0]
-    first = 0
-    while first < n and info.is_input[first]:
-        first += 1
-    pos = list(range(max(first, 1), n))
-    if not pos:
-        return [0, n]
-    w, count = _frontier(info)
-    wp = [int(w[c]) for c in pos]
-    minima = {
-        c
-        for k, c in enumerate(pos)
-        if (k == 0 or wp[k] <= wp[k - 1]) and (k == len(pos) - 1 or wp[k] < wp[k + 1])
-    }
-    ranked = sorted(
-        range(len(pos)),
-        key=lambda k: (pos[k] not in minima, count[pos[k]], wp[k], _spread(k, len(pos))),
-    )
-    chosen, states = [], 0.0
-    for k in ranked:
-        states += 2.0 ** min(int(count[pos[k]]), 20)
-        if len(chosen) >= max_cuts or len(chosen) ** 2 * states > WORK_LIMIT:
-            break
-        chosen.append(pos[k])
-    if block_size > 1:  # the cheapest kept position per window (the last one on ties)
-        window: dict[int, int] = {}
-        for c in sorted(chosen):
-            k = (c - pos[0]) // block_size
-            if k not in window or w[c] <= w[window[k]]:
-                window[k] = c
-        chosen = list(window.values())
-    return sorted({0, *chosen, n})
-
-
-def _spread(k: int, n: int) -> int:
-    """Bit-reversed rank: a tie-break that spreads equal-frontier cuts evenly."""
-    bits = max(1, (n - 1).bit_length())
-    return int(f"{k:0{bits}b}"[::-1], 2)
-
-
-# ---------------------------------------------------------------------------------------------
 # entry points
 
 
@@ -1133,7 +1233,7 @@ def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, 
     with _planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
         solver = Solver(model, slots, slot_bytes, nested)
-        if solver.top(0, frozenset())[slots] < INF:
+        if solver.top(0, frozenset())[0, slots] < INF:
             return solver.top_plan(slots), slots, slot_bytes, "dp"
         peak_solver = PeakSolver(model, nested)
         minimum = int(peak_solver.top(0, frozenset())[0])
@@ -1157,6 +1257,7 @@ def optimal_plan(
     mem_slots: int = 256,
     nested: bool = True,
     info: GraphInfo | None = None,
+    staged: str | None = None,
 ) -> Plan:
     """The plan with the least recompute FLOPs whose simulated peak fits `budget_bytes`.
 
@@ -1164,6 +1265,10 @@ def optimal_plan(
     max_cuts)` (one level only if `nested=False`), up to memory discretisation into at most
     max(mem_slots, 1024) slots of the gcd of the graph's byte counts (exact when the budget
     spans at most that many) or `mem_slots` equal slots of the budget (conservative).
+
+    On large graphs (`staged`: "auto", the default `STAGED`) the graph is also planned in
+    stages (`hbp.planner.stages`: per-stage tables over fine cuts, one allocation across
+    stages) and that plan is taken when it fits and recomputes less.
 
     Raises:
         BudgetError: no plan over the candidate cuts fits; `.minimum` is the smallest peak
@@ -1206,8 +1311,50 @@ def optimal_plan(
             )
         plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
         plan.meta["solved_by"] = "min-peak (dp over budget)"
+    staged = STAGED if staged is None else staged
+    if staged not in ("auto", "always", "never"):
+        raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
+    if how == "dp" and block_size == 1 and staged != "never":
+        if staged == "always" or _staged_pays(info, cuts):
+            plan = _better_staged(graph, info, plan, naive, always=staged == "always") or plan
     plan.meta["solve_time_s"] = time.perf_counter() - t0
     return plan
+
+
+# "auto": graphs from STAGED_MIN_NODES nodes on, where the candidate cuts thin out, are also
+# planned in stages and the staged plan is taken when it recomputes less; "always": taken
+# whenever it fits (tests); "never"
+STAGED = "auto"
+STAGED_MIN_NODES = 400
+
+
+def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
+    return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
+
+
+def _better_staged(graph, info, plan, naive, always=False) -> Plan | None:
+    """The staged plan (`hbp.planner.stages`) when it fits and recomputes less than `plan`
+    (or, with `always`, when it fits).
+    Its stage-boundary accounting is approximate: an overshoot is taken off the budget and
+    the stages planned again (twice at most)."""
+    from hbp.planner.stages import staged_plan
+
+    budget = target = plan.budget_bytes
+    for _ in range(3):
+        segments = staged_plan(info, target, nested=False)
+        if segments is None:
+            return None
+        sim = simulate(graph, segments, info=info)
+        if sim.peak_bytes <= budget:
+            break
+        target -= sim.peak_bytes - budget
+    else:
+        return None
+    if sim.recompute_flops >= plan.predicted_recompute_flops and not always:
+        return None
+    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    meta = dict(plan.meta, solved_by="staged", whole_graph_recompute=plan.predicted_recompute_flops)
+    return finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
 
 
 def min_feasible_peak(

@@ -1,0 +1,120 @@
+"""Planner figures (issue 11): plan quality and planning time against depth, and the gap to the
+MILP optimum on random DAGs.
+
+    python experiments/bench_planner.py            # depth sweep + random-DAG gap (a few minutes)
+    python experiments/bench_planner.py --quick    # depths 12, 48 only; 6-op DAGs only
+    python experiments/bench_planner.py --only depth   # or --only dags
+
+Depth sweep: `hbp.graph.synthetic.residual_net(L)` at budget 0.5 of the naive peak, planned by
+`hbp.planner.plan` (the default: whole-graph DP, plus staged planning on large graphs) and by
+the whole-graph DP alone (`staged="never"`, the planner before staged planning). Recompute is
+in % of the graph's forward FLOPs; time is the CPU seconds (and wall seconds) of one `plan`
+call on this machine. Random DAGs: `synthetic.random_dag(n)` for n = 5..8, 40 seeds, at 4 budgets from the
+planner's minimum to naive (min, +1/4, +1/2, +3/4), planner recompute / MILP optimum. Writes
+outputs/bench/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hbp.analysis import naive_peak
+from hbp.graph import synthetic
+from hbp.planner import min_feasible_peak, optimal_plan, plan
+from hbp.planner.optimum import Schedule
+
+OUT = Path(__file__).resolve().parents[1] / "outputs" / "bench"
+
+
+def depth_sweep(depths: list[int]) -> list[str]:
+    lines = [
+        "| layers | nodes | recompute % (plan) | solved by | plan CPU s (wall) | "
+        "recompute % (whole-graph DP only) | whole-graph DP CPU s (wall) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    first = None
+    for layers in depths:
+        graph = synthetic.residual_net(layers)
+        forward = sum(n.flops for n in graph.nodes)
+        p, t_plan = timed(plan, graph, 0.5)
+        whole, t_whole = timed(plan, graph, 0.5, staged="never")
+        ratio = p.predicted_recompute_flops / forward
+        first = first if first is not None else ratio
+        lines.append(
+            f"| {layers} | {len(graph.nodes)} | {100 * ratio:.1f} ({ratio / first:.2f}x) | "
+            f"{p.meta['solved_by']} | {t_plan} | "
+            f"{100 * whole.predicted_recompute_flops / forward:.1f} | {t_whole} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def timed(fn, *args, **kwargs):
+    """(result, "CPU s (wall s)") of one call."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, f"{time.process_time() - c0:.2f} ({time.perf_counter() - w0:.2f})"
+
+
+def small_graph_time() -> list[str]:
+    graph = synthetic.residual_net(3)  # 184 nodes
+    times = [timed(plan, graph, 0.5)[1] for _ in range(3)]
+    line = f"residual_net(3), {len(graph.nodes)} nodes: plan in {min(times)} CPU s (wall s)"
+    print(line, flush=True)
+    return [line]
+
+
+def dag_gaps(sizes: list[int], seeds: int = 40) -> list[str]:
+    ratios = []
+    for n in sizes:
+        for seed in range(seeds):
+            graph = synthetic.random_dag(n, seed=seed, alias_prob=0.0)
+            minimum, naive = min_feasible_peak(graph)[0], naive_peak(graph)
+            schedule = Schedule(graph)
+            for k in range(4):
+                budget = minimum + k * (naive - minimum) // 4
+                opt = schedule.solve(budget, relax=False)
+                if opt.recompute_flops is None:
+                    continue
+                planned = optimal_plan(graph, budget).predicted_recompute_flops
+                best = opt.recompute_flops
+                ratios.append(planned / best if best > 1e-9 else (1.0 if planned < 1e-9 else 9))
+    within = sum(r <= 1.05 + 1e-9 for r in ratios)
+    line = (
+        f"random DAGs n={sizes[0]}..{sizes[-1]}, {len(ratios)} cases: {100 * within / len(ratios):.1f}%"
+        f" within 5% of the MILP optimum, median {statistics.median(ratios):.2f}, "
+        f"mean {statistics.mean(ratios):.2f}, worst {max(ratios):.2f}"
+    )
+    print(line, flush=True)
+    return [line]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=("depth", "dags"), help="one part")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    depths = [12, 48] if args.quick else [12, 24, 48, 96, 192]
+    lines = []
+    if args.only != "dags":
+        lines += ["## Planner: depth sweep (residual_net, budget 0.5)", ""]
+        lines += depth_sweep(depths)
+        lines += ["", *small_graph_time(), ""]
+    if args.only != "depth":
+        lines += dag_gaps([6] if args.quick else [5, 6, 7, 8])
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = f"planner_{args.only}.md" if args.only else "planner.md"
+    (OUT / name).write_text("\n".join(lines) + "\n")
+    print(f"wrote {OUT / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Staged planning: the same quality at any depth (large graphs).
+
+The exact DP (`hbp.planner.dp`) keeps planning at seconds by limiting the candidate cuts to
+a few dozen over the whole graph, and its memory axis to a few hundred slots of the budget.
+On a deep stack both coarsen with depth: a 192-layer net gets a third of a cut per layer
+and a slot larger than a layer's activations. Staged planning keeps both per stage:
+
+1. Stages. The topological order is split at *stage bounds*: cuts where the fewest storage
+   groups cross (between the layers of a stack, the residual stream alone), about
+   `stage_nodes` nodes apart (`stage_bounds`).
+2. One table per stage. Within a stage, the top-level DP of `hbp.planner.dp` runs over
+   evenly spread fine cuts (`window_cuts`) with the stage's own memory axis: slots of the
+   stage's own bytes, counted above the smallest positional memory (gradients, parameter
+   gradients) of its backward. Its table gives, for every memory level m, the least
+   recompute of the stage and, among the plans that reach it, the least bytes kept across
+   the stage's forward. Every level where (recompute, kept) changes is an *option*
+   (need bytes, kept bytes, recompute FLOPs); dominated options are dropped.
+3. Across stages. Choosing one option per stage is the top-level recursion of the DP with
+   stages as children: F(s, m) = min over options o of stage s with need(o) <= m of
+   cost(o) + F(s + 1, m - kept(o)), over a fine global axis (`global_slots` slots of the
+   budget, rounded up: conservative). This is the per-layer budget allocation of
+   torchtitan's memory-budget ILP and of HiRemate's hierarchy, solved exactly by a DP.
+
+The plan space is the DP's with no segment crossing a stage bound (a recomputed segment
+spans at most one stage: long-span recomputation, as at the smallest budgets, stays with the
+whole-graph DP, which `optimal_plan` also runs). The stage boundary state is approximated
+(nothing held across a bound; a value both held by a stage and read by the next is counted
+twice, which only over-estimates), so the result is simulated and the budget tightened by
+any overshoot before it is handed out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.planner.cuts import _frontier, window_cuts
+from hbp.planner.dp import INF, CostModel, Solver, _planning
+from hbp.planner.plan import Segment
+
+
+@dataclass
+class StageOption:
+    """One plan of a stage: its memory needs, what it keeps, what it recomputes."""
+
+    need_bytes: float  # memory it needs above what the stages before it keep
+    kept_bytes: float  # bytes it holds from its forward until its backward
+    cost: float  # recompute FLOPs
+    local_slots: int  # where to rebuild it in the stage's table
+    row: int  # with which end requirement
+
+
+def stage_bounds(info: GraphInfo, cuts: list[int], stage_nodes: int) -> list[int]:
+    """Stage bounds among `cuts`: every next bound at least `stage_nodes / 2` and at most
+    `2 * stage_nodes` positions after the previous, at the cut with the fewest crossing
+    storage groups (then fewest bytes, then nearest to `stage_nodes`)."""
+    w, count = _frontier(info)
+    n = info.n
+    bounds = [0]
+    inner = [c for c in cuts if 0 < c < n]
+    k = 0
+    while True:
+        last = bounds[-1]
+        lo, hi = last + max(1, stage_nodes // 2), last + 2 * stage_nodes
+        window = [c for c in inner[k:] if lo <= c <= hi]
+        if not window or n - last <= 2 * stage_nodes:
+            break
+        best = min(window, key=lambda c: (count[c], w[c], abs(c - last - stage_nodes)))
+        bounds.append(best)
+        k = inner.index(best) + 1
+    return [*bounds, n]
+
+
+def staged_plan(
+    info: GraphInfo,
+    budget_bytes: int,
+    *,
+    stage_nodes: int = 40,
+    per_region: int = 6,
+    region: int = 32,
+    stage_slots: int = 128,
+    global_slots: int = 8192,
+    nested: bool = True,
+    levels: int = 4,
+) -> list[Segment] | None:
+    """Top-level segments of a staged plan within `budget_bytes` (by the cost model), or
+    None when no combination of stage options fits."""
+    cuts = window_cuts(info, per_region, region)
+    bounds = stage_bounds(info, cuts, stage_nodes)
+    model = CostModel(info, cuts, bounds)
+    stages = list(zip(bounds[:-1], bounds[1:]))
+    solvers, options = [], []
+    with _planning(len(cuts)):
+        for a, b in stages:
+            solver = _stage_solver(model, a, b, stage_slots, nested, levels)
+            solvers.append(solver)
+            options.append(_stage_options(solver, a))
+    choice = _allocate(options, budget_bytes, global_slots)
+    if choice is None:
+        return None
+    segments: list[Segment] = []
+    with _planning(len(cuts)):
+        for (a, _), solver, opts, k in zip(stages, solvers, options, choice):
+            segments.extend(solver.top_plan(opts[k].local_slots, start=a, row=opts[k].row))
+    return segments
+
+
+def _stage_solver(
+    model: CostModel, a: int, b: int, slots: int, nested: bool, levels: int
+) -> Solver:
+    """A Solver whose top level is the stage [a, b), on the stage's own memory axis, with
+    `levels + 1` end requirements from 0 to the bytes the stage could keep at most."""
+    info = model.info
+    has_bwd = info.has_backward[a:b]
+    pos = model.pos_bwd[a:b][has_bwd]
+    base = float(pos.min()) if len(pos) else 0.0
+    own = (
+        info.storage_bytes[a:b].sum()
+        + info.extra_bytes[a:b].sum()
+        + info.forward_transient[a:b].max(initial=0)
+        + info.backward_transient[a:b].max(initial=0)
+        + info.grad_bytes[a:b].max(initial=0)
+    )
+    top = float(pos.max()) if len(pos) else 0.0
+    if b == model.n:
+        top = max(top, float(model.pos_after[model.n]))
+    span = float(own) + top - base + float(model.out_total if b == model.n else 0)
+    slot = 2 * max(span, 1.0) / slots  # room for needs and for the free space left at the end
+    solver = Solver(model, slots, slot, nested, end=b, need_offset=base)
+    most = float(info.storage_bytes[a:b].sum() + info.extra_bytes[a:b].sum())
+    solver.end_slots = np.unique(np.round(np.linspace(0, most / slot, levels + 1))).astype(int)
+    return solver
+
+
+def _stage_options(solver: Solver, a: int) -> list[StageOption]:
+    """The distinct (need, kept, cost) points of a stage's table, dominated ones dropped.
+
+    Row 0 of the table gives the least recompute within m; plans that keep less at a higher
+    recompute (worth it where later stages need the memory) come from the rows that ask
+    the stage to leave free slots at its end (`Solver.end_slots`)."""
+    cost = solver.top(a, frozenset())
+    kept = solver.top_kept(a, frozenset())
+    found: list[StageOption] = []
+    for row in range(cost.shape[0]):
+        previous = None
+        for m in np.flatnonzero(cost[row] < INF).tolist():
+            point = (float(cost[row, m]), float(kept[row, m]))
+            if point != previous:  # the plan changes at m
+                need = solver.offset + m * solver.slot
+                found.append(StageOption(need, point[1], point[0], m, row))
+                previous = point
+    found.sort(key=lambda o: (o.need_bytes, o.cost, o.kept_bytes))
+    out: list[StageOption] = []
+    for o in found:  # keep it unless an option needing at most as much is as good
+        if not any(p.cost <= o.cost and p.kept_bytes <= o.kept_bytes for p in out):
+            out.append(o)
+    return out
+
+
+def _allocate(options: list[list[StageOption]], budget: int, slots: int) -> list[int] | None:
+    """One option per stage, least total cost with every stage's need within the budget
+    left by the stages before it (a DP over `slots` slots of the budget, rounded up)."""
+    slot = budget / slots
+    F = np.zeros(slots + 1)  # after the last stage: nothing left to need
+    picks = []
+    for opts in reversed(options):
+        best = np.full(slots + 1, INF)
+        arg = np.full(slots + 1, -1, dtype=np.int64)
+        for k, o in enumerate(opts):
+            kept = int(np.ceil(o.kept_bytes / slot - 1e-9))
+            need = max(kept, int(np.ceil(o.need_bytes / slot - 1e-9)))
+            if need > slots:
+                continue
+            value = np.full(slots + 1, INF)
+            value[need:] = o.cost + F[need - kept : slots + 1 - kept]
+            better = value < best
+            best[better] = value[better]
+            arg[better] = k
+        F = best
+        picks.append(arg)
+    picks.reverse()
+    if F[slots] == INF:
+        return None
+    m, choice = slots, []
+    for arg, opts in zip(picks, options):
+        k = int(arg[m])
+        choice.append(k)
+        m -= int(np.ceil(opts[k].kept_bytes / slot - 1e-9))
+    return choice
