@@ -4,6 +4,8 @@ allocator's peak (`peak_bytes`, DESIGN.md "Metrics") when HCModule executes that
 models not in the repo (fast) and on the four workloads (slow), naive and under budgets.
 Contract: within 3%, and the measured peak within 1.05x the budget."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -166,6 +168,17 @@ class StepModule(nn.Module):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "resnet", "unet", "synthetic_dag"])
 def test_prediction_matches_measurement_on_the_workloads(name):
+    """In a fresh process: the allocator's peak of a step depends on what the process ran
+    before (kernel libraries keep workspace they allocated once: a long test session measured
+    the gpt2 step at 0.3 4.7% below the same step in a fresh process, and below its
+    prediction), while the per-op workspace calibration is made for a first run."""
+    run = subprocess.run(
+        [sys.executable, __file__, name], capture_output=True, text=True, timeout=1200
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def check_workload(name: str) -> None:
     overrides = {"chunked_loss": True} if name == "gpt2" else {}
     wl = workloads.build(name, "small", seed=0, **overrides)
     batch = wl.make_batch(0)
@@ -181,3 +194,8 @@ def test_prediction_matches_measurement_on_the_workloads(name):
             tolerance = 0.05 if (name, budget) == ("synthetic_dag", "min") else 0.03
             assert abs(predicted - measured) <= tolerance * measured, rows
             assert measured <= 1.05 * budget_bytes, rows
+
+
+if __name__ == "__main__":  # one workload's check, in this process (see the test above)
+    torch.set_num_threads(1)
+    check_workload(sys.argv[1])

@@ -168,10 +168,14 @@ def test_single_run_with_tables_and_offline_wandb(tmp_path):
 
 
 BAD_INPUT = [
-    (["workload=bert"], 2, ["workload='bert'", "gpt2, resnet, synthetic_dag, unet"]),
+    (
+        ["workload=bert"],
+        2,
+        ["workload='bert'", "diffusers_unet, gpt2, hf, resnet, synthetic_dag, unet"],
+    ),
     (["mode=fast"], 2, ["mode='fast'", "checkpoint", "naive"]),
     (["profile=huge"], 2, ["profile='huge'", "large, medium, small"]),
-    (["-m", "workload=gpt2,bert"], 2, ["workload='bert'", "gpt2, resnet"]),
+    (["-m", "workload=gpt2,bert"], 2, ["workload='bert'", "gpt2, hf, resnet"]),
     (["stepz=3"], 1, ["Could not override 'stepz'", "Key 'stepz' is not in struct"]),
     (["steps=0"], 2, ["steps=0", "an integer >= 1"]),
     (["-m", "warmup=-1"], 2, ["warmup=-1", "an integer >= 0"]),
