@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hbp.graph.ir import Node
 from hbp.graph.torch_capture import MODES, CapturedGraph, enter_modes
+from hbp.graph.torch_fallback import _buffers_restored
 from hbp.runtime.tracker import allocator_peak
 
 __all__ = ["calibrate_scratch", "clear_cache"]
@@ -183,15 +184,9 @@ def _fetch_attr(root: nn.Module, target: str) -> Any:
 @contextlib.contextmanager
 def _state_kept(gm: fx.GraphModule):
     """Put buffers (BatchNorm statistics, counters) and the RNG state back afterwards."""
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    devices = [b.device for b, _ in buffers if b.device.type == "cuda"]
-    with torch.random.fork_rng(devices=list(dict.fromkeys(devices))):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+    devices = [b.device for b in gm.buffers() if b.device.type == "cuda"]
+    with torch.random.fork_rng(devices=list(dict.fromkeys(devices))), _buffers_restored(gm):
+        yield
 
 
 def _on_cpu(arguments: list[Any], gm: fx.GraphModule) -> bool:
