@@ -124,6 +124,7 @@ def estimate(
     block_size: int = 1,
     planner: str = "optimal",
     flops_per_s: float | None = None,
+    keeps_outputs: bool = True,
     **kwargs,
 ) -> Estimate:
     """Estimate the memory of one training step of `model(*inputs, **kwargs)`.
@@ -139,6 +140,8 @@ def estimate(
         block_size, planner: as for `HCModule`.
         flops_per_s: the device's throughput for the step-time estimates (default: measured
             with a short matmul).
+        keeps_outputs: whether the caller keeps the outputs until backward ends (as for
+            `HCModule`; False: `model(**batch).loss.backward()`, only the loss is kept).
 
     Returns:
         An `Estimate`; `print` it for a table.
@@ -160,6 +163,8 @@ def estimate(
         calibrate_scratch(captured, args, kwargs)
     capture_time = time.perf_counter() - start
     graph = captured.graph
+    if not keeps_outputs:
+        graph.held_outputs = []  # the outputs backward starts from are held regardless
     info = GraphInfo.of(graph)
     naive = simulate(graph, info=info)
     step_flops = float(info.flops.sum() + info.backward_flops.sum())

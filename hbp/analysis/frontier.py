@@ -57,7 +57,7 @@ def frontier(graph: Graph, *, min_peak: bool = True, info: GraphInfo | None = No
     for j in range(n):
         r = root[j]
         last_touch[r] = max(last_touch[r], j, info.last_user[j])
-        if info.is_output[j] or info.saves_output[j]:
+        if info.is_held[j] or info.saves_output[j]:
             held[r] = True
         for v in info.saved[j]:
             held[root[v]] = True
@@ -107,7 +107,7 @@ def lower_bound(info: GraphInfo) -> int:
     model = CostModel(info, [0, info.n])
     n = info.n
     out_root = np.zeros(n, dtype=bool)
-    out_root[info.root[info.is_output]] = True
+    out_root[info.root[info.is_held]] = True
     out_made = np.concatenate([[0], np.cumsum(info.storage_bytes * out_root)])
     best = 0
     for j in range(n):

@@ -48,6 +48,8 @@ class GraphInfo:
         storage_bytes: per node, bytes of new storage it allocates (0 for aliases and inputs).
         is_input / is_output: graph inputs / graph outputs.
         grad_seed: outputs whose gradient backward starts with (`Graph.grad_outputs`).
+        is_held: outputs alive for the whole step (`Graph.held_outputs`, grad seeds
+            included): the others are freed like any value once nothing needs them.
         receives_grad / has_backward: see the module docstring.
         grad_bytes: per node, bytes of its output gradient (0 unless it receives one).
         saved: per node, the indices of the inputs its backward keeps (empty without backward).
@@ -71,6 +73,7 @@ class GraphInfo:
     is_input: np.ndarray
     is_output: np.ndarray
     grad_seed: np.ndarray
+    is_held: np.ndarray
     receives_grad: np.ndarray
     has_backward: np.ndarray
     grad_bytes: np.ndarray
@@ -148,6 +151,10 @@ class GraphInfo:
         if graph.grad_outputs is not None:
             seeds = set(graph.grad_outputs)
             grad_seed &= np.array([nd.name in seeds for nd in nodes], dtype=bool)
+        is_held = is_output.copy()
+        if graph.held_outputs is not None:
+            held = set(graph.held_outputs)
+            is_held &= np.array([nd.name in held for nd in nodes], dtype=bool) | grad_seed
         receives_grad = np.zeros(n, dtype=bool)
         has_backward = np.zeros(n, dtype=bool)
         for i in range(n - 1, -1, -1):
@@ -192,6 +199,7 @@ class GraphInfo:
             is_input=is_input,
             is_output=is_output,
             grad_seed=grad_seed,
+            is_held=is_held,
             receives_grad=receives_grad,
             has_backward=has_backward,
             grad_bytes=grad_bytes,

@@ -10,8 +10,9 @@ on and has a backward, its saved inputs, its output (`saves_output`) and `saved_
 are held until its backward. The live bytes are recorded, then the node's inputs whose last
 use in the pass this was are released. Storage is freed when nothing holds it any more:
 pending forward uses in the current pass, a backward that saved it, a recomputed segment that
-holds it as an input, or being a graph output (held for the whole step). Aliases share their
-root's storage, so any hold on an alias holds the root.
+holds it as an input, or being a graph output the caller holds (`Graph.held_outputs`: held
+for the whole step). Aliases share their root's storage, so any hold on an alias holds the
+root.
 
 Plain segments run with saving on. Entering a recomputed segment holds its inputs (values made
 before it, and graph inputs, that its nodes read) until its backward is done; its nodes run
@@ -241,7 +242,7 @@ class _Run:
             if uses:
                 pending[j] = uses
                 self._hold(inst)
-            if scope is None and info.is_output[j]:
+            if scope is None and info.is_held[j]:
                 self._hold(inst)
             if save and info.has_backward[j]:
                 held = [self.current[v] for v in info.saved[j]]

@@ -133,6 +133,12 @@ class Graph:
             output with a scalar `loss` is trained through the loss alone: its logits are an
             output, but their gradient comes only through the loss (NOTE [ Where backward
             starts ] in hbp/graph/torch_capture.py).
+        held_outputs: the outputs the caller keeps alive until the step's backward ends;
+            None: all of them (the safe assumption, `out = model(x); loss_fn(out,
+            y).backward()`). Outputs backward starts from are always held. The others, when
+            not listed, are freed once nothing in the step needs them (`model(**batch)
+            .loss.backward()` drops the logits before backward; NOTE [ Outputs the caller
+            lets go ] in hbp/integrations/torch.py).
         meta: provenance of the capture (framework, granularity, timings, warnings); memory
             facts are `Node` fields. Graphs built with the legacy per-node meta keys
             (`LEGACY_META_FIELDS`) have them moved onto the nodes by `adopt_legacy_meta`,
@@ -143,6 +149,7 @@ class Graph:
     outputs: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
     grad_outputs: list[str] | None = None
+    held_outputs: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -190,6 +197,7 @@ class Graph:
             "nodes": [asdict(n) for n in self.nodes],
             "outputs": list(self.outputs),
             "grad_outputs": None if self.grad_outputs is None else list(self.grad_outputs),
+            "held_outputs": None if self.held_outputs is None else list(self.held_outputs),
             "meta": dict(self.meta),
         }
 
@@ -205,6 +213,8 @@ class Graph:
         graph = cls(nodes, list(d.get("outputs", [])), dict(d.get("meta", {})))
         if d.get("grad_outputs") is not None:
             graph.grad_outputs = list(d["grad_outputs"])
+        if d.get("held_outputs") is not None:
+            graph.held_outputs = list(d["held_outputs"])
         return graph.adopt_legacy_meta()
 
     def to_json(self, path: str | Path | None = None) -> str:

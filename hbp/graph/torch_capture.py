@@ -21,6 +21,7 @@ is restored.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 import warnings
@@ -216,16 +217,22 @@ def _python_assignments_recorded(module: nn.Module, out: list[_Assignment]) -> I
 # returns its own loss (HuggingFace: `labels=` given, `output.loss`) is trained through that
 # loss alone: `output.loss.backward()`, while the logits beside it (the largest tensor of a
 # language model) are returned for the caller to look at, and their gradient only ever comes
-# through the loss. So for an output mapping with a scalar `loss`, backward starts at the loss
-# (`Graph.grad_outputs`); every other output is held, with no gradient of its own.
+# through the loss. So for an output mapping or dataclass with a scalar `loss`, backward
+# starts at the loss (`Graph.grad_outputs`); every other output gets no gradient of its own
+# (whether the caller holds it: NOTE [ Outputs the caller lets go ]).
 
 
 def _seed_backward_at_the_loss(captured: CapturedGraph) -> None:
     """Set `graph.grad_outputs` to the model's own loss, if it returns one (see the NOTE)."""
     template = captured.output_template
-    if captured.gm is None or not isinstance(template, Mapping):
+    if captured.gm is None:
         return
-    slot = template.get("loss")
+    if isinstance(template, Mapping):
+        slot = template.get("loss")
+    elif dataclasses.is_dataclass(template) and not isinstance(template, type):
+        slot = getattr(template, "loss", None)
+    else:
+        return
     if not isinstance(slot, OutputSlot):
         return
     output = next(n for n in captured.gm.graph.nodes if n.op == "output")

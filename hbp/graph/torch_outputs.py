@@ -73,7 +73,16 @@ def map_output(value: Any, leaf_type: type, fn: Callable[[Any], Any], objects: b
             object.__setattr__(new, k, rebuild(x))
         return new
 
-    return rebuild(value)
+    # NOTE [ No reference cycle through the outputs ]
+    # `rebuild` and `holds_leaf` call themselves through their closure cells, a reference
+    # cycle that lives until the garbage collector runs. `fn` (HCModule's lookup of the flat
+    # outputs) is in that cycle: the module's outputs would stay alive after the caller lets
+    # them go (the logits through the whole backward of `model(**batch).loss.backward()`).
+    # Emptying the cells on the way out breaks the cycle.
+    try:
+        return rebuild(value)
+    finally:
+        del rebuild, holds_leaf, fn, memo
 
 
 def _attributes(v: Any) -> dict[str, Any]:

@@ -18,12 +18,12 @@ hold until their backward (groups a plain child's node saves, extras, groups a r
 child reads from before it), H the crossing groups at e (made before e, used at or after e
 within the level) that are already held, `local` what X's own events add (computable from
 e, f, H, the mode of X and the level's end d alone), `pos` the plan-independent part
-(activation and parameter gradients, and graph outputs, which live for the whole step), and
-`outer` what the enclosing levels hold (constant during the level). A recomputed child's
-backward is a level of its own whose memory needs depend only on its interval and the memory
-left, so it is a table T(e, f, m) shared by every parent. Early stop (the recompute pass
-ends at its last save event) is handled with a flag: whether the rest of the level has a
-save event.
+(activation and parameter gradients, and the graph outputs the caller holds, which live for
+the whole step), and `outer` what the enclosing levels hold (constant during the level). A
+recomputed child's backward is a level of its own whose memory needs depend only on its
+interval and the memory left, so it is a table T(e, f, m) shared by every parent. Early stop
+(the recompute pass ends at its last save event) is handled with a flag: whether the rest of
+the level has a save event.
 
 The DP runs right to left over (cut, H, flag) with memory discretised into slots of the
 budget (exact when every byte count is a multiple of the slot: the slot is the gcd of the
@@ -139,7 +139,7 @@ class CostModel:
             g = self.node_group[j]
             if g >= 0:
                 touches[g].append(j)
-                if info.is_output[j]:
+                if info.is_held[j]:
                     forced[g] = True
                 if info.saves_output[j]:
                     holders[g].append(j)

@@ -91,7 +91,7 @@ class Schedule:
         self.pos_bwd, self.pos_after = model.pos_bwd, model.pos_after
         root = info.root
         out_root = np.zeros(n, dtype=bool)
-        out_root[root[info.is_output]] = True
+        out_root[root[info.is_held]] = True
         # forward values: non-input storage roots; aliases fold into their root
         self.nodes = [j for j in range(n) if not info.is_input[j] and root[j] == j]
         col = {j: k for k, j in enumerate(self.nodes)}

@@ -42,6 +42,7 @@ import contextlib
 import math
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +154,10 @@ class PlanExecutor:
             if src in self._readers:
                 self._readers[src].append(n_ir)
         self._graph_outputs = {n for n in self._output.all_input_nodes if n.op != "get_attr"}
+        self._output_names = {n: captured.ir_node(n).name for n in self._graph_outputs}
+        #: (IR output name, weak reference to the tensor) of the last call's graph outputs:
+        #: which of them the caller still holds later (NOTE [ Outputs the caller lets go ]).
+        self.returned: list[tuple[str, weakref.ref]] = []
         self._updated_attrs = {t for ts in captured.mutated_attrs.values() for t in ts}
         # Generated code reaches attributes through `root` (the traced module), so swapping an
         # attribute there (frozen buffers) is seen by every generated segment.
@@ -167,6 +172,11 @@ class PlanExecutor:
         del args, kwargs
         self._run_level(self.blocks, env, self._graph_outputs)
         flat = fx.node.map_arg(self._output.args[0], lambda n: self._lookup(env, n))
+        self.returned = [
+            (self._output_names[n], weakref.ref(env[n]))
+            for n in self._graph_outputs
+            if isinstance(env[n], torch.Tensor)
+        ]
         return self.captured.unflatten_output(flat)
 
     def _lookup(self, env: dict, node: fx.Node) -> Any:
