@@ -32,57 +32,62 @@ def map_output(value: Any, leaf_type: type, fn: Callable[[Any], Any], objects: b
     of layers holding key and value tensors), rebuilt as a shallow copy with those attributes
     replaced. An object reached twice is rebuilt once. With `objects=False` such an object
     raises TypeError."""
-    memo: dict[int, Any] = {}
+    return _Rebuild(leaf_type, fn, objects).rebuild(value)
 
-    def holds_leaf(v: Any, seen: set[int]) -> bool:
-        if isinstance(v, leaf_type):
+
+# NOTE [ No reference cycle through the outputs ]
+# The walk is a class, not nested functions: a nested function that calls itself holds
+# itself through its closure cell, a reference cycle that lives until the garbage collector
+# runs, and `fn` (HCModule's lookup of the graph's flat outputs) would be in it. The module's
+# outputs then stayed alive after the caller let them go (the logits through the whole
+# backward of `model(**batch).loss.backward()`).
+
+
+class _Rebuild:
+    """One walk of `map_output` (see NOTE [ No reference cycle through the outputs ])."""
+
+    def __init__(self, leaf_type: type, fn: Callable[[Any], Any], objects: bool):
+        self.leaf_type, self.fn, self.objects = leaf_type, fn, objects
+        self.memo: dict[int, Any] = {}
+
+    def holds_leaf(self, v: Any, seen: set[int]) -> bool:
+        if isinstance(v, self.leaf_type):
             return True
         if id(v) in seen or isinstance(v, (str, bytes, int, float, type)) or v is None:
             return False
         seen.add(id(v))
         if isinstance(v, (tuple, list)):
-            return any(holds_leaf(x, seen) for x in v)
+            return any(self.holds_leaf(x, seen) for x in v)
         if isinstance(v, dict):
-            return any(holds_leaf(x, seen) for x in v.values())
-        return any(holds_leaf(x, seen) for x in _attributes(v).values())
+            return any(self.holds_leaf(x, seen) for x in v.values())
+        return any(self.holds_leaf(x, seen) for x in _attributes(v).values())
 
-    def rebuild(v: Any) -> Any:
-        if isinstance(v, leaf_type):
-            return fn(v)
-        if id(v) in memo:
-            return memo[id(v)]
+    def rebuild(self, v: Any) -> Any:
+        if isinstance(v, self.leaf_type):
+            return self.fn(v)
+        if id(v) in self.memo:
+            return self.memo[id(v)]
         if isinstance(v, tuple):
-            items = [rebuild(x) for x in v]
+            items = [self.rebuild(x) for x in v]
             return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
         if type(v) is list:
-            return [rebuild(x) for x in v]
+            return [self.rebuild(x) for x in v]
         if type(v) in (dict, OrderedDict):
-            return type(v)((k, rebuild(x)) for k, x in v.items())
+            return type(v)((k, self.rebuild(x)) for k, x in v.items())
         if isinstance(v, (list, dict)) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
-            return _rebuilt_copy(v, rebuild)
+            return _rebuilt_copy(v, self.rebuild)
         attrs = _attributes(v)
-        if not any(holds_leaf(x, set()) for x in attrs.values()):
+        if not any(self.holds_leaf(x, set()) for x in attrs.values()):
             return v
-        if not objects:
+        if not self.objects:
             raise TypeError(
                 f"the forward returns a {type(v).__name__} holding tensors: HCModule can rebuild "
                 "tuples, lists, dicts (and subclasses) and dataclasses"
             )
-        new = memo[id(v)] = copy.copy(v)
+        new = self.memo[id(v)] = copy.copy(v)
         for k, x in attrs.items():
-            object.__setattr__(new, k, rebuild(x))
+            object.__setattr__(new, k, self.rebuild(x))
         return new
-
-    # NOTE [ No reference cycle through the outputs ]
-    # `rebuild` and `holds_leaf` call themselves through their closure cells, a reference
-    # cycle that lives until the garbage collector runs. `fn` (HCModule's lookup of the flat
-    # outputs) is in that cycle: the module's outputs would stay alive after the caller lets
-    # them go (the logits through the whole backward of `model(**batch).loss.backward()`).
-    # Emptying the cells on the way out breaks the cycle.
-    try:
-        return rebuild(value)
-    finally:
-        del rebuild, holds_leaf, fn, memo
 
 
 def _attributes(v: Any) -> dict[str, Any]:
