@@ -175,3 +175,16 @@ def test_estimate_without_the_outputs_is_the_plain_step_that_drops_them():
     measured = _measured(model, _drop, *batch)
     assert dropped.naive_peak_bytes < kept.naive_peak_bytes
     assert abs(dropped.naive_peak_bytes - measured) <= 0.03 * measured
+
+
+def test_a_budget_that_fits_only_without_the_outputs_says_keeps_outputs_false():
+    torch.manual_seed(0)
+    batch = _batch()
+    dropped = hbp.HCModule(TinyLM(), budget="min", keeps_outputs=False)
+    dropped.prepare(*batch)
+    budget = dropped.plan.predicted_peak_bytes
+    with pytest.raises(hbp.BudgetError, match="keeps_outputs=False"):
+        hbp.HCModule(TinyLM(), budget=budget).prepare(*batch)
+    fits = hbp.HCModule(TinyLM(), budget=budget, keeps_outputs=False)
+    measured = _measured(fits, _drop, *batch)
+    assert measured <= 1.05 * budget

@@ -376,7 +376,7 @@ class HCModule(nn.Module):
                         err.minimum,
                         "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
                     ) from err
-                raise
+                raise self._budget_error_without_outputs(graph, err) from err
         plan_time_s = time.perf_counter() - start
         executor = make_executor(captured, plan, root)
         self._warn_about(captured, executor)
@@ -385,6 +385,28 @@ class HCModule(nn.Module):
         if self.verbose:
             print(plan_summary(compiled))
         return compiled
+
+    def _budget_error_without_outputs(self, graph, err: BudgetError) -> BudgetError:
+        """`err`, saying so when the budget fits once the caller lets go of the outputs
+        backward does not start from (NOTE [ Outputs the caller lets go ])."""
+        from hbp.planner import plan as make_plan
+
+        if self.keeps_outputs is not None or graph.held_outputs is not None:
+            return err
+        graph.held_outputs = []
+        try:
+            make_plan(graph, err.budget, block_size=self.block_size, planner=self.planner)
+        except BudgetError:
+            return err
+        finally:
+            graph.held_outputs = None
+        return BudgetError(
+            err.budget,
+            err.minimum,
+            "counting the outputs as kept by the caller until backward ends; it fits if the "
+            "caller lets go of them before backward (`model(**batch).loss.backward()`): "
+            "pass keeps_outputs=False",
+        )
 
     def _budget_for(self, naive_peak_bytes: int) -> float | int | str:
         """The budget to plan for. A byte budget ("64MiB", 2**26) above the naive step's
