@@ -48,8 +48,11 @@ class GraphInfo:
         storage_bytes: per node, bytes of new storage it allocates (0 for aliases and inputs).
         is_input / is_output: graph inputs / graph outputs.
         grad_seed: outputs whose gradient backward starts with (`Graph.grad_outputs`).
-        is_held: outputs alive for the whole step (`Graph.held_outputs`, grad seeds
-            included): the others are freed like any value once nothing needs them.
+        is_held: outputs the caller holds (`Graph.held_outputs`, and every grad seed): the
+            other outputs are freed like any value once nothing needs them.
+        seed_let_go: grad seeds the caller lets go of once backward has started (grad seeds
+            not in `Graph.held_outputs`): held through the forward and the backward-start
+            event, then freed when nothing else holds them.
         receives_grad / has_backward: see the module docstring.
         grad_bytes: per node, bytes of its output gradient (0 unless it receives one).
         saved: per node, the indices of the inputs its backward keeps (empty without backward).
@@ -74,6 +77,7 @@ class GraphInfo:
     is_output: np.ndarray
     grad_seed: np.ndarray
     is_held: np.ndarray
+    seed_let_go: np.ndarray
     receives_grad: np.ndarray
     has_backward: np.ndarray
     grad_bytes: np.ndarray
@@ -152,9 +156,11 @@ class GraphInfo:
             seeds = set(graph.grad_outputs)
             grad_seed &= np.array([nd.name in seeds for nd in nodes], dtype=bool)
         is_held = is_output.copy()
+        seed_let_go = np.zeros(n, dtype=bool)
         if graph.held_outputs is not None:
-            held = set(graph.held_outputs)
-            is_held &= np.array([nd.name in held for nd in nodes], dtype=bool) | grad_seed
+            listed = np.array([nd.name in set(graph.held_outputs) for nd in nodes], dtype=bool)
+            is_held &= listed | grad_seed
+            seed_let_go = grad_seed & ~listed
         receives_grad = np.zeros(n, dtype=bool)
         has_backward = np.zeros(n, dtype=bool)
         for i in range(n - 1, -1, -1):
@@ -200,6 +206,7 @@ class GraphInfo:
             is_output=is_output,
             grad_seed=grad_seed,
             is_held=is_held,
+            seed_let_go=seed_let_go,
             receives_grad=receives_grad,
             has_backward=has_backward,
             grad_bytes=grad_bytes,

@@ -135,10 +135,11 @@ class Graph:
             starts ] in hbp/graph/torch_capture.py).
         held_outputs: the outputs the caller keeps alive until the step's backward ends;
             None: all of them (the safe assumption, `out = model(x); loss_fn(out,
-            y).backward()`). Outputs backward starts from are always held. The others, when
-            not listed, are freed once nothing in the step needs them (`model(**batch)
-            .loss.backward()` drops the logits before backward; NOTE [ Outputs the caller
-            lets go ] in hbp/integrations/torch.py).
+            y).backward()`). An output not listed is freed once nothing in the step needs it
+            (`model(**batch).loss.backward()` drops the logits before backward), or, if
+            backward starts from it, once backward has started (`loss_fn(model(x),
+            y).backward()`): NOTE [ Outputs the caller lets go ] in
+            hbp/integrations/torch.py.
         meta: provenance of the capture (framework, granularity, timings, warnings); memory
             facts are `Node` fields. Graphs built with the legacy per-node meta keys
             (`LEGACY_META_FIELDS`) have them moved onto the nodes by `adopt_legacy_meta`,

@@ -119,10 +119,11 @@ class HCModule(nn.Module):
         keeps_outputs: whether the caller keeps the module's outputs alive until backward
             ends. None (default): assume so for the first step, see which outputs the caller
             let go when its backward ends, and plan again for the next steps without them
-            (NOTE [ Outputs the caller lets go ]). True: always assume so. False: only the
-            outputs backward starts from (a HuggingFace output's `loss`) are kept, as in
-            `model(**batch).loss.backward()` and transformers' Trainer; a caller that keeps
-            the logits then needs that much more.
+            (NOTE [ Outputs the caller lets go ]). True: always assume so. False: the caller
+            keeps none of them once backward has started (`loss_fn(hc(x), y).backward()`),
+            and keeps no output backward does not start from at all (a HuggingFace output's
+            logits in `model(**batch).loss.backward()`, transformers' Trainer); a caller that
+            keeps them needs that much more.
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
@@ -657,23 +658,25 @@ class HCModule(nn.Module):
         )
 
     # NOTE [ Outputs the caller lets go ]
-    # The plan counts the module's outputs as alive for the whole step: the caller may keep
-    # them (`out = model(x); loss_fn(out, y).backward()`). Often it does not: with
+    # The first step counts the module's outputs as alive until backward ends: the caller
+    # may keep them (`out = model(x); loss_fn(out, y).backward()`). Often it does not. With
     # `model(**batch).loss.backward()` (transformers' Trainer too) the logits are gone before
-    # backward starts, and planning for them wastes their size in every segment's backward
-    # (a 4-layer Falcon: a predicted minimum of 7.23 MiB where the step holds 5.71). Which it
-    # is shows once backward ends: the module's own references are gone by then, so an output
-    # still alive is the caller's. After the first step HCModule plans again with the outputs
-    # the caller let go freed once nothing in the step needs them (`Graph.held_outputs`); it
-    # keeps watching, and an output the caller later keeps again is counted again from the
-    # next step (with a warning: that step may have been over the budget). keeps_outputs=
-    # True/False fixes the assumption instead (False: the first step too).
+    # backward starts; with `loss_fn(hc(x), y).backward()` the output goes once backward has
+    # passed the loss. Counting them anyway costs their size in every segment's backward (a
+    # 4-layer Falcon: a predicted minimum of 7.23 MiB where the step holds 5.71). Which it is
+    # shows when backward ends: the module's own references are gone by then, so an output
+    # still alive is the caller's. HCModule then plans again with `Graph.held_outputs` =
+    # the outputs still alive: an output backward starts from is counted until backward has
+    # started, any other output until nothing in the step needs it. It keeps watching; an
+    # output the caller keeps again is counted again from the next step, with a warning (that
+    # step may have been over the budget by its size). keeps_outputs=True/False fixes the
+    # assumption instead (False: from the first step).
 
     def _watch_outputs(self, compiled: Compiled, output) -> None:
         """After this step's backward, note which outputs are still alive."""
         graph = compiled.captured.graph
         returned = getattr(self._executor(compiled), "returned", None)
-        watch = self.keeps_outputs is None and returned and len(graph.outputs) > 1
+        watch = self.keeps_outputs is None and returned
         if not watch or (compiled.outputs_watched and graph.held_outputs is None):
             return
         leaves = _grad_leaves(self._executor(compiled), output)
@@ -698,10 +701,8 @@ class HCModule(nn.Module):
             return
         compiled.outputs_watched = True
         graph = compiled.captured.graph
-        info = GraphInfo.of(graph)
-        seeds = {info.names[j] for j in range(info.n) if info.grad_seed[j]}
         held = set(graph.outputs) if graph.held_outputs is None else set(graph.held_outputs)
-        kept = seen | seeds
+        kept = seen & set(graph.outputs)
         if graph.held_outputs is None and kept >= set(graph.outputs):
             return  # the caller keeps them all: the plan is right
         if graph.held_outputs is not None and kept <= held:

@@ -177,6 +177,19 @@ class CostModel:
         # outputs live from their creation to the end of the step (top level only)
         self.out_pre = _prefix(self.g_root[forced], self.g_size[forced], n)
         self.out_total = int(self.g_size[forced].sum())
+        # grad seeds the caller lets go of once backward starts (`GraphInfo.seed_let_go`):
+        # counted as freed then only when no node reads or saves them (else held to the end:
+        # conservative)
+        let_go = np.zeros(G, dtype=bool)
+        for g in range(G):
+            outputs = [j for j in self.g_touch[g] if info.is_held[j] and self.node_group[j] == g]
+            let_go[g] = (
+                forced[g]
+                and all(info.seed_let_go[j] for j in outputs)
+                and not self.g_hold[g]
+                and not self.g_read[g]
+            )
+        self.seeds_let_go_bytes = int(self.g_size[let_go].sum())
         self._positional()
         # save events: last save event before position f; first node reading from before e
         last = -1
@@ -233,6 +246,7 @@ class CostModel:
         self.pos_bwd = np.zeros(n, dtype=np.int64)
         self.pos_after = np.zeros(n + 1, dtype=np.int64)
         self.pos_after[n] = live
+        live -= self.seeds_let_go_bytes  # after the backward-start event, as the simulator
         for j in range(n - 1, -1, -1):
             if info.has_backward[j]:
                 for v in info.inputs[j]:
