@@ -218,20 +218,18 @@ def encoder_decoder_net(
     ]
 
     def add(name, op, inputs, nbytes, flops=0.0, saved=(), out=False, extra=0, param=0):
-        alias = inputs[0] if op == "view" else None
         nodes.append(
             Node(
                 name,
                 op,
                 tuple(inputs),
-                output_bytes=0 if alias else int(nbytes),
+                output_bytes=int(nbytes),
                 flops=float(flops),
                 saved_inputs=tuple(saved),
                 saves_output=out,
                 saved_extra_bytes=int(extra),
                 param_grad_bytes=int(param),
-                alias_of=alias,
-                requires_grad=op not in ("bias", "mask"),
+                requires_grad=op not in ("bias", "mask"),  # made from the integer inputs
             )
         )
         return name
