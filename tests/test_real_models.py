@@ -121,7 +121,7 @@ def test_fallback_cuts_between_repeated_blocks_with_the_callers_arguments(monkey
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt2", "bert", pytest.param("unet_cond", marks=pytest.mark.slow)]
+    "name", ["gpt2", "bert", "t5", pytest.param("unet_cond", marks=pytest.mark.slow)]
 )
 def test_hcmodule_beats_the_librarys_own_checkpointing(name):
     """At the library's own checkpointing peak (in bytes), HCModule fits with no more

@@ -192,3 +192,109 @@ def residual_net(
     h = add("head", "linear", [h], 4 * w, 8 * w * 64, saved=[h], param=4 * w // 64)
     add("loss", "cross_entropy", [h], 4, 4 * w, saved=[h], extra=4 * w)
     return Graph(nodes, outputs=["loss"], meta={"generator": "residual_net", "layers": layers})
+
+
+def encoder_decoder_net(
+    layers: int,
+    *,
+    width_bytes: int = 4 * 128 * 128,
+    attn_bytes: int = 4 * 4 * 128 * 128 * 4,
+    vocab_factor: int = 16,
+) -> Graph:
+    """A T5-like encoder-decoder at operator level, `layers` blocks each side (defaults:
+    4 x 128 tokens of width 128 in float32, 4 heads; logits `vocab_factor` times the width).
+
+    What makes it unlike a plain stack: values that live across a whole side and are read by
+    every block of it. The encoder's blocks read a position bias made in its first block;
+    the decoder's read the encoder output (keys and values of cross-attention), a
+    self-attention position bias, a causal mask and a cross-attention bias, all made before
+    its first block. Between two decoder blocks five values cross a cut, between two
+    encoder blocks two. `meta["blocks"]` lists each block's (first, last) node name in order.
+    """
+    w, a = width_bytes, attn_bytes
+    nodes = [
+        Node("ids", "input", output_bytes=w // 32, is_input=True, requires_grad=False),
+        Node("labels", "input", output_bytes=w // 32, is_input=True, requires_grad=False),
+    ]
+
+    def add(name, op, inputs, nbytes, flops=0.0, saved=(), out=False, extra=0, param=0):
+        nodes.append(
+            Node(
+                name,
+                op,
+                tuple(inputs),
+                output_bytes=int(nbytes),
+                flops=float(flops),
+                saved_inputs=tuple(saved),
+                saves_output=out,
+                saved_extra_bytes=int(extra),
+                param_grad_bytes=int(param),
+                requires_grad=op not in ("bias", "mask"),  # made from the integer inputs
+            )
+        )
+        return name
+
+    def rms_norm(p, h):
+        """T5's norm as its ops: h * rsqrt(mean(h^2) + eps) * weight."""
+        sq = add(p + "pow", "pow", [h], w, w, saved=[h])
+        ms = add(p + "mean", "mean", [sq], w // 128, w)
+        r = add(p + "rsqrt", "rsqrt", [ms], w // 128, w // 128, out=True)
+        x = add(p + "mul", "mul", [h, r], w, w, saved=[h, r])
+        return add(p + "weight", "mul", [x], w, w, saved=[x], param=512)
+
+    def attention(p, h, kv_source, bias, mask=None):
+        """Pre-norm attention of h over kv_source (h itself: self-attention) plus a residual."""
+        x = rms_norm(p + "ln.", h)
+        q = add(p + "q", "linear", [x], w, 2 * w * 128, saved=[x], param=w // 8)
+        src = x if kv_source is None else kv_source
+        k = add(p + "k", "linear", [src], w, 2 * w * 128, saved=[src], param=w // 8)
+        v = add(p + "v", "linear", [src], w, 2 * w * 128, saved=[src], param=w // 8)
+        s = add(p + "scores", "bmm", [q, k], a, 2 * a * 32, saved=[q, k])
+        s = add(p + "biased", "add", [s, bias] + ([mask] if mask else []), a, a)
+        s = add(p + "softmax", "softmax", [s], a, 5 * a, out=True)
+        o = add(p + "attn_v", "bmm", [s, v], w, 2 * a * 32, saved=[s, v])
+        o = add(p + "o", "linear", [o], w, 2 * w * 128, saved=[o], param=w // 8)
+        return add(p + "res", "add", [h, o], w, w)
+
+    def mlp(p, h):
+        x = rms_norm(p + "ln.", h)
+        u = add(p + "wi", "linear", [x], 4 * w, 8 * w * 128, saved=[x], param=w // 2)
+        u = add(p + "relu", "relu", [u], 4 * w, 4 * w, out=True)
+        u = add(p + "wo", "linear", [u], w, 8 * w * 128, saved=[u], param=w // 2)
+        return add(p + "res", "add", [h, u], w, w)
+
+    blocks = []
+    h = add("enc.embed", "embedding", ["ids"], w, w, param=w)
+    for i in range(layers):
+        first = len(nodes)
+        if i == 0:
+            enc_bias = add("enc.bias", "bias", ["ids"], a // 4, a // 4)
+        h = attention(f"enc{i}.self.", h, None, enc_bias)
+        h = mlp(f"enc{i}.mlp.", h)
+        blocks.append((nodes[first].name, h))
+    enc = rms_norm("enc.final_ln.", h)
+    h = add("dec.embed", "embedding", ["labels"], w, w, param=w)
+    self_bias = add("dec.self_bias", "bias", ["labels"], a // 4, a // 4)
+    causal = add("dec.causal_mask", "mask", ["labels"], a // 64, a // 64)
+    cross_bias = add("dec.cross_bias", "bias", ["ids"], a // 4, a // 4)
+    for i in range(layers):
+        first = len(nodes)
+        h = attention(f"dec{i}.self.", h, None, self_bias, causal)
+        h = attention(f"dec{i}.cross.", h, enc, cross_bias)
+        h = mlp(f"dec{i}.mlp.", h)
+        blocks.append((nodes[first].name, h))
+    h = rms_norm("dec.final_ln.", h)
+    logits = add(
+        "lm_head",
+        "linear",
+        [h],
+        vocab_factor * w,
+        2 * vocab_factor * w * 128,
+        saved=[h],
+        param=vocab_factor * w // 4,
+    )
+    add(
+        "loss", "cross_entropy", [logits, "labels"], 4, 4 * vocab_factor * w, extra=vocab_factor * w
+    )
+    meta = {"generator": "encoder_decoder_net", "layers": layers, "blocks": blocks}
+    return Graph(nodes, outputs=["loss"], meta=meta)
