@@ -134,7 +134,7 @@ def test_discretised_plans_fit_and_trade_memory_for_recompute():
     graph = synthetic.residual_net(3)
     naive = naive_peak(graph)
     previous = -1.0
-    for fraction in (0.8, 0.5, 0.3, 0.2):
+    for fraction in (0.8, 0.5, 0.3, 0.21):
         p = plan(graph, fraction, max_cuts=24)
         assert p.meta["solved_by"] == "dp" and p.meta["mem_slots"] == 256
         validate_plan(graph, p)

@@ -218,7 +218,9 @@ def test_nested_plan_timeline():
 
 def test_recompute_pass_stops_after_last_save_event():
     # b saves nothing (like an add): the recompute of [x a b] stops after a, as
-    # torch.utils.checkpoint's non-reentrant early stop does; b is not recomputed.
+    # torch.utils.checkpoint's non-reentrant early stop does; b is not recomputed. And b's
+    # backward unpacks nothing, so it runs before the recompute (which the first unpack, a's,
+    # starts: NOTE [ Recompute at the first unpack ]).
     g = Graph(
         [
             x_input(),
@@ -228,12 +230,50 @@ def test_recompute_pass_stops_after_last_save_event():
         ],
         outputs=["c"],
     )
-    # forward a 10, b 30 -> 20, c 50; seed 80; c: +grad b 100 (peak) -> 50;
-    # recompute a: 60 (then dropped at the stop: b will not run) -> 50; b: +grad a 60; a: 40.
+    # forward a 10, b 30 -> 20, c 50; seed 80; c: +grad b 100 (peak) -> 50; b: +grad a 60,
+    # -grad b -> 40; recompute a: 50 (b will not run); a: 40.
     sim = simulate(g, [Segment(0, 3, True), Segment(3, 4)])
     assert sim.peak_bytes == 100
     assert sim.recompute_flops == 1
-    assert sim.timeline[-3:] == [("recompute:a", 60), ("backward:b", 60), ("backward:a", 40)]
+    assert sim.timeline[-3:] == [("backward:b", 60), ("recompute:a", 50), ("backward:a", 40)]
+
+
+def test_tail_after_the_last_save_event_has_its_backward_before_the_recompute():
+    # v (a view, like unbind) saves nothing: torch recomputes [a b v] at the first unpack,
+    # b's, so v's backward runs first (NOTE [ Recompute at the first unpack ]); nested, the
+    # outer pass (it only enters [a b]) and the inner one both run at b, outermost first.
+    g = Graph(
+        [
+            x_input(),
+            Node("a", "op", ("x",), 10, flops=1, saved_inputs=("x",)),
+            Node("b", "op", ("a",), 20, flops=2, saves_output=True),
+            Node("v", "view", ("b",), 0, alias_of="b"),
+            Node("c", "op", ("v",), 30, flops=3, saved_inputs=("v",)),
+        ],
+        outputs=["c"],
+    )
+    # seed 80 (c 30, b held by c 20, grad c 30); c: 80 (grad v is 0 bytes) -> 30;
+    # v: +grad b 50; recompute a 60, b 80; b: 80; a: 40.
+    sim = simulate(g, [Segment(0, 4, True), Segment(4, 5)], check=True)
+    assert sim.timeline[-6:] == [
+        ("backward:c", 80),
+        ("backward:v", 50),
+        ("recompute:a", 60),
+        ("recompute:b", 80),
+        ("backward:b", 80),
+        ("backward:a", 40),
+    ]
+    inner = Segment(0, 3, True, [Segment(0, 2, True), Segment(2, 3)])
+    sim = simulate(g, [Segment(0, 4, True, [inner, Segment(3, 4)]), Segment(4, 5)], check=True)
+    assert [event for event, _ in sim.timeline[-6:]] == [
+        "backward:v",
+        "recompute:a",
+        "recompute:b",
+        "backward:b",
+        "recompute:a",
+        "backward:a",
+    ]
+    assert sim.recompute_flops == 1 + 2 + 1
 
 
 def test_capture_refinements_in_meta():

@@ -19,13 +19,15 @@ before it, and graph inputs, that its nodes read) until its backward is done; it
 with saving off, and nested children change nothing in that pass.
 
 Backward processes the top-level segments in reverse. A plain segment backpropagates its
-nodes in reverse. A recomputed segment first runs a recompute pass over its children (a plain
-child saves; a recomputed child is entered and runs with saving off), whose values are new
-storage; then it processes its children in reverse the same way (recursively); then it
+nodes in reverse. A recomputed segment first backpropagates its *tail*, the nodes after its
+last save event (they save nothing, so their backward needs no recompute: NOTE [ Recompute at
+the first unpack ]); then runs a recompute pass over its children (a plain child saves; a
+recomputed child is entered and runs with saving off), whose values are new storage; then it
+processes its children in reverse the same way (recursively, the tail being done); then it
 releases its inputs. A recompute pass follows torch's non-reentrant *early stop*: it ends right
 after the pass's last save event (a node of a plain child that saves something, or entering a
 recomputed child that has inputs); the nodes after it do not run, and values the pass made
-that are not held are freed when it stops. A pass without save events does not run at all.
+that are not held are freed when it stops. A segment without save events has no pass at all.
 
 At node j's backward (only nodes with a backward, see `hbp.analysis.liveness`): the gradient
 of j's output is live; j allocates the gradients of its inputs that receive one and do not
@@ -59,6 +61,25 @@ if TYPE_CHECKING:  # types only: the planner imports the simulator, never the re
     from hbp.planner.plan import Plan, Segment
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+
+# NOTE [ Recompute at the first unpack ]
+# torch.utils.checkpoint(use_reentrant=False) recomputes a segment inside the unpack hook of
+# its saved tensors: at the first backward that unpacks one, not when backward reaches the
+# segment. Autograd runs backward nodes in reverse creation order, so the nodes after the
+# segment's last save event t (views, permute, unbind, adds: nothing saved) run their backward
+# first, with nothing of the recompute live, and the recompute pass runs at t's backward, with
+# the gradients those nodes made (unbind's stacked gradient, say) already live. The same holds
+# for every nested segment: its pass runs at its own last save event, after its parent's pass
+# when that is the parent's last save event too (outermost first). A child after its parent's
+# last save event has had its backward by the time the parent's pass enters it; entering it
+# then holds nothing (torch keeps a recomputed tensor only for a saved tensor still alive).
+# Modelled here as: the trigger of a recomputed segment is its last save-event node. (Torch
+# reaches a nested segment's pass through the input-saving node of each enclosing segment, so
+# a segment without inputs inside it would recompute on its own; segments whose nodes read
+# nothing from before them are rare and the planner's DP uses the same rule.) The planner's
+# cost model (`hbp.planner.dp`, `CostModel.pass_pos` and `CostModel.tail_need`) follows this
+# order: a level's pass sees the positional bytes after its tail's backward, and the tail's
+# backward is charged where the segment's backward starts, without the pass's values.
 
 
 @dataclass
@@ -208,9 +229,13 @@ class _Run:
                         last_event = len(items) - 1
         return items[: last_event + 1] if early_stop else items
 
-    def _pass(self, children: list[Segment], scope: tuple[int, int] | None) -> None:
+    def _pass(
+        self, children: list[Segment], scope: tuple[int, int] | None, trigger: int = -1
+    ) -> None:
         """Run a forward pass over `children`. scope=None: the original pass (all users
-        count, outputs are held for the step); else a recompute pass of [start, stop)."""
+        count, outputs are held for the step); else a recompute pass of [start, stop) that
+        runs at the backward of node `trigger` (children after it have had their backward:
+        entering them holds nothing)."""
         info = self.info
         phase = FORWARD if scope is None else RECOMPUTE
         items = self._items(children, early_stop=scope is not None)
@@ -218,6 +243,8 @@ class _Run:
         for item in items:
             if item[0] == "enter":
                 seg = item[1]
+                if scope is not None and seg.start > trigger:
+                    continue  # its backward is done (NOTE [ Recompute at the first unpack ])
                 holds = [self.current[v] for v in info.segment_inputs(seg.start, seg.stop)]
                 for inst in holds:
                     self._hold(inst)
@@ -304,17 +331,36 @@ class _Run:
             self._release(self.grad[j])
             self.grad[j] = -1
 
-    def _backward(self, segments: list[Segment]) -> None:
+    def _backward(self, segments: list[Segment], upto: int | None = None) -> None:
+        """Backpropagate a level's `segments` over the nodes at or below `upto` (all of them
+        when None; the nodes above it have had their backward already)."""
         for seg in reversed(segments):
+            top = seg.stop - 1 if upto is None else min(seg.stop - 1, upto)
+            if top < seg.start:
+                continue  # the whole segment is in a recomputed parent's tail: done
             if not seg.recompute:
-                for j in range(seg.stop - 1, seg.start - 1, -1):
+                for j in range(top, seg.start - 1, -1):
                     self._backward_node(j)
                 continue
-            children = seg.children or [_Whole(seg.start, seg.stop)]
-            self._pass(children, (seg.start, seg.stop))
-            self._backward(children)
+            # NOTE [ Recompute at the first unpack ]
+            trigger = self._trigger(seg)
+            for j in range(top, trigger, -1):  # the tail: save-free nodes, before the pass
+                self._backward_node(j)
+            if trigger >= seg.start:
+                children = seg.children or [_Whole(seg.start, seg.stop)]
+                self._pass(children, (seg.start, seg.stop), trigger)
+                self._backward(children, trigger)
             for inst in self.segment_holds.pop(id(seg), []):
                 self._release(inst)
+
+    def _trigger(self, seg: Segment) -> int:
+        """The last save event in `seg` (seg.start - 1 if it has none): the node whose backward
+        first unpacks what the segment saved."""
+        save_event = self.info.save_event
+        for j in range(seg.stop - 1, seg.start - 1, -1):
+            if save_event[j]:
+                return j
+        return seg.start - 1
 
     def step(self, segments: list[Segment]) -> Simulation:
         info = self.info

@@ -23,7 +23,12 @@ the whole step), and `outer` what the enclosing levels hold (constant during the
 recomputed child's backward is a level of its own whose memory needs depend only on its
 interval and the memory left, so it is a table T(e, f, m) shared by every parent. Early stop
 (the recompute pass ends at its last save event) is handled with a flag: whether the rest of
-the level has a save event.
+the level has a save event. Torch starts a pass at the backward of that event (NOTE [
+Recompute at the first unpack ] in `hbp.analysis.simulate`): the pass's events see the
+positional bytes after the nodes that follow it (`CostModel.pass_pos`); those nodes (the
+level's tail) have their backward before the pass, so they are charged not within the level
+but with T's own base: in T(e, f) when a save event follows [e, f) in its parent level (or at
+the top level), else in the parent's tail (`Solver.rec_tail`, `CostModel.tail_need`).
 
 The DP runs right to left over (cut, H, flag) with memory discretised into slots of the
 budget (exact when every byte count is a multiple of the slot: the slot is the gcd of the
@@ -222,6 +227,8 @@ class CostModel:
         for j in range(n - 1, -1, -1):
             first[j] = j if info.save_event[j] else first[j + 1]
         self.next_save = first  # first save event at or after each position
+        self._bwd_pos = np.where(info.has_backward, self.pos_bwd, -INF)
+        self._tail_needs: dict = {}
 
     # -- plan-independent parts ---------------------------------------------------------------
     def _positional(self) -> None:
@@ -417,6 +424,22 @@ class CostModel:
             self._save_free_mask[d] = r
         return r
 
+    def pass_pos(self, d: int) -> int:
+        """Positional bytes while the recompute pass of a segment ending at d runs: it runs at
+        the backward of the segment's last save event (NOTE [ Recompute at the first unpack ])."""
+        return int(self.pos_after[self.last_save[d] + 1])
+
+    def tail_need(self, e: int, f: int) -> float:
+        """Bytes (positional) at the backward events of the tail of a recomputed [e, f): its
+        nodes after its last save event, which run before its recompute pass with nothing of
+        the pass live (-inf without such events)."""
+        key = (e, f)
+        r = self._tail_needs.get(key)
+        if r is None:
+            lo = max(e, int(self.last_save[f]) + 1)
+            r = self._tail_needs[key] = float(self._bwd_pos[lo:f].max()) if lo < f else -INF
+        return r
+
     def first_reader_from_before(self, e: int) -> int:
         """First node at or after e that reads a value made before e or a graph input."""
         r = self._first_reader.get(e)
@@ -540,10 +563,14 @@ class _Profile:
                     live[lo - e :] -= m.g_size[g]
         fwd_max = np.maximum.accumulate(live) if len(live) else live
         out = {"f": fs, "f_list": f_list, "kept": self.kept[idx].astype(np.int64)}
-        pos_pass = 0 if top else int(m.pos_after[d])
+        pos_pass = 0 if top else m.pass_pos(d)
         full = fwd_max[idx] + pos_pass
         if mode == PLAIN:
-            bwd = self.bwd_max[idx]
+            if top:
+                bwd = self.bwd_max[idx]
+            else:  # nodes after the level's last save event are the level's tail
+                last = int(m.last_save[d]) - e
+                bwd = self.bwd_max[np.minimum(idx, max(last, 0))] if last >= 0 else idx * 0 - INF
             out["need_full"] = np.maximum(np.maximum(full, bwd), 0)
             has_save = shared["has_save"]
             ls_need = np.where(has_save, fwd_max[shared["last_save"]] + pos_pass, -INF)
@@ -663,6 +690,7 @@ class Solver:
         self._rec: dict = {}
         self._rec_plain: dict = {}
         self._rec_need: dict = {}
+        self._rec_tail: dict = {}
         self._first_finite: dict = {}  # id(table) -> first slot with a finite value
 
     def sl(self, x):
@@ -670,8 +698,9 @@ class Solver:
         return np.ceil(np.asarray(x, dtype=float) / self.slot - 1e-9)
 
     # T(e, f) ---------------------------------------------------------------------------------
-    def rec(self, e: int, f: int, lowest: int = 0) -> np.ndarray:
-        """T(e, f) over slots, exact at every m >= `lowest`.
+    def rec(self, e: int, f: int, lowest: int = 0, tail: bool = True) -> np.ndarray:
+        """T(e, f) over slots, exact at every m >= `lowest`; with `tail`, infeasible where its
+        tail's backward does not fit (`rec_tail`; without, the parent level counts it).
 
         Recomputing [e, f) as one plain child costs the FLOPs up to its last save event, and
         no nested plan costs less (each node up to that event runs at least once), so where
@@ -683,13 +712,34 @@ class Solver:
             finite = np.flatnonzero(plain < INF)
             self._rec_need[e, f] = int(finite[0]) if len(finite) else self.M + 1
         if not self.nested or lowest >= self._rec_need[e, f]:
-            return plain
+            return self._with_tail(e, f, plain, False) if tail else plain
         r = self._rec.get((e, f))
         if r is None:
             H = self.m.crossing_in(e, f, False)
             r = np.minimum(self.tail(f, e, H, 1), self.tail(f, e, H, 0))
             self._rec[e, f] = r = np.minimum(r, plain)
+        return self._with_tail(e, f, r, True) if tail else r
+
+    def _with_tail(self, e: int, f: int, table: np.ndarray, nested: bool) -> np.ndarray:
+        """`table` made infinite below the slots of the tail's backward (memoised)."""
+        key = (e, f, nested)
+        r = self._rec_tail.get(key)
+        if r is None:
+            need = self.m.tail_need(e, f)
+            r = table
+            if need > -INF:
+                low = int(self.sl(max(need - self.offset, 0.0)))
+                if low > 0:
+                    r = table.copy()
+                    r[: min(low, self.M + 1)] = INF
+            self._rec_tail[key] = r
         return r
+
+    def rec_tail(self, d: int, f: int) -> bool:
+        """Whether a recomputed child ending at f of a level ending at d counts its tail
+        itself: a save event follows it in the level (else its tail is the level's tail,
+        counted where the level's is). The top level (d=None) always does."""
+        return d is None or self.m.last_save[d] >= f
 
     def top_kept(self, e: int, H: frozenset) -> np.ndarray:
         """Bytes kept across the forward by the plan that top(e, H) chose at each m (one row
@@ -808,7 +858,10 @@ class Solver:
             lowest = np.maximum(np.maximum(need[idx], kept_i), kept_i + first_sub) - kept_i
             rec = self.rec
             recs = np.array(
-                [rec(e, f_list[i], int(lo)) for i, lo in zip(keep, lowest.tolist())]
+                [
+                    rec(e, f_list[i], int(lo), self.rec_tail(None if top else d, f_list[i]))
+                    for i, lo in zip(keep, lowest.tolist())
+                ]
             ).ravel()
             cost += recs[flat]
         return idx, states, cost
@@ -905,7 +958,8 @@ class Solver:
                     if first is None:
                         first = first_finite[id(sub)] = int(np.argmax(sub < INF))
                     lowest = max(lo, kept + first) - kept
-                    part = part + self.rec(e, f_list[i], lowest)[lo - kept : M + 1 - kept]
+                    table = self.rec(e, f_list[i], lowest, self.rec_tail(d, f_list[i]))
+                    part = part + table[lo - kept : M + 1 - kept]
                 low_best = best[lo:]
                 np.minimum(low_best, part, out=low_best)
         return best
@@ -1120,6 +1174,10 @@ class PeakSolver:
                         x = kept + r[0]
                         if x > peak:
                             peak = x
+                        if top or m.last_save[d] >= f:  # it counts its tail (Solver.rec_tail)
+                            x = kept + m.tail_need(e, f)
+                            if x > peak:
+                                peak = x
                         cost += r[1]
                     if peak < best_peak or (peak == best_peak and cost < best_cost):
                         best_peak, best_cost = peak, cost
