@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hbp.analysis.collect import collect, to_markdown
+from hbp.analysis.collect import collect, frameworks, to_markdown
 from hbp.analysis.pareto import pareto_table, plot_pareto
 
 __all__ = [
@@ -134,6 +134,7 @@ def plot_timeline(runs: pd.DataFrame, path: str | Path) -> Path | str:
     from hbp.report.plots import plot_memory_timeline
 
     ok = _ok_runs(runs)
+    ok = ok[frameworks(ok) == "torch"]  # JAX runs have no per-op timeline
     has = ok[[(Path(d) / TIMELINE_FILE).exists() for d in ok["run_dir"]]]
     has = has[has["mode"].isin(TIMELINE_MODES)]
     if has.empty:
