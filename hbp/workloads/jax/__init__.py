@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 
+import jax
 import numpy as np
 
 from hbp.workloads import require, resolve_config
@@ -52,4 +53,6 @@ def build(name: str, profile: str = "small", *, seed: int = 0, **overrides) -> J
     cfg = check(name, profile, **overrides)
     module = importlib.import_module(f"hbp.workloads.jax.{name}")
     params_rng, batch_rng = (np.random.default_rng([seed, k]) for k in (0, 1))
-    return module.make_workload(cfg, profile, params_rng, batch_rng)
+    workload = module.make_workload(cfg, profile, params_rng, batch_rng)
+    workload.params = jax.device_put(workload.params)  # NumPy -> JAX arrays (no compilation)
+    return workload

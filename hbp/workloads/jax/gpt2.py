@@ -84,18 +84,18 @@ def init_params(cfg: GPT2Config, rng: np.random.Generator) -> dict:
     proj_std = std / math.sqrt(2 * cfg.n_layer)
 
     def normal(shape, scale=std):
-        return jnp.asarray(scale * rng.standard_normal(shape, dtype=np.float32))
+        return scale * rng.standard_normal(shape, dtype=np.float32)
 
     def lin(n_in, n_out, scale=std):
         p = {"weight": normal((n_in, n_out), scale)}
         if cfg.bias:
-            p["bias"] = jnp.zeros((n_out,), jnp.float32)
+            p["bias"] = np.zeros((n_out,), np.float32)
         return p
 
     def norm():
-        p = {"weight": jnp.ones((D,), jnp.float32)}
+        p = {"weight": np.ones((D,), np.float32)}
         if cfg.bias:
-            p["bias"] = jnp.zeros((D,), jnp.float32)
+            p["bias"] = np.zeros((D,), np.float32)
         return p
 
     params = {

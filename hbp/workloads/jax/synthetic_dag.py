@@ -88,7 +88,7 @@ def init_params(cfg: SyntheticDAGConfig, graph: LayeredDAG, rng: np.random.Gener
         bound = 1.0 / math.sqrt(n_in)
 
         def uniform(shape):
-            return jnp.asarray(rng.uniform(-bound, bound, shape).astype(np.float32))
+            return rng.uniform(-bound, bound, shape).astype(np.float32)
 
         return {"weight": uniform((n_in, n_out)), "bias": uniform((n_out,))}
 
@@ -97,7 +97,10 @@ def init_params(cfg: SyntheticDAGConfig, graph: LayeredDAG, rng: np.random.Gener
         return {
             "fc1": lin(cfg.d_model, hidden),
             "fc2": lin(hidden, cfg.d_model),
-            "norm": {"weight": jnp.ones(cfg.d_model), "bias": jnp.zeros(cfg.d_model)},
+            "norm": {
+                "weight": np.ones(cfg.d_model, np.float32),
+                "bias": np.zeros(cfg.d_model, np.float32),
+            },
         }
 
     return {
