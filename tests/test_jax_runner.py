@@ -27,6 +27,7 @@ from hbp import bench  # noqa: E402
 from hbp.analysis.collect import collect, results_table  # noqa: E402
 from hbp.errors import ConfigError  # noqa: E402
 from hbp.workloads import build as build_torch  # noqa: E402
+from hbp.workloads import describe  # noqa: E402
 from hbp.workloads.jax import build as build_jax  # noqa: E402
 from hbp.workloads.jax import params_from_torch  # noqa: E402
 
@@ -138,8 +139,11 @@ def check_runs(rows: dict, torch_row: dict) -> None:
         row = rows[mode]
         assert row["framework"] == "jax" and row["mode"] == mode and row["status"] == "ok"
         # the torch run's fields, filled where JAX has them
-        missing = {k for k in torch_row if k != "config"} - set(row)
-        assert missing <= TORCH_ONLY, missing
+        shared = {k for k in torch_row if k != "config" and not k.startswith("workload_")}
+        assert shared - set(row) <= TORCH_ONLY, shared - set(row)
+        facts = describe(row["workload"], "tiny")  # the torch twin's workload facts
+        assert {f"workload_{k}" for k in facts} <= set(row)
+        assert row["params"] == facts["params"]
         assert row["config.framework.name"] == "jax"
         parts = row["xla_temp_bytes"] + row["xla_output_bytes"] - row["xla_alias_bytes"]
         assert row["peak_bytes"] == parts > 0
@@ -183,6 +187,7 @@ def test_torch_runs_record_their_framework(torch_run):
         (("workload=resnet",), "workload.name", "gpt2, synthetic_dag with framework=jax"),
         (("workload.dropout=0.1",), "workload.dropout", "0 with framework=jax"),
         (("distributed=ddp",), "distributed.name", "none with framework=jax"),
+        (("mode=tiny", "mode.chunked_loss=true"), "mode.chunked_loss", "false with framework=jax"),
     ],
 )
 def test_bad_jax_combinations_are_refused(overrides, field, accepted, tmp_path):

@@ -89,9 +89,10 @@ def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
 
 
 def results_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The README table: per run, framework, workload, mode (with its set parameters), peak
-    MiB, the peak relative to naive's of the same framework on the same workload and profile,
-    GFLOPs, recompute ratio, step time (median ms). Rows in `frame` order."""
+    """The README table: per run, workload, mode (with its set parameters), peak MiB, the peak
+    relative to naive's of the same framework on the same workload and profile, GFLOPs,
+    recompute ratio, step time (median ms); first a `framework` column when some run is not
+    torch's. Rows in `frame` order."""
     if frame.empty:
         return pd.DataFrame()
     ok = frame[frame.get("status", pd.Series("ok", index=frame.index)).fillna("ok") == "ok"]
@@ -111,9 +112,8 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
         return f"{row['mode']}({', '.join(shown)})" if shown else row["mode"]
 
     naive_peak = naive_reference(ok, "peak_bytes")
-    return pd.DataFrame(
+    table = pd.DataFrame(
         {
-            "framework": frameworks(ok).to_numpy(),
             "workload": ok["workload"].to_numpy(),
             "mode": [label(row) for _, row in ok.iterrows()],
             "peak MiB": (ok["peak_bytes"] / MIB).to_numpy(),
@@ -125,6 +125,9 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
             "step ms": (ok["step_time_s"] * 1e3).to_numpy(),
         }
     )
+    if (frameworks(ok) != DEFAULT_FRAMEWORK).any():
+        table.insert(0, "framework", frameworks(ok).to_numpy())
+    return table
 
 
 def to_markdown(table: pd.DataFrame, digits: int = 3) -> str:

@@ -90,7 +90,9 @@ def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
         return table
     ok = runs[runs.get("status", pd.Series("ok", index=runs.index)).fillna("ok") == "ok"]
     budget = ok.get("config.mode.budget", pd.Series(None, index=ok.index))
-    table.insert(2, "budget", [None if v != v else str(v) for v in budget])
+    table.insert(
+        table.columns.get_loc("mode") + 1, "budget", [None if v != v else str(v) for v in budget]
+    )
     return table
 
 
@@ -135,7 +137,7 @@ def plot_timeline(runs: pd.DataFrame, path: str | Path) -> Path | str:
 
     ok = _ok_runs(runs)
     ok = ok[frameworks(ok) == "torch"]  # JAX runs have no per-op timeline
-    has = ok[[(Path(d) / TIMELINE_FILE).exists() for d in ok["run_dir"]]]
+    has = ok[[(Path(d) / TIMELINE_FILE).exists() for d in ok["run_dir"]]] if len(ok) else ok
     has = has[has["mode"].isin(TIMELINE_MODES)]
     if has.empty:
         return "no naive/checkpoint/tiny run with a timeline (logger=table or wandb)"

@@ -17,19 +17,21 @@ from __future__ import annotations
 import jax
 
 from hbp.errors import ConfigError
+from hbp.modes.jax.base import refuse_chunked_loss
 from hbp.modes.segments import positive_int_or_none, segment_bounds
 from hbp.workloads.jax.base import JaxWorkload
 
 
 class JaxCheckpointMode:
     """`jax.checkpoint` per segment of blocks; `segments` or `block_size` (at most one set).
-    `chunked_loss` is accepted (shared config group) and has no effect in JAX."""
+    `chunked_loss` must be false (`refuse_chunked_loss`)."""
 
     name = "checkpoint"
 
     def __init__(
         self, segments: int | None = None, block_size: int | None = None, chunked_loss: bool = False
     ):
+        refuse_chunked_loss(chunked_loss)
         self.segments = positive_int_or_none("mode.segments", segments)
         self.block_size = positive_int_or_none("mode.block_size", block_size)
         if self.segments is not None and self.block_size is not None:

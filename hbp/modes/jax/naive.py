@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import jax
 
+from hbp.modes.jax.base import refuse_chunked_loss
 from hbp.workloads.jax.base import JaxWorkload
 
 
 class JaxNaiveMode:
-    """`jax.grad(loss, has_aux=True)`. `chunked_loss` is accepted (the config group is shared
-    with torch) and has no effect: the JAX GPT-2 computes its logits whole."""
+    """`jax.grad(loss, has_aux=True)`. `chunked_loss` must be false (`refuse_chunked_loss`):
+    the JAX GPT-2 computes its logits whole."""
 
     name = "naive"
 
     def __init__(self, chunked_loss: bool = False):
-        self.chunked_loss = bool(chunked_loss)
+        refuse_chunked_loss(chunked_loss)
 
     def apply(self, workload: JaxWorkload):
         return jax.grad(workload.loss_and_aux, has_aux=True)

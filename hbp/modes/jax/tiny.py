@@ -10,13 +10,14 @@ hbp/integrations/jax/remat.py).
 from __future__ import annotations
 
 from hbp.errors import ConfigError
+from hbp.modes.jax.base import refuse_chunked_loss
 from hbp.workloads.jax.base import JaxWorkload
 
 
 class JaxTinyMode:
     """`height_compressed_grad(loss, budget, has_aux=True, block_size=..., planner=...)`,
-    planned on the workload's arrays in `apply`. `chunked_loss` is accepted (shared config
-    group; tiny's default is true for torch) and has no effect in JAX."""
+    planned on the workload's arrays in `apply`. `chunked_loss` must be false
+    (`refuse_chunked_loss`; conf/framework/jax.yaml sets it false)."""
 
     name = "tiny"
 
@@ -25,8 +26,9 @@ class JaxTinyMode:
         budget: float | int | str = 0.3,
         block_size: int = 1,
         planner: str = "optimal",
-        chunked_loss: bool = True,
+        chunked_loss: bool = False,
     ):
+        refuse_chunked_loss(chunked_loss)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError("mode.block_size", block_size, "an integer >= 1")
         if not isinstance(planner, str) or not planner:
