@@ -13,7 +13,11 @@ once, ahead of time, and then called as compiled. NOTE [ JAX step metrics ]:
   call): `rss_first_call_growth_bytes` for the first call of the compiled program (nothing
   of the program's memory was resident before it), `rss_growth_bytes` for the measured call
   after the timed steps (XLA:CPU and malloc keep memory resident between calls, so it can be
-  far below the peak; README "JAX on XLA:CPU").
+  far below the peak; README "JAX on XLA:CPU"). Before building anything the run asks glibc
+  to serve allocations of 64 KiB and more by mmap and to give freed memory back at once
+  (`mallopt`, what `MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0` do at start-up):
+  otherwise memory freed by an earlier job of the same multirun process is reused without
+  growing RSS, and the first call's growth says nothing.
 - `flops`: `cost_analysis()["flops"]` of the compiled step (XLA's count, after its
   optimisations); `naive_flops` the same for `jax.jit(jax.grad(loss))`.
 - `step_time_s`: median of the timed calls (`block_until_ready`), after `warmup` calls.
@@ -85,6 +89,7 @@ def measure_jax(cfg) -> tuple[object, dict, pd.DataFrame]:
 
     device = resolve_jax_device(cfg.device)
     mode = build_mode(cfg.mode, framework="jax")
+    return_freed_memory()
     with jax.default_device(device):
         workload = build_jax_workload(cfg)
         params, batch = jax.device_put((workload.params, workload.batch), device)
@@ -144,6 +149,22 @@ def measure_jax(cfg) -> tuple[object, dict, pd.DataFrame]:
         row["optimizer_step_s"] = time_adamw(params, grads, max(1, min(cfg.steps, 5)))
     row.update(_environment(device))
     return mode, row, pd.DataFrame(rows)
+
+
+def return_freed_memory(threshold: int = 1 << 16) -> bool:
+    """glibc only: allocations >= `threshold` bytes by mmap, freed memory trimmed at once
+    (NOTE [ JAX step metrics ]). False where mallopt is not available."""
+    import ctypes
+    import ctypes.util
+
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(
+            libc.mallopt(m_trim_threshold, 0)
+        )
+    except (OSError, AttributeError):
+        return False
 
 
 def compiled_memory(compiled) -> dict:
