@@ -165,7 +165,7 @@ def validate(cfg) -> None:
         "null (automatic) or an integer >= 1",
     )
     if framework(cfg) == "jax":
-        from hbp.bench.jax_run import check_jax_config
+        from hbp.bench.jax_config import check_jax_config
 
         check_jax_config(cfg)
         check_writable(cfg.output_root)

@@ -27,56 +27,16 @@ once, ahead of time, and then called as compiled. NOTE [ JAX step metrics ]:
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
+import psutil
 
-from hbp.bench.config import workload_overrides
+from hbp.bench.jax_config import build_jax_workload, resolve_jax_device
 from hbp.bench.step import GRAD_TOLERANCE, MIB, Progress
-from hbp.errors import ConfigError
 from hbp.telemetry.samplers import RssSampler
-
-log = logging.getLogger("hbp.bench")
-
-JAX_DEVICES = ("auto", "cpu", "cuda", "cuda:N")
-
-
-def resolve_jax_device(name):
-    """`auto` -> JAX's default device; `cpu`; `cuda` / `cuda:N` (ConfigError when JAX has no
-    such GPU)."""
-    import jax
-
-    # JAX logs a warning for every platform plugin it cannot load (e.g. "Unable to initialize
-    # backend 'tpu'") when it first looks for devices: noise on the bench's stderr.
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-    text = str(name)
-    if text == "auto":
-        return jax.devices()[0]
-    if text == "cpu":
-        return jax.devices("cpu")[0]
-    if text == "cuda" or text.startswith("cuda:"):
-        try:
-            gpus = jax.devices("gpu")
-        except RuntimeError:
-            raise ConfigError("device", text, "auto or cpu: JAX sees no GPU here") from None
-        index = text.partition(":")[2]
-        if index and (not index.isdigit() or int(index) >= len(gpus)):
-            raise ConfigError("device", text, f"auto, cpu, cuda or cuda:0..cuda:{len(gpus) - 1}")
-        return gpus[int(index or 0)]
-    raise ConfigError("device", text, "one of " + ", ".join(JAX_DEVICES))
-
-
-def build_jax_workload(cfg):
-    """The configured JAX workload (the workload config's fields; mode options such as
-    chunked_loss do not apply to JAX)."""
-    from hbp.workloads.jax import build
-
-    overrides = workload_overrides(cfg, with_mode_options=False)
-    return build(cfg.workload.name, cfg.profile.name, seed=cfg.seed, **overrides)
 
 
 def measure_jax(cfg) -> tuple[object, dict, pd.DataFrame]:
@@ -199,14 +159,13 @@ def _growth(measured: int) -> int | None:
 
 
 def _step_row(rows: list, phase: str, elapsed: float, out) -> dict:
-    from hbp.integrations.jax.measure import _current_rss
-
+    """One steps.parquet row, as the torch runs' (`hbp.bench.step.measure_steps`)."""
     return {
         "step": len(rows),
         "phase": phase,
         "step_time_s": elapsed,
         "loss": float(out[1]),
-        "rss_mb": _current_rss() / MIB,
+        "rss_mb": psutil.Process().memory_info().rss / MIB,
     }
 
 
@@ -319,27 +278,3 @@ def _environment(device) -> dict:
     env["jaxlib_version"] = jaxlib.__version__
     env["jax_backend"] = device.platform
     return env
-
-
-def check_jax_config(cfg) -> None:
-    """The framework=jax checks of `validate`: workload and mode among JAX's, no
-    distributed, the device, the workload's JAX-only options and the mode's parameters."""
-    from hbp.modes import JAX_MODES, build_mode
-    from hbp.workloads.jax import JAX_WORKLOADS, check
-
-    def need(ok: bool, field: str, accepted: str) -> None:
-        if not ok:
-            raise ConfigError(field, OmegaConf.select(cfg, field), accepted)
-
-    with_jax = " with framework=jax"
-    need(
-        cfg.workload.name in JAX_WORKLOADS,
-        "workload.name",
-        "one of " + ", ".join(JAX_WORKLOADS) + with_jax,
-    )
-    need(cfg.mode.name in JAX_MODES, "mode.name", "one of " + ", ".join(JAX_MODES) + with_jax)
-    distributed = OmegaConf.select(cfg, "distributed.name", default="none")
-    need(distributed == "none", "distributed.name", "none" + with_jax)
-    resolve_jax_device(cfg.device)
-    check(cfg.workload.name, cfg.profile.name, **workload_overrides(cfg, with_mode_options=False))
-    build_mode(cfg.mode, framework="jax")
