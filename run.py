@@ -20,7 +20,16 @@ import hydra
 from omegaconf import DictConfig
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-CHECKED_GROUPS = ("workload", "mode", "profile", "logger", "sweep", "experiment", "distributed")
+CHECKED_GROUPS = (
+    "framework",
+    "workload",
+    "mode",
+    "profile",
+    "logger",
+    "sweep",
+    "experiment",
+    "distributed",
+)
 
 
 def check_group_choices(args: list[str]) -> None:

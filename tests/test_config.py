@@ -16,7 +16,7 @@ from hbp.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-GROUPS = ("workload", "mode", "profile", "logger", "distributed")
+GROUPS = ("framework", "workload", "mode", "profile", "logger", "distributed")
 
 
 def options(group: str) -> list[str]:

@@ -22,6 +22,7 @@ import pandas as pd
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.json"
 MIB = 1024 * 1024
+DEFAULT_FRAMEWORK = "torch"  # what a metrics.json without a `framework` field ran on
 
 
 def _read_records(root: Path, name: str) -> list[dict]:
@@ -43,9 +44,10 @@ def _read_records(root: Path, name: str) -> list[dict]:
 def collect(root: str | Path, *, include_errors: bool = False) -> pd.DataFrame:
     """One row per run under `root` (every metrics.json, recursively).
 
-    Columns: the metrics.json fields (workload, mode, profile, peak_bytes, flops, ...), the
-    nested `config` flattened into `config.<group>.<key>` columns (e.g. `config.mode.budget`),
-    and `run_dir`. With `include_errors`, failed runs (error.json) are rows too, with
+    Columns: the metrics.json fields (framework, workload, mode, profile, peak_bytes, flops,
+    ...), the nested `config` flattened into `config.<group>.<key>` columns (e.g.
+    `config.mode.budget`), and `run_dir`. `framework` is "torch" for runs written before the
+    field existed (torch and JAX runs share one table: hbp/bench/jax_run.py). With `include_errors`, failed runs (error.json) are rows too, with
     status "error" and their error fields. Rows are ordered by start time, then run dir. A
     root without runs gives an empty DataFrame; a root that does not exist raises
     FileNotFoundError.
@@ -58,17 +60,29 @@ def collect(root: str | Path, *, include_errors: bool = False) -> pd.DataFrame:
         records += _read_records(root, ERROR_FILE)
     if not records:
         return pd.DataFrame()
+    for record in records:
+        record.setdefault("framework", DEFAULT_FRAMEWORK)
     frame = pd.json_normalize(records, sep=".")
     keys = [c for c in ("started_at", "run_dir") if c in frame]
     return frame.sort_values(keys, kind="stable").reset_index(drop=True)
 
 
+def frameworks(runs: pd.DataFrame) -> pd.Series:
+    """Each run's framework ("torch" where the column is missing or empty)."""
+    column = runs.get("framework", pd.Series(DEFAULT_FRAMEWORK, index=runs.index))
+    return column.fillna(DEFAULT_FRAMEWORK)
+
+
 def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
-    """For each run, `column` of the naive run on the same workload and profile (NaN where
-    there is none), aligned with `runs`' index."""
-    naive = runs[runs["mode"] == "naive"].groupby(["workload", "profile"])[column].first()
+    """For each run, `column` of the naive run of the same framework on the same workload and
+    profile (NaN where there is none), aligned with `runs`' index."""
+    keys = pd.DataFrame(
+        {"framework": frameworks(runs), "workload": runs["workload"], "profile": runs["profile"]}
+    )
+    naive_rows = runs["mode"] == "naive"
+    naive = runs[column][naive_rows].groupby([keys[c][naive_rows] for c in keys]).first()
     return pd.Series(
-        [naive.get((w, p), math.nan) for w, p in zip(runs["workload"], runs["profile"])],
+        [naive.get(tuple(k), math.nan) for k in keys.itertuples(index=False)],
         index=runs.index,
         dtype=float,
     )
@@ -76,8 +90,9 @@ def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
 
 def results_table(frame: pd.DataFrame) -> pd.DataFrame:
     """The README table: per run, workload, mode (with its set parameters), peak MiB, the peak
-    relative to naive's on the same workload and profile, GFLOPs, recompute ratio, step time
-    (median ms). Rows in `frame` order."""
+    relative to naive's of the same framework on the same workload and profile, GFLOPs,
+    recompute ratio, step time (median ms); first a `framework` column when some run is not
+    torch's. Rows in `frame` order."""
     if frame.empty:
         return pd.DataFrame()
     ok = frame[frame.get("status", pd.Series("ok", index=frame.index)).fillna("ok") == "ok"]
@@ -97,7 +112,7 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
         return f"{row['mode']}({', '.join(shown)})" if shown else row["mode"]
 
     naive_peak = naive_reference(ok, "peak_bytes")
-    return pd.DataFrame(
+    table = pd.DataFrame(
         {
             "workload": ok["workload"].to_numpy(),
             "mode": [label(row) for _, row in ok.iterrows()],
@@ -110,6 +125,9 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
             "step ms": (ok["step_time_s"] * 1e3).to_numpy(),
         }
     )
+    if (frameworks(ok) != DEFAULT_FRAMEWORK).any():
+        table.insert(0, "framework", frameworks(ok).to_numpy())
+    return table
 
 
 def to_markdown(table: pd.DataFrame, digits: int = 3) -> str:

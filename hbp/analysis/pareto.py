@@ -44,10 +44,13 @@ def pareto_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def pareto_flags(table: pd.DataFrame) -> list[bool]:
-    """True where no other row of the same workload has peak and time both <= and one <."""
+    """True where no other row of the same framework and workload has peak and time both <=
+    and one <."""
     flags = []
+    framework = table.get("framework", pd.Series("torch", index=table.index))
     for i, row in table.iterrows():
-        same = table[(table["workload"] == row["workload"]) & (table.index != i)]
+        same_kind = (table["workload"] == row["workload"]) & (framework == framework[i])
+        same = table[same_kind & (table.index != i)]
         dominated = (
             (same["peak MiB"] <= row["peak MiB"])
             & (same["step ms"] <= row["step ms"])
@@ -76,14 +79,21 @@ def plot_pareto(table: pd.DataFrame, path: str | Path, optimum: pd.DataFrame | N
     for col, workload in enumerate(workloads):
         rows = table[table["workload"] == workload]
         families = rows["mode"].str.split("(", n=1).str[0]
+        if "framework" in rows:  # "jax tiny" apart from torch's "tiny"
+            families = families.where(
+                rows["framework"] == "torch", rows["framework"] + " " + families
+            )
         for ax, y in zip(axes[:, col], ("time / naive", "recompute ratio")):
             for family in dict.fromkeys(families):
                 pts = rows[families == family].dropna(subset=[y]).sort_values("peak / naive")
                 if pts.empty:
                     continue
-                style = "-" if family == "tiny" and len(pts) > 1 else ""
+                mode = family.split()[-1]
+                style = ("-" if mode == "tiny" and len(pts) > 1 else "") + MARKERS.get(mode, "x")
+                if mode != family:  # another framework's points: a dashed line
+                    style = style.replace("-", "--")
                 ax.plot(
-                    pts["peak / naive"], pts[y], style + MARKERS.get(family, "x"),
+                    pts["peak / naive"], pts[y], style,
                     label=family, markersize=6,
                 )  # fmt: skip
             ax.grid(alpha=0.3)

@@ -24,8 +24,9 @@ whole resolved config, nested; `hbp.analysis.collect` flattens it into `config.*
 
 Layout (one concern per module): `config` (validation, device, threads, the workload),
 `rundir` (run directories, run keys, resuming a sweep), `step` (driving the measurement),
-`runner` (`run`: one run end to end), `summary` (the printed table), `cli` (Hydra glue:
-`hydra_main`, `RunGuard`). Only run.py (and tests) import this package; the library never
+`runner` (`run`: one run end to end), `jax_config` and `jax_run` (framework=jax: its checks,
+and the JAX step's measurement, NOTE [ JAX step metrics ]), `summary` (the printed table), `cli` (Hydra glue: `hydra_main`,
+`RunGuard`). Only run.py (and tests) import this package; the library never
 does.
 """
 

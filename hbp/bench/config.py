@@ -16,6 +16,7 @@ from hbp.modes import MODES, build_mode
 from hbp.telemetry import LOGGERS
 
 DEVICES = ("auto", "cpu", "cuda")
+FRAMEWORKS = ("torch", "jax")
 MAX_AUTO_THREADS = 16
 # Mode options that change how the workload is built (only passed to workloads that have the
 # field, and only where the workload config leaves it null).
@@ -133,6 +134,11 @@ def build_workload(cfg, with_mode_options: bool = True):
     return build(cfg.workload.name, cfg.profile.name, seed=cfg.seed, **overrides)
 
 
+def framework(cfg) -> str:
+    """The run's framework: `framework.name`, "torch" for a config without the group."""
+    return str(OmegaConf.select(cfg, "framework.name", default="torch"))
+
+
 def validate(cfg) -> None:
     """Reject bad input with a ConfigError naming the field and the accepted values. Cheap and
     side-effect free: builds no model, creates no directory."""
@@ -142,6 +148,7 @@ def validate(cfg) -> None:
         if not ok:
             raise ConfigError(field, OmegaConf.select(cfg, field), accepted)
 
+    need(framework(cfg) in FRAMEWORKS, "framework.name", "one of " + ", ".join(FRAMEWORKS))
     need(cfg.workload.name in WORKLOADS, "workload.name", "one of " + ", ".join(WORKLOADS))
     need(cfg.profile.name in PROFILES, "profile.name", "one of " + ", ".join(PROFILES))
     need(cfg.mode.name in MODES, "mode.name", "one of " + ", ".join(MODES))
@@ -157,6 +164,12 @@ def validate(cfg) -> None:
         "threads",
         "null (automatic) or an integer >= 1",
     )
+    if framework(cfg) == "jax":
+        from hbp.bench.jax_config import check_jax_config
+
+        check_jax_config(cfg)
+        check_writable(cfg.output_root)
+        return
     resolve_device(cfg.device)
     from hbp.bench.distributed import check as check_distributed
 

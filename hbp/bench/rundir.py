@@ -55,7 +55,9 @@ def remove_run_dir(run_dir: Path, output_root: Path) -> bool:
 # into the same sweep directory finds each finished job where it left it, and a job whose
 # numbering shifted (more values on the command line) never lands in another job's directory.
 # `finished_run` looks the key up among the sweep's metrics.json files (a metrics.json means a
-# finished run: it is written last); `redo=true` reruns anyway.
+# finished run: it is written last); `redo=true` reruns anyway. The default framework
+# (`framework: {name: torch}`) is left out of the key, so torch runs keep the keys they had
+# before the framework group existed and old sweep directories still resume.
 
 KEY_EXCLUDED = ("hydra", "redo", "output_root")
 KEY_LENGTH = 10
@@ -77,6 +79,8 @@ def run_key(config) -> str:
         }  # fmt: skip
     else:
         fields = {k: v for k, v in dict(config).items() if k not in KEY_EXCLUDED}
+    if fields.get("framework") == {"name": "torch"}:
+        del fields["framework"]
     text = json.dumps(jsonable(fields), sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(text.encode()).hexdigest()[:KEY_LENGTH]
 

@@ -17,6 +17,7 @@ from hbp.bench import distributed
 from hbp.bench.config import (
     build_workload,
     check_writable,
+    framework,
     launcher_cpus_per_task,
     parallel_jobs,
     resolve_device,
@@ -44,6 +45,11 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict:
     validate(cfg)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     check_writable(run_dir)
+    if framework(cfg) == "jax":
+        from hbp.bench.jax_run import measure_jax
+
+        mode, row, steps = measure_jax(cfg)
+        return _finish(cfg, run_dir, mode, row, steps, pd.DataFrame(), started_at, t_start)
     place = distributed.setup(cfg)
     try:
         return _run(cfg, run_dir, place, started_at, t_start)
@@ -82,20 +88,30 @@ def _run(cfg, run_dir: Path, place, started_at, t_start: float) -> dict:
         row["peak_vs_naive"] = measured.peak_bytes / row["naive_peak_bytes"]
     row["optimizer_step_s"] = time_optimizer_step(params, device, max(1, min(cfg.steps, 5)))
     row.update(capture_environment(device))
+    if place.enabled:  # a collective: every rank gathers
+        row["distributed"] = place.kind
+        row["world_size"] = place.world_size
+        row["rank_peak_bytes"] = distributed.gather(measured.peak_bytes, place)
+    if not place.is_main:  # only rank 0 writes
+        return _describe_run(cfg, row, run_dir, started_at)
+    timeline = measured.timeline if measured.timeline is not None else pd.DataFrame()
+    return _finish(cfg, run_dir, mode, row, steps, timeline, started_at, t_start)
+
+
+def _describe_run(cfg, row: dict, run_dir: Path, started_at) -> dict:
+    """The run's bookkeeping fields: start time, run dir, the resolved config and its key."""
     row["started_at"] = started_at.isoformat(timespec="milliseconds")
     row["run_dir"] = str(run_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
     row["config"] = config
     row["run_key"] = run_key(config)
-    if place.enabled:  # a collective: every rank gathers
-        row["distributed"] = place.kind
-        row["world_size"] = place.world_size
-        row["rank_peak_bytes"] = distributed.gather(measured.peak_bytes, place)
-    if not place.is_main:  # only rank 0 writes
-        return row
+    return row
 
-    timeline = measured.timeline if measured.timeline is not None else pd.DataFrame()
+
+def _finish(cfg, run_dir: Path, mode, row: dict, steps, timeline, started_at, t_start) -> dict:
+    """Write the run (config, artifacts, loggers, metrics.json last) and print its summary."""
+    _describe_run(cfg, row, run_dir, started_at)
     write_outputs(cfg, run_dir, mode, row, steps, timeline)
     row["wall_s"] = time.perf_counter() - t_start
     write_metrics(run_dir, row)
@@ -109,6 +125,7 @@ def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:
     facts = dict(workload.config)
     row: dict = {
         "status": "ok",
+        "framework": "torch",
         "workload": cfg.workload.name,
         "mode": cfg.mode.name,
         "profile": cfg.profile.name,
@@ -162,6 +179,8 @@ def sweep_context(cfg, run_dir: Path) -> dict:
     (e.g. "sweeps/budget"; a single run: None), `tags` = workload=, mode=, profile=,
     `sweep_dir`."""
     tags = [f"workload={cfg.workload.name}", f"mode={cfg.mode.name}", f"profile={cfg.profile.name}"]
+    if framework(cfg) != "torch":
+        tags.append(f"framework={framework(cfg)}")
     sweep_dir = None
     try:
         from hydra.core.hydra_config import HydraConfig

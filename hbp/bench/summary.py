@@ -27,6 +27,8 @@ def summary_frame(rows) -> pd.DataFrame:
             "recompute": frame.get("recompute_ratio"),
         }
     )
+    if "framework" in frame and (frame["framework"].fillna("torch") != "torch").any():
+        table.insert(0, "framework", frame["framework"].fillna("torch"))
     if "mode_predicted_peak_bytes" in frame:
         table["predicted MiB"] = frame["mode_predicted_peak_bytes"] / MIB
     if "naive_peak_bytes" in frame:

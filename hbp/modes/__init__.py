@@ -2,8 +2,10 @@
 
 `MODES` maps a mode name (the `mode=` choice, conf/mode/<name>.yaml) to "module:Class"; a
 mode class is imported only when it is used, so `mode=naive` never imports the planner or
-torch.compile. `build_mode(mode_cfg)` makes a mode from its config group: `name` picks the
-class, every other key is a keyword argument of its constructor.
+torch.compile. `JAX_MODES` does the same for framework=jax (hbp/modes/jax/: the mode names and
+config keys are shared, the classes are JAX's). `build_mode(mode_cfg, framework)` makes a mode
+from its config group: `name` picks the class, every other key is a keyword argument of its
+constructor.
 """
 
 from __future__ import annotations
@@ -26,14 +28,24 @@ MODES: dict[str, str] = {
     "library_checkpoint": "hbp.modes.library_checkpoint:LibraryCheckpointMode",
 }
 
-__all__ = ["MODES", "Mode", "build_mode", "mode_class"]
+JAX_MODES: dict[str, str] = {
+    "naive": "hbp.modes.jax.naive:JaxNaiveMode",
+    "checkpoint": "hbp.modes.jax.checkpoint:JaxCheckpointMode",
+    "tiny": "hbp.modes.jax.tiny:JaxTinyMode",
+}
+MODES_BY_FRAMEWORK = {"torch": MODES, "jax": JAX_MODES}
+
+__all__ = ["JAX_MODES", "MODES", "MODES_BY_FRAMEWORK", "Mode", "build_mode", "mode_class"]
 
 
-def mode_class(name: str) -> type:
-    """The class registered as `name`; ConfigError naming the registered modes if unknown."""
-    if name not in MODES:
-        raise ConfigError("mode", name, "one of " + ", ".join(MODES))
-    module_name, class_name = MODES[name].split(":")
+def mode_class(name: str, framework: str = "torch") -> type:
+    """The class registered as `name` for `framework`; ConfigError naming that framework's
+    modes if unknown."""
+    registry = MODES_BY_FRAMEWORK[framework]
+    if name not in registry:
+        suffix = "" if framework == "torch" else f" with framework={framework}"
+        raise ConfigError("mode", name, "one of " + ", ".join(registry) + suffix)
+    module_name, class_name = registry[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
@@ -47,14 +59,15 @@ def _as_dict(mode_cfg) -> dict:
     raise ConfigError("mode", mode_cfg, "a mode name or a mapping with a 'name' key")
 
 
-def build_mode(mode_cfg) -> Mode:
-    """A mode from its config: a name ("checkpoint") or a mapping {"name": ..., **kwargs}.
+def build_mode(mode_cfg, framework: str = "torch") -> Mode:
+    """A mode from its config: a name ("checkpoint") or a mapping {"name": ..., **kwargs};
+    `framework` ("torch", "jax") picks the registry (MODES_BY_FRAMEWORK).
 
     Raises ConfigError for an unknown name (listing the registered modes) or a key the mode's
     constructor does not take (listing the ones it takes)."""
     params = _as_dict(mode_cfg)
     name = params.pop("name", None)
-    cls = mode_class(name)
+    cls = mode_class(name, framework)
     signature = inspect.signature(cls)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     accepted = [

@@ -15,41 +15,17 @@ statistics are updated once per step, not again in the recompute
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch._dynamo  # noqa: F401  checkpoint() imports it on first call: pay that here, untimed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hbp.errors import ConfigError
+from hbp.modes.segments import positive_int_or_none, segment_bounds
 from hbp.runtime.recompute import checkpoint_context_fn
 from hbp.workloads.base import Batch, Workload
 
-
-def segment_bounds(
-    num_blocks: int, segments: int | None = None, block_size: int | None = None
-) -> list[tuple[int, int]]:
-    """[start, stop) of each segment tiling `num_blocks` blocks.
-
-    `block_size`: segments of that many blocks (the last one shorter if it does not divide).
-    Otherwise `segments` segments (default round(sqrt(num_blocks)); more than num_blocks is
-    clamped to one block per segment) whose lengths differ by at most one, longer ones first.
-    """
-    if num_blocks < 1:
-        raise ValueError(f"need at least one block to checkpoint, got {num_blocks}")
-    if block_size is not None:
-        starts = range(0, num_blocks, block_size)
-        return [(s, min(s + block_size, num_blocks)) for s in starts]
-    count = segments if segments is not None else max(1, round(math.sqrt(num_blocks)))
-    count = min(count, num_blocks)
-    base, extra = divmod(num_blocks, count)
-    bounds, start = [], 0
-    for i in range(count):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+__all__ = ["CheckpointMode", "CheckpointedSegment", "segment_bounds"]
 
 
 class CheckpointedSegment(nn.Module):
@@ -76,14 +52,6 @@ class CheckpointedSegment(nn.Module):
         return f"blocks {self.start}..{self.start + len(self.blocks) - 1}"
 
 
-def _positive_int_or_none(field: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(field, value, "null or an integer >= 1")
-    return value
-
-
 class CheckpointMode:
     """Uniform checkpointing: `segments` segments (default round(sqrt(L))) or `block_size`
     blocks per segment (set at most one of them). `chunked_loss` is recorded; the bench builds
@@ -94,8 +62,8 @@ class CheckpointMode:
     def __init__(
         self, segments: int | None = None, block_size: int | None = None, chunked_loss: bool = False
     ):
-        self.segments = _positive_int_or_none("mode.segments", segments)
-        self.block_size = _positive_int_or_none("mode.block_size", block_size)
+        self.segments = positive_int_or_none("mode.segments", segments)
+        self.block_size = positive_int_or_none("mode.block_size", block_size)
         if self.segments is not None and self.block_size is not None:
             raise ConfigError(
                 "mode.segments/mode.block_size",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hbp.analysis.collect import collect, to_markdown
+from hbp.analysis.collect import collect, frameworks, to_markdown
 from hbp.analysis.pareto import pareto_table, plot_pareto
 
 __all__ = [
@@ -90,7 +90,9 @@ def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
         return table
     ok = runs[runs.get("status", pd.Series("ok", index=runs.index)).fillna("ok") == "ok"]
     budget = ok.get("config.mode.budget", pd.Series(None, index=ok.index))
-    table.insert(2, "budget", [None if v != v else str(v) for v in budget])
+    table.insert(
+        table.columns.get_loc("mode") + 1, "budget", [None if v != v else str(v) for v in budget]
+    )
     return table
 
 
@@ -134,7 +136,8 @@ def plot_timeline(runs: pd.DataFrame, path: str | Path) -> Path | str:
     from hbp.report.plots import plot_memory_timeline
 
     ok = _ok_runs(runs)
-    has = ok[[(Path(d) / TIMELINE_FILE).exists() for d in ok["run_dir"]]]
+    ok = ok[frameworks(ok) == "torch"]  # JAX runs have no per-op timeline
+    has = ok[[(Path(d) / TIMELINE_FILE).exists() for d in ok["run_dir"]]] if len(ok) else ok
     has = has[has["mode"].isin(TIMELINE_MODES)]
     if has.empty:
         return "no naive/checkpoint/tiny run with a timeline (logger=table or wandb)"

@@ -1,0 +1,100 @@
+"""JAX mode "tiny": hbp's planner through `hbp.jax.height_compressed_grad(loss, budget)`.
+
+The loss is captured as a jaxpr, planned under `budget` (fraction of the simulated naive
+peak, bytes, a size string or "min") and executed by the "fenced" executor inside the bench's
+`jax.jit`: every recomputed segment is a custom_vjp whose backward recomputes it where XLA
+cannot merge it back into the forward (NOTE [ Recomputation under the caller's jax.jit ] in
+hbp/integrations/jax/remat.py).
+"""
+
+from __future__ import annotations
+
+from hbp.errors import ConfigError
+from hbp.modes.jax.base import refuse_chunked_loss
+from hbp.workloads.jax.base import JaxWorkload
+
+
+class JaxTinyMode:
+    """`height_compressed_grad(loss, budget, has_aux=True, block_size=..., planner=...)`,
+    planned on the workload's arrays in `apply`. `chunked_loss` must be false
+    (`refuse_chunked_loss`; conf/framework/jax.yaml sets it false)."""
+
+    name = "tiny"
+
+    def __init__(
+        self,
+        budget: float | int | str = 0.3,
+        block_size: int = 1,
+        planner: str = "optimal",
+        chunked_loss: bool = False,
+    ):
+        refuse_chunked_loss(chunked_loss)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError("mode.block_size", block_size, "an integer >= 1")
+        if not isinstance(planner, str) or not planner:
+            raise ConfigError("mode.planner", planner, "a planner name such as 'optimal'")
+        self.budget = budget
+        self.block_size = block_size
+        self.planner = planner
+        self.grad_fn = None
+        self.graph = None
+
+    def apply(self, workload: JaxWorkload):
+        """The planned gradient function (raises `hbp.BudgetError` when no plan fits)."""
+        import hbp.jax as hj
+        from hbp.graph.jax_capture import capture_jaxpr
+
+        self.grad_fn = hj.height_compressed_grad(
+            workload.loss_and_aux,
+            self.budget,
+            has_aux=True,
+            block_size=self.block_size,
+            planner=self.planner,
+        )
+        args = (workload.params, *workload.batch)
+        self.grad_fn.get_plan(*args)
+        self.graph = capture_jaxpr(workload.loss_and_aux, *args, argnums=0)[0]
+        return self.grad_fn
+
+    @property
+    def plan(self):
+        return self.grad_fn.plan if self.grad_fn is not None else None
+
+    def describe(self) -> dict:
+        out = {
+            "name": self.name,
+            "budget": self.budget,
+            "block_size": self.block_size,
+            "planner": self.planner,
+            "chunked_loss": False,
+        }
+        plan = self.plan
+        if plan is None:
+            return out
+        out.update(
+            {
+                "plan_segments": len(plan.segments),
+                "plan_recomputed_segments": sum(s.recompute for s in plan.segments),
+                "plan_depth": max((s.depth() for s in plan.segments), default=0),
+                "budget_bytes": plan.budget_bytes,
+                "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "predicted_recompute_flops": plan.predicted_recompute_flops,
+                "predicted_recompute_ratio": plan.predicted_recompute_ratio,
+                "naive_predicted_peak_bytes": plan.naive_peak_bytes,
+                "plan_time_s": plan.meta.get("solve_time_s"),
+                "capture_granularity": "jaxpr",
+                "graph_nodes": len(self.graph) if self.graph is not None else None,
+            }
+        )
+        return out
+
+    def summary(self) -> str:
+        """The plan, readable (printed by the bench before it measures)."""
+        return str(self.plan) if self.plan is not None else "tiny: not planned yet"
+
+    def artifacts(self) -> dict[str, str]:
+        """plan.json and graph.json (the captured jaxpr in hbp's IR; the plan's node indices
+        refer to it) for the run directory (empty before `apply`)."""
+        if self.plan is None or self.graph is None:
+            return {}
+        return {"plan.json": self.plan.to_json(), "graph.json": self.graph.to_json()}
