@@ -103,6 +103,29 @@ def test_nested_dp_equals_brute_force_over_all_nestings(graph):
     assert_dp_equals_brute_force(graph, depth=4, nested=True)
 
 
+def stopping_before_nodes(graph):
+    """`graph` with capture facts of where a recompute pass that early-stops at a node ends
+    (NOTE [ Early stop at the last pack ]): nodes that save only inputs run nothing of
+    themselves (a Linear) or half their FLOPs, alternately."""
+    k = 0
+    for node in graph.nodes:
+        if node.saved_inputs and not node.saves_output and not node.saved_extra_bytes:
+            if k % 2 == 0:
+                node.output_after_last_save, node.flops_after_last_save = True, node.flops
+            else:
+                node.flops_after_last_save = node.flops / 2
+            k += 1
+    return graph
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dp_equals_brute_force_when_passes_stop_before_a_node(seed):
+    graph = stopping_before_nodes(synthetic.random_dag(6, seed=seed, refinements=seed > 0))
+    assert_dp_equals_brute_force(graph, depth=1, nested=False)
+    graph = stopping_before_nodes(synthetic.random_dag(4, seed=seed + 10, refinements=True))
+    assert_dp_equals_brute_force(graph, depth=4, nested=True)
+
+
 def test_nested_dp_beats_every_depth_two_plan():
     graph = synthetic.chain(5, seed=7)
     results = brute_force(graph, depth=2)

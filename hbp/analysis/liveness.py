@@ -64,6 +64,11 @@ class GraphInfo:
         forward_transient / backward_transient: per node, scratch bytes live only during its
             forward / backward event.
         passthrough: per node, the inputs (indices) that receive its output gradient itself.
+        stop_flops: per node, the FLOPs it runs when a recompute pass early-stops at it
+            (`Node.flops_after_last_save` do not run).
+        runs_at_stop: per node, whether a recompute pass that early-stops at it runs it at
+            all (False: its last save is one of its inputs, packed before any of it runs, so
+            it makes nothing: `Node.output_after_last_save` and no FLOPs before the save).
     """
 
     n: int
@@ -91,6 +96,8 @@ class GraphInfo:
     forward_transient: np.ndarray
     backward_transient: np.ndarray
     passthrough: list[tuple[int, ...]]
+    stop_flops: np.ndarray
+    runs_at_stop: np.ndarray
 
     @classmethod
     def of(cls, graph: Graph) -> GraphInfo:
@@ -194,6 +201,10 @@ class GraphInfo:
             np.array([len(s) > 0 for s in saved], dtype=bool) | saves_output | (extra > 0)
         )
         last_user = np.array([u[-1] if u else -1 for u in users], dtype=np.int64)
+        after_save = np.array([nd.flops_after_last_save for nd in nodes], dtype=float)
+        stop_flops = np.clip(flops - after_save, 0.0, None)
+        runs_at_stop = ~np.array([nd.output_after_last_save for nd in nodes], dtype=bool)
+        runs_at_stop |= stop_flops > 0
         return cls(
             n=n,
             names=[nd.name for nd in nodes],
@@ -220,6 +231,8 @@ class GraphInfo:
             forward_transient=forward_transient * ~is_input,
             backward_transient=backward_transient,
             passthrough=passthrough,
+            stop_flops=stop_flops,
+            runs_at_stop=runs_at_stop,
         )
 
     def segment_inputs(self, start: int, stop: int) -> list[int]:

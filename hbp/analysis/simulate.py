@@ -26,7 +26,8 @@ recomputed child is entered and runs with saving off), whose values are new stor
 processes its children in reverse the same way (recursively, the tail being done); then it
 releases its inputs. A recompute pass follows torch's non-reentrant *early stop*: it ends right
 after the pass's last save event (a node of a plain child that saves something, or entering a
-recomputed child that has inputs); the nodes after it do not run, and values the pass made
+recomputed child that has inputs); the nodes after it do not run, nor does that node itself
+when it saves only inputs (NOTE [ Early stop at the last pack ]), and values the pass made
 that are not held are freed when it stops. A segment without save events has no pass at all.
 
 At node j's backward (only nodes with a backward, see `hbp.analysis.liveness`): the gradient
@@ -36,10 +37,12 @@ step); the event is recorded; then j releases what it saved and frees its output
 Gradients of graph inputs are kept to the end of the step. Graph outputs' gradients are
 allocated when backward starts. An input that j passes its gradient through
 (`grad_passthrough`) and that has no gradient yet takes j's output gradient itself (shared
-storage, nothing new). Accumulating into an input's gradient is in place (free) unless
-that gradient's storage is also another value's gradient (shared by passthrough; j's own output
-gradient, which j lets go of before autograd accumulates, does not count): then, like
-autograd's input buffer, the sum is new storage and the input lets go of the shared one.
+storage, nothing new). Accumulating into an input's gradient is in place (the gradient j
+computes for it is live during j's event and added after it: scratch of the event; a
+passed-through one is j's own) unless that gradient's storage is also another value's
+gradient (shared by passthrough; j's own output gradient, which j lets go of before autograd
+accumulates, does not count): then, like autograd's input buffer, the sum is new storage and
+the input lets go of the shared one.
 Scratch bytes a capture recorded (`forward_transient_bytes`,
 `backward_transient_bytes`) are live during the node's forward (every run of it) / backward
 event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a
@@ -61,6 +64,18 @@ if TYPE_CHECKING:  # types only: the planner imports the simulator, never the re
     from hbp.planner.plan import Plan, Segment
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+
+# NOTE [ Early stop at the last pack ]
+# Non-reentrant checkpoint's early stop raises in the pack hook of the last tensor the
+# forward saved. Autograd packs an op's saved inputs before the op runs and its saved outputs
+# after, so a recompute pass that stops at a node spends only the FLOPs before its last save
+# (`Node.flops_after_last_save`, measured at capture: a Linear that saves only its input
+# runs none of its matmul), and when nothing of the node runs before that save
+# (`GraphInfo.runs_at_stop` False) the node makes nothing: its saved inputs are held, its
+# output and scratch are never allocated. Otherwise its event is counted whole (its output
+# may in fact come after the save: a conservative bound). Graphs without these capture facts
+# run the node whole. The DP's pass costs (`CostModel.interval`: `until_run`,
+# `flops_until`) count the same.
 
 # NOTE [ Recompute at the first unpack ]
 # torch.utils.checkpoint(use_reentrant=False) recomputes a segment inside the unpack hook of
@@ -211,8 +226,9 @@ class _Run:
 
     # passes --------------------------------------------------------------------------------
     def _items(self, children: list[Segment], early_stop: bool) -> list[tuple]:
-        """The run items of a pass over `children`: ("node", j, save) and ("enter", segment),
-        cut after the last save event when `early_stop`."""
+        """The run items of a pass over `children`: ("node", j, save), ("enter", segment)
+        and ("pack", j), cut after the last save event when `early_stop` (a last save event of
+        which nothing runs becomes ("pack", j): NOTE [ Early stop at the last pack ])."""
         info = self.info
         items: list[tuple] = []
         last_event = -1
@@ -227,7 +243,12 @@ class _Run:
                     items.append(("node", j, True))
                     if info.save_event[j]:
                         last_event = len(items) - 1
-        return items[: last_event + 1] if early_stop else items
+        if not early_stop:
+            return items
+        items = items[: last_event + 1]
+        if items and items[-1][0] == "node" and not self.info.runs_at_stop[items[-1][1]]:
+            items[-1] = ("pack", items[-1][1])
+        return items
 
     def _pass(
         self, children: list[Segment], scope: tuple[int, int] | None, trigger: int = -1
@@ -239,6 +260,8 @@ class _Run:
         info = self.info
         phase = FORWARD if scope is None else RECOMPUTE
         items = self._items(children, early_stop=scope is not None)
+        # the node a recompute pass stops at runs only up to its last save
+        stop_at = items[-1][1] if scope is not None and items and items[-1][0] == "node" else -1
         pending: dict[int, int] = {}  # value made in this pass -> its uses left
         for item in items:
             if item[0] == "enter":
@@ -249,6 +272,13 @@ class _Run:
                 for inst in holds:
                     self._hold(inst)
                 self.segment_holds[id(seg)] = holds
+                continue
+            if item[0] == "pack":  # the pass stops in j's pack hook, before j runs
+                j = item[1]
+                held = [self.current[v] for v in info.saved[j]]
+                for h in held:
+                    self._hold(h)
+                self.saved_holds[j] = held
                 continue
             _, j, save = item
             if info.is_input[j]:
@@ -281,7 +311,7 @@ class _Run:
                     held.append(self._new(info.extra_bytes[j]))
                 self.saved_holds[j] = held
             if scope is not None:
-                self.recompute_flops += info.flops[j]
+                self.recompute_flops += info.stop_flops[j] if j == stop_at else info.flops[j]
             scratch = int(info.forward_transient[j])
             if not save:  # the op still makes what it would save; the pack hook drops it
                 scratch += int(info.extra_bytes[j])
@@ -305,22 +335,26 @@ class _Run:
         info = self.info
         if not info.has_backward[j]:
             return
+        scratch = int(info.backward_transient[j])
         for v in info.inputs[j]:
             if not info.receives_grad[v]:
                 continue
+            passed = v in info.passthrough[j] and self.grad[j] >= 0
             if self.grad[v] < 0:
-                if v in info.passthrough[j] and self.grad[j] >= 0:
+                if passed:
                     self.grad[v] = self.grad[j]
                     self._hold(self.grad[j])
                 else:
                     self.grad[v] = self._new(info.grad_bytes[v])
-            elif self.refs[self.grad[v]] - (self.grad[v] == self.grad[j]) > 1:
+                continue
+            if self.refs[self.grad[v]] - (self.grad[v] == self.grad[j]) > 1:
                 # shared with another value's gradient: accumulated out of place
                 self._release(self.grad[v])
                 self.grad[v] = self._new(info.grad_bytes[v])
+            elif not passed:  # the gradient j computes, live until added in place
+                scratch += int(info.grad_bytes[v])
         if info.param_grad_bytes[j]:
             self._new(info.param_grad_bytes[j])  # kept to the end of the step
-        scratch = int(info.backward_transient[j])
         self.live += scratch
         self._record(BACKWARD, j)
         self.live -= scratch

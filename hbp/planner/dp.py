@@ -228,6 +228,9 @@ class CostModel:
             first[j] = j if info.save_event[j] else first[j + 1]
         self.next_save = first  # first save event at or after each position
         self._bwd_pos = np.where(info.has_backward, self.pos_bwd, -INF)
+        # a pass stopping at node j runs j (1) or nothing of it (0)
+        self.runs_at_stop = info.runs_at_stop.astype(np.int64)
+        self.stop_flops = info.stop_flops
         self._tail_needs: dict = {}
 
     # -- plan-independent parts ---------------------------------------------------------------
@@ -256,22 +259,27 @@ class CostModel:
         live -= self.seeds_let_go_bytes  # after the backward-start event, as the simulator
         for j in range(n - 1, -1, -1):
             if info.has_backward[j]:
+                scratch = int(info.backward_transient[j])
                 for v in info.inputs[j]:
                     if not info.receives_grad[v]:
                         continue
+                    passed = v in info.passthrough[j] and grad[j] >= 0
                     if grad[v] < 0:
-                        if v in info.passthrough[j] and grad[j] >= 0:
+                        if passed:
                             grad[v] = grad[j]
                             refs[grad[j]] += 1
                         else:
                             grad[v] = new(info.grad_bytes[v])
                             live += int(info.grad_bytes[v])
-                    elif refs[grad[v]] - (grad[v] == grad[j]) > 1:  # see the simulator
+                        continue
+                    if refs[grad[v]] - (grad[v] == grad[j]) > 1:  # see the simulator
                         refs[grad[v]] -= 1
                         grad[v] = new(info.grad_bytes[v])
                         live += int(info.grad_bytes[v])
+                    elif not passed:  # the computed gradient, until added in place
+                        scratch += int(info.grad_bytes[v])
                 live += int(info.param_grad_bytes[j])
-                self.pos_bwd[j] = live + int(info.backward_transient[j])
+                self.pos_bwd[j] = live + scratch
                 if grad[j] >= 0:
                     refs[grad[j]] -= 1
                     if refs[grad[j]] == 0:
@@ -351,8 +359,8 @@ class CostModel:
     def interval(self, e: int, d: int, mode: int) -> dict:
         """The parts of _Profile.at(d) that do not depend on the held set (memoised; the
         arrays are shared and read-only): candidate f in (e, d], their offsets f - e - 1,
-        whether [e, f) has a save event and the pass FLOPs by variant (PLAIN: offset of the
-        last save event before f)."""
+        whether [e, f) has a save event and the pass FLOPs by variant (PLAIN: `until_run`, the
+        offset of the last event a pass that stops in [e, f) records, -1 for none)."""
         key = (e, d, mode)
         r = self._intervals.get(key)
         if r is None:
@@ -363,9 +371,16 @@ class CostModel:
             if mode == PLAIN:
                 ls = self.last_save[fs]
                 has_save = ls >= e
-                r["last_save"] = np.maximum(ls, e) - e
+                # the pass runs up to the last save event, of which it runs the FLOPs before
+                # its last save, and its event only if some of it runs (NOTE [ Early stop at
+                # the last pack ] in hbp.analysis.simulate)
+                at = np.maximum(ls, 0)
+                run_end = np.where(has_save, ls + self.runs_at_stop[at], e)
+                r["until_run"] = run_end - 1 - e  # offset of the last event (-1: none)
                 r["flops_until"] = np.where(
-                    has_save, self.flops_pre[ls + 1] - self.flops_pre[e], 0.0
+                    has_save,
+                    self.flops_pre[at] - self.flops_pre[e] + self.stop_flops[at],
+                    0.0,
                 )
             else:
                 has_save = self.first_reader_from_before(e) < fs
@@ -572,8 +587,8 @@ class _Profile:
                 last = int(m.last_save[d]) - e
                 bwd = self.bwd_max[np.minimum(idx, max(last, 0))] if last >= 0 else idx * 0 - INF
             out["need_full"] = np.maximum(np.maximum(full, bwd), 0)
-            has_save = shared["has_save"]
-            ls_need = np.where(has_save, fwd_max[shared["last_save"]] + pos_pass, -INF)
+            last = shared["until_run"]
+            ls_need = np.where(last >= 0, fwd_max[np.maximum(last, 0)] + pos_pass, -INF)
             out["need_until"] = np.maximum(np.maximum(ls_need, bwd), 0)
             out["need_none"] = np.maximum(bwd, 0)
         else:
