@@ -236,6 +236,29 @@ def test_recompute_pass_stops_after_last_save_event():
     assert sim.timeline[-3:] == [("recompute:a", 60), ("backward:b", 60), ("backward:a", 40)]
 
 
+def test_recompute_pass_stops_inside_its_last_save_event():
+    # NOTE [ Early stop inside a node ]: b is a Linear that saves its input a before its
+    # matmul runs, so the recompute of [x a b] stops before b's FLOPs and b's output.
+    g = chain4()
+    g.nodes[2].flops_after_last_save = 2.0
+    g.nodes[2].output_after_last_save = True
+    # as test_chain_recompute_segment up to the recompute: a 70, b 70 (no output: a's
+    # hold by b's save only), then the same backward.
+    sim = simulate(g, [Segment(0, 3, True), Segment(3, 5)])
+    assert sim.recompute_flops == 1
+    assert sim.peak_bytes == 160
+    assert sim.timeline[6:] == [
+        ("backward:c", 110),
+        ("recompute:a", 70),
+        ("recompute:b", 70),
+        ("backward:b", 80),
+        ("backward:a", 50),
+    ]
+    # in the forward, and in a pass that does not stop at b, b runs whole
+    assert simulate(g, [Segment(0, 2, True), Segment(2, 5)]).recompute_flops == 1
+    assert simulate(g, [Segment(0, 4, True), Segment(4, 5)]).recompute_flops == 1 + 2 + 3
+
+
 def test_capture_refinements_in_meta():
     # forward scratch of b (5), backward scratch of c (7), a's gradient is 3 bytes, and c
     # passes its output gradient through to b (no new allocation).

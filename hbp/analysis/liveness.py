@@ -15,6 +15,8 @@ rules below hold everywhere:
   autograd, as in a traced joint graph.
 - A node is a *save event* when it has a backward and saves something: that is what
   torch.utils.checkpoint's non-reentrant early stop counts (see `hbp.analysis.simulate`).
+  A recompute pass that stops at a save event runs only that node's part up to its last
+  saved tensor (`stop_flops`, `stop_storage_bytes`; NOTE [ Early stop inside a node ]).
 
 Refinements a capture records on the nodes (`hbp.graph.ir.Node`, all optional):
 `forward_scratch_bytes` / `backward_scratch_bytes` (scratch a node holds only while its
@@ -59,6 +61,8 @@ class GraphInfo:
         forward_transient / backward_transient: per node, scratch bytes live only during its
             forward / backward event.
         passthrough: per node, the inputs (indices) that receive its output gradient itself.
+        stop_flops / stop_storage_bytes: per node, the FLOPs and new storage bytes of its run
+            when a recompute pass early-stops at it (NOTE [ Early stop inside a node ]).
     """
 
     n: int
@@ -84,6 +88,8 @@ class GraphInfo:
     forward_transient: np.ndarray
     backward_transient: np.ndarray
     passthrough: list[tuple[int, ...]]
+    stop_flops: np.ndarray
+    stop_storage_bytes: np.ndarray
 
     @classmethod
     def of(cls, graph: Graph) -> GraphInfo:
@@ -181,6 +187,19 @@ class GraphInfo:
             np.array([len(s) > 0 for s in saved], dtype=bool) | saves_output | (extra > 0)
         )
         last_user = np.array([u[-1] if u else -1 for u in users], dtype=np.int64)
+        # NOTE [ Early stop inside a node ]
+        # torch.utils.checkpoint's non-reentrant recompute stops inside the op that packs the
+        # last saved tensor the backward needs: autograd saves an op's inputs before the op
+        # runs and its outputs after. So a Linear whose last save is its input stops before
+        # its matmul: neither the matmul's FLOPs nor its output storage happen in that pass.
+        # The capture measures both per node (`Node.flops_after_last_save`,
+        # `Node.output_after_last_save`); a recompute pass charges the node it stops at only
+        # `stop_flops` and `stop_storage_bytes`. Graphs without those facts charge the whole
+        # node, as before.
+        after = np.array([nd.flops_after_last_save for nd in nodes], dtype=float)
+        stop_flops = flops - np.clip(after, 0.0, flops)
+        output_after = np.array([bool(nd.output_after_last_save) for nd in nodes], dtype=bool)
+        stop_storage = np.where(output_after & save_event, 0, storage)
         return cls(
             n=n,
             names=[nd.name for nd in nodes],
@@ -205,6 +224,8 @@ class GraphInfo:
             forward_transient=forward_transient * ~is_input,
             backward_transient=backward_transient,
             passthrough=passthrough,
+            stop_flops=stop_flops,
+            stop_storage_bytes=stop_storage.astype(np.int64),
         )
 
     def segment_inputs(self, start: int, stop: int) -> list[int]:

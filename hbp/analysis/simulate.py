@@ -25,6 +25,9 @@ releases its inputs. A recompute pass follows torch's non-reentrant *early stop*
 after the pass's last save event (a node of a plain child that saves something, or entering a
 recomputed child that has inputs); the nodes after it do not run, and values the pass made
 that are not held are freed when it stops. A pass without save events does not run at all.
+The node it stops at runs only up to its last saved tensor (inputs are saved before an op
+runs, outputs after): it costs its `stop_flops` and allocates its `stop_storage_bytes`
+(NOTE [ Early stop inside a node ] in `hbp.analysis.liveness`).
 
 At node j's backward (only nodes with a backward, see `hbp.analysis.liveness`): the gradient
 of j's output is live; j allocates the gradients of its inputs that receive one and do not
@@ -213,6 +216,8 @@ class _Run:
         info = self.info
         phase = FORWARD if scope is None else RECOMPUTE
         items = self._items(children, early_stop=scope is not None)
+        # the node a recompute pass stops inside (its last item, a save event)
+        stop_at = items[-1][1] if scope is not None and items and items[-1][0] == "node" else -1
         pending: dict[int, int] = {}  # value made in this pass -> its uses left
         for item in items:
             if item[0] == "enter":
@@ -233,7 +238,8 @@ class _Run:
                             "which is neither stored nor recomputed at that point"
                         )
             alias = info.root[j] != j
-            inst = self.current[info.root[j]] if alias else self._new(info.storage_bytes[j])
+            nbytes = info.stop_storage_bytes[j] if j == stop_at else info.storage_bytes[j]
+            inst = self.current[info.root[j]] if alias else self._new(nbytes)
             if alias:
                 self._hold(inst)  # the creator's hold, released at the end of the event
             self.current[j] = inst
@@ -253,7 +259,7 @@ class _Run:
                     held.append(self._new(info.extra_bytes[j]))
                 self.saved_holds[j] = held
             if scope is not None:
-                self.recompute_flops += info.flops[j]
+                self.recompute_flops += info.stop_flops[j] if j == stop_at else info.flops[j]
             scratch = int(info.forward_transient[j])
             if not save:  # the op still makes what it would save; the pack hook drops it
                 scratch += int(info.extra_bytes[j])

@@ -343,8 +343,10 @@ class CostModel:
                 ls = self.last_save[fs]
                 has_save = ls >= e
                 r["last_save"] = np.maximum(ls, e) - e
+                # the pass stops inside its last save event (NOTE [ Early stop inside a node ])
+                skipped = self.info.flops[ls] - self.info.stop_flops[ls]
                 r["flops_until"] = np.where(
-                    has_save, self.flops_pre[ls + 1] - self.flops_pre[e], 0.0
+                    has_save, self.flops_pre[ls + 1] - self.flops_pre[e] - skipped, 0.0
                 )
             else:
                 has_save = self.first_reader_from_before(e) < fs
@@ -418,6 +420,11 @@ class CostModel:
         if p is None:
             p = self._profiles[key] = _Profile(self, e, H, mode, top)
         return p
+
+
+def _unmade_at_stop(info: GraphInfo, j: np.ndarray) -> np.ndarray:
+    """Bytes of node j's output that a recompute pass stopping at j does not allocate."""
+    return (info.storage_bytes[j] - info.stop_storage_bytes[j]).astype(float)
 
 
 def _prefix(pos: np.ndarray, size: np.ndarray, n: int) -> np.ndarray:
@@ -532,7 +539,13 @@ class _Profile:
             bwd = self.bwd_max[idx]
             out["need_full"] = np.maximum(np.maximum(full, bwd), 0)
             has_save = shared["has_save"]
-            ls_need = np.where(has_save, fwd_max[shared["last_save"]] + pos_pass, -INF)
+            ls = shared["last_save"]
+            # the event the pass stops at lacks the output allocated after its last save
+            # (NOTE [ Early stop inside a node ])
+            unmade = _unmade_at_stop(m.info, e + ls)
+            before = np.where(ls > 0, fwd_max[np.maximum(ls - 1, 0)], -INF)
+            at_stop = np.maximum(before, live[ls] - unmade)
+            ls_need = np.where(has_save, at_stop + pos_pass, -INF)
             out["need_until"] = np.maximum(np.maximum(ls_need, bwd), 0)
             out["need_none"] = np.maximum(bwd, 0)
         else:
