@@ -40,6 +40,9 @@ storage, nothing new). Accumulating into an input's gradient is in place (free) 
 that gradient's storage is also another value's gradient (shared by passthrough; j's own output
 gradient, which j lets go of before autograd accumulates, does not count): then, like
 autograd's input buffer, the sum is new storage and the input lets go of the shared one.
+An accumulated gradient is first made by j's backward as new storage, live during j's
+event, then summed in (NOTE [ Accumulated gradients are made first ]), unless it is j's own
+output gradient passed through.
 Scratch bytes a capture recorded (`forward_transient_bytes`,
 `backward_transient_bytes`) are live during the node's forward (every run of it) / backward
 event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a
@@ -283,6 +286,7 @@ class _Run:
         info = self.info
         if not info.has_backward[j]:
             return
+        incoming = 0  # gradients j makes that are summed into existing ones
         for v in info.inputs[j]:
             if not info.receives_grad[v]:
                 continue
@@ -292,13 +296,16 @@ class _Run:
                     self._hold(self.grad[j])
                 else:
                     self.grad[v] = self._new(info.grad_bytes[v])
-            elif self.refs[self.grad[v]] - (self.grad[v] == self.grad[j]) > 1:
+                continue
+            if self.refs[self.grad[v]] - (self.grad[v] == self.grad[j]) > 1:
                 # shared with another value's gradient: accumulated out of place
                 self._release(self.grad[v])
                 self.grad[v] = self._new(info.grad_bytes[v])
+            elif v not in info.passthrough[j]:  # NOTE [ Accumulated gradients are made first ]
+                incoming += int(info.grad_bytes[v])
         if info.param_grad_bytes[j]:
             self._new(info.param_grad_bytes[j])  # kept to the end of the step
-        scratch = int(info.backward_transient[j])
+        scratch = int(info.backward_transient[j]) + incoming
         self.live += scratch
         self._record(BACKWARD, j)
         self.live -= scratch
@@ -341,6 +348,19 @@ class _Run:
             timeline=self.timeline,
             forward_end_bytes=int(forward_end),
         )
+
+
+# NOTE [ Accumulated gradients are made first ]
+# A value read by several nodes gets its gradient from each of their backwards. Autograd sums
+# them, but each backward kernel first returns its gradient as new storage: a convolution's
+# input gradient is allocated before it is added in place to the gradient that the residual
+# branch already delivered, and freed after. So at j's backward event that gradient is live
+# on top of the existing one (scratch of the event), unless j passes its own output gradient
+# through (add, views: nothing new is made). Where the existing gradient is shared with
+# another value's, autograd sums into the new one instead, which then stays (the
+# out-of-place case above: the new storage is that gradient). Calibrated backward scratch
+# (`hbp.runtime.calibrate_scratch`) is measured with fresh input gradients, so it does not
+# include it. The DP's plan-independent backward bytes (`CostModel._positional`) follow.
 
 
 def _count_in(users: tuple[int, ...], scope: tuple[int, int]) -> int:

@@ -235,6 +235,7 @@ class CostModel:
         self.pos_after[n] = live
         for j in range(n - 1, -1, -1):
             if info.has_backward[j]:
+                incoming = 0  # NOTE [ Accumulated gradients are made first ] (simulator)
                 for v in info.inputs[j]:
                     if not info.receives_grad[v]:
                         continue
@@ -245,12 +246,15 @@ class CostModel:
                         else:
                             grad[v] = new(info.grad_bytes[v])
                             live += int(info.grad_bytes[v])
-                    elif refs[grad[v]] - (grad[v] == grad[j]) > 1:  # see the simulator
+                        continue
+                    if refs[grad[v]] - (grad[v] == grad[j]) > 1:  # see the simulator
                         refs[grad[v]] -= 1
                         grad[v] = new(info.grad_bytes[v])
                         live += int(info.grad_bytes[v])
+                    elif v not in info.passthrough[j]:
+                        incoming += int(info.grad_bytes[v])
                 live += int(info.param_grad_bytes[j])
-                self.pos_bwd[j] = live + int(info.backward_transient[j])
+                self.pos_bwd[j] = live + int(info.backward_transient[j]) + incoming
                 if grad[j] >= 0:
                     refs[grad[j]] -= 1
                     if refs[grad[j]] == 0:
