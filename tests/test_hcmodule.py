@@ -168,7 +168,9 @@ def test_convnet_batchnorm_updated_once_and_in_place_relu():
     model, reference = ConvBN(), ConvBN()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(8, 3, 16, 16)
-    hc = hbp.HCModule(model, budget=0.5)
+    # (its least peak is 0.50x naive: the conv's input gradient is made before it is summed
+    # into the skip connection's, NOTE [ Accumulated gradients are made first ])
+    hc = hbp.HCModule(model, budget=0.6)
     got = step(hc, list(model.parameters()), x)
     expected = step(reference, list(reference.parameters()), x)
     assert any(s.recompute for s in hc.plan.segments)
