@@ -86,14 +86,6 @@ def planned_step(module, inputs, budget):
     return plan, measured
 
 
-ATTENTION_AT_MIN = pytest.mark.xfail(
-    strict=True,
-    reason="the simulator over-predicts this attention step at its minimum by 5-7% (by the "
-    "tracker too, calibration or not): recompute of the explicit softmax attention; the "
-    "measured peak stays below the budget",
-)
-
-
 @pytest.mark.parametrize(
     "name, budget",
     [
@@ -102,7 +94,7 @@ ATTENTION_AT_MIN = pytest.mark.xfail(
         ("convnet", "min"),
         ("attention", 1.0),
         ("attention", 0.8),
-        pytest.param("attention", "min", marks=ATTENTION_AT_MIN),
+        ("attention", "min"),
     ],
 )
 def test_prediction_matches_the_allocator_within_3_percent(name, budget):
