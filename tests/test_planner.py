@@ -126,6 +126,43 @@ def test_dp_equals_brute_force_when_passes_stop_before_a_node(seed):
     assert_dp_equals_brute_force(graph, depth=4, nested=True)
 
 
+# Graphs on which a DP that charged the whole node a pass stops at picks a costlier plan
+# (chains 1, dag 12, nested 13, 19) or reports a higher minimum (chains 15, dag 6, nested 18, 39).
+@pytest.mark.parametrize(
+    ("graph", "depth", "nested"),
+    [
+        *[(synthetic.chain(6, seed=s, stop_facts=True), 1, False) for s in (1, 15)],
+        *[
+            (synthetic.random_dag(6, seed=s, stop_facts=True, refinements=True), 1, False)
+            for s in (6, 12)
+        ],
+        *[
+            (synthetic.chain(4, seed=s, stop_facts=True, refinements=True), 4, True)
+            for s in (13, 18)
+        ],
+        *[
+            (synthetic.random_dag(4, seed=s, extra_output_prob=0.3, stop_facts=True), 4, True)
+            for s in (19, 39)
+        ],
+    ],
+    ids=[
+        "chain1",
+        "chain15",
+        "dag6",
+        "dag12",
+        "nested-chain13",
+        "nested-chain18",
+        "nested-dag19",
+        "nested-dag39",
+    ],
+)
+def test_dp_equals_brute_force_when_passes_stop_inside_a_node(graph, depth, nested):
+    """NOTE [ Early stop at the last pack ]: the DP charges a pass's last save event only its
+    part before the last save, as the simulator does."""
+    assert any(nd.flops_after_last_save for nd in graph.nodes)
+    assert_dp_equals_brute_force(graph, depth=depth, nested=nested)
+
+
 def test_nested_dp_beats_every_depth_two_plan():
     graph = synthetic.chain(5, seed=7)
     results = brute_force(graph, depth=2)

@@ -17,6 +17,7 @@ and ViT, diffusers' conditional UNet, and the timm / torchvision patterns that u
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -25,8 +26,11 @@ from helpers.step import assert_same_step, train_step
 from models.real import REAL_CASE, REAL_CASES, own_checkpointing
 
 import hbp
+from hbp.analysis import simulate
 from hbp.errors import BudgetError, CaptureWarning
 from hbp.graph import torch_capture
+from hbp.planner import optimal_plan
+from hbp.planner.plan import Segment
 
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
@@ -156,3 +160,48 @@ def test_backward_starts_at_the_models_own_loss_and_the_prediction_holds(name):
     assert graph.grad_outputs is not None and len(graph.grad_outputs) == 1
     assert graph.node(graph.grad_outputs[0]).output_bytes <= 16  # the scalar loss
     assert got.peak_bytes == pytest.approx(hc.plan.predicted_peak_bytes, rel=0.03)
+
+
+def _library_plan(graph) -> list[Segment]:
+    """The plan of transformers' own checkpointing on hbp's graph: each decoder layer
+    (`...h.<i>.` / `...layers.<i>.` modules, contiguous in the order) one recomputed segment,
+    everything else plain."""
+    layers: dict[int, list[int]] = {}
+    for i, node in enumerate(graph.nodes):
+        found = re.search(r"\.(h|layers)\.(\d+)(\.|$)", node.module)
+        if found:
+            layers.setdefault(int(found.group(2)), []).append(i)
+    segments, pos = [], 0
+    for index in sorted(layers):
+        start, stop = layers[index][0], layers[index][-1] + 1
+        assert stop - start == len(layers[index]), "a layer's nodes are not contiguous"
+        if start > pos:
+            segments.append(Segment(pos, start))
+        segments.append(Segment(start, stop, True))
+        pos = stop
+    return [*segments, Segment(pos, len(graph.nodes))]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_librarys_plan_is_predicted_exactly_and_the_planner_recomputes_less(name):
+    """transformers' checkpointing as an hbp plan: its predicted recompute is the library's
+    measured one (each layer's recompute stops inside its last Linear, before the matmul:
+    NOTE [ Early stop inside a node ]), and at that plan's predicted peak the planner
+    recomputes less (the layer boundary before the final norm is a candidate cut: NOTE [ Both
+    ends of a flat frontier minimum ])."""
+    case = REAL_CASE[name]
+    model, args, kwargs = _build(name)
+    plain = copy.deepcopy(model)
+    naive = train_step(plain, plain, None, args, kwargs, loss_fn=case.loss)
+    own_checkpointing(plain, case)
+    library = train_step(plain, plain, None, args, kwargs, loss_fn=case.loss)
+    hc = hbp.HCModule(model, budget=1.0)
+    hc.prepare(*args, **kwargs)
+    graph = hc.captured.graph
+    segments = _library_plan(graph)
+    assert sum(s.recompute for s in segments) == 2  # the two layers
+    predicted = simulate(graph, segments)
+    assert predicted.recompute_flops == pytest.approx(library.flops - naive.flops, rel=1e-9)
+    ours = optimal_plan(graph, predicted.peak_bytes)
+    assert ours.predicted_peak_bytes <= predicted.peak_bytes
+    assert ours.predicted_recompute_flops < predicted.recompute_flops

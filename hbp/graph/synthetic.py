@@ -43,6 +43,7 @@ def random_dag(
     extra_output_prob: float = 0.0,
     input_requires_grad: bool | None = None,
     refinements: bool = False,
+    stop_facts: bool = False,
 ) -> Graph:
     """A random DAG of `n` ops after one graph input, in topological order.
 
@@ -53,7 +54,9 @@ def random_dag(
     (`alias_prob`), saved extra bytes, parameter gradients, and, with `extra_output_prob`,
     being a graph output besides the last op. With `refinements`, also the optional
     memory facts a capture records on nodes (scratch bytes, gradient sizes, gradient
-    pass-through; see `hbp.analysis.liveness`).
+    pass-through; see `hbp.analysis.liveness`). With `stop_facts`, also what of a saving op a
+    recompute pass that stops at it skips (`flops_after_last_save`, `output_after_last_save`:
+    NOTE [ Early stop inside a node ] in `hbp.analysis.liveness`).
     """
     rng = np.random.default_rng(seed)
     if input_requires_grad is None:
@@ -110,6 +113,12 @@ def random_dag(
         for nd in ops:
             if rng.random() < 0.3:
                 nd.grad_passthrough = tuple(v for v in nd.inputs if rng.random() < 0.5)
+    if stop_facts:  # e.g. a Linear saves its input before it runs: a pass stops before it
+        for nd in nodes[1:]:
+            if (nd.saved_inputs or nd.saves_output) and rng.random() < 0.8:
+                nd.flops_after_last_save = float(rng.integers(1, int(nd.flops) + 1))
+                # an op that saves its output has made it before its last save
+                nd.output_after_last_save = not nd.saves_output and bool(rng.random() < 0.7)
     return Graph(nodes, outputs=outputs, meta=meta)
 
 

@@ -68,11 +68,7 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
         return [0, n]
     w, count = _frontier(info)
     wp = [int(w[c]) for c in pos]
-    minima = {
-        c
-        for k, c in enumerate(pos)
-        if (k == 0 or wp[k] <= wp[k - 1]) and (k == len(pos) - 1 or wp[k] < wp[k + 1])
-    }
+    minima = _minima(pos, wp)
     excess = _excess_count(count[pos[0] : pos[-1] + 1], LOCAL_RADIUS * max(1, n // max_cuts))
     ranked = sorted(
         range(len(pos)),
@@ -129,6 +125,33 @@ def _excess_count(count: np.ndarray, radius: int) -> np.ndarray:
     padded = np.pad(count, radius, constant_values=np.iinfo(np.int64).max)
     floor = np.lib.stride_tricks.sliding_window_view(padded, 2 * radius + 1).min(axis=1)
     return count - floor
+
+
+def _minima(pos: list[int], wp: list[int]) -> set[int]:
+    """Positions where the frontier bytes `wp` have a local minimum: both ends of a flat
+    minimum (NOTE [ Both ends of a flat frontier minimum ])."""
+    last = len(pos) - 1
+    out = set()
+    for k, c in enumerate(pos):
+        down = k == 0 or wp[k] <= wp[k - 1]
+        up = k == last or wp[k] <= wp[k + 1]
+        strict_before = k == 0 or wp[k] < wp[k - 1]
+        strict_after = k == last or wp[k] < wp[k + 1]
+        if (down and strict_after) or (strict_before and up):
+            out.add(c)
+    return out
+
+
+# NOTE [ Both ends of a flat frontier minimum ]
+# A run of positions with the same, locally least frontier (a value crossing a few
+# zero-storage or same-size ops: views, a norm feeding a Linear) offers two different cuts.
+# Its last position lets a segment start after the run; its first lets a segment end before
+# it. The two recompute differently: a recompute pass stops inside its last save event
+# (NOTE [ Early stop at the last pack ] in hbp.analysis.simulate), so a segment ending right
+# after a Linear that saves only its input skips that Linear's matmul, while one that also
+# takes the next norm (which saves its input) runs the matmul again. A transformer block's
+# output before the final norm is such a run; the block boundary is its first position.
+# Both ends rank as minima.
 
 
 def _spread(k: int, n: int) -> int:
