@@ -37,6 +37,7 @@ attention and norms allocate kernel workspace on top, which only `allocator_peak
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -272,8 +273,6 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
     call (every op is recorded), so measure one step with it, never a timed one."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
-        import gc
-
         gc.collect()
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -318,9 +317,22 @@ def close_open_windows() -> None:
 # events are ordered or timestamped). The peak above the start is the largest running total
 # minus the total right before the call. That start level is read from a marker: a 1-byte
 # tensor allocated (and freed) first thing inside the profiler, whose event carries
-# `total_allocated = start + 1`. Frees of tensors allocated before profiling started are not
-# reported (the allocator does not know their size): such a free does not lower the level,
-# so a step that frees tensors from before it is measured as if they were still alive.
+# `total_allocated = start + 1`.
+#
+# Frees of tensors allocated before the window must not lower the level, and the running
+# total alone gets them wrong: the allocator keeps a process-wide table of the sizes it saw
+# allocated while some profiler was on, and an entry stays when its tensor is freed with no
+# profiler on (a gradient allocated in one measured step, freed by `zero_grad` between steps).
+# When the address is reused outside profiling and that tensor is freed inside a later window,
+# the allocator finds the stale entry, reports a free of the stale size and lowers its total
+# by it: a measured peak then depends on what the process measured before (in a test suite,
+# the tests that ran earlier), and can even come out lower than the step's own tensors.
+# So a free whose address was not allocated inside the window is "foreign": its size is added
+# back to every later running total. (A free of an address with no entry is not reported at
+# all.) Either way a step that frees tensors from before it is measured as if they were still
+# alive: the measured peak is the step's own, whatever the process ran or left as garbage
+# before (no `gc.collect()` before the window: with transformers imported it takes 0.5 s, and
+# scratch calibration measures one window per op signature).
 _MARKER_BYTES = 1
 
 
@@ -347,7 +359,8 @@ def profiler_peak_bytes(
         stack.extend(event.children)
     if not events:
         return 0
-    events.sort(key=lambda e: e[0])
+    # by time; at equal times a free first (an address is freed before it is reused)
+    events.sort(key=lambda e: (e[0], e[1] > 0))
     marker = None
     if marker_ptr is not None:
         marker = next((e for e in events if e[3] == marker_ptr and e[1] == _MARKER_BYTES), None)
@@ -360,5 +373,25 @@ def profiler_peak_bytes(
         end = ends[-1] if ends else None
         if end is not None:
             events = [e for e in events if e[0] < end[0]]
-    peak = max((e[2] for e in events if e is not marker), default=start_level)
+    events = _without_foreign_frees(events[events.index(first) :])
+    if marker is not None:
+        events = events[1:]  # the marker's own 1 byte is not the step's
+    peak = max((e[2] for e in events), default=start_level)
     return max(0, int(peak - start_level))
+
+
+def _without_foreign_frees(events: list[tuple]) -> list[tuple]:
+    """`events` (time, size, running total, ptr) in time order with each running total raised
+    by the sizes of the foreign frees up to it (NOTE [ CPU allocator peak ])."""
+    allocated: set[int] = set()
+    foreign = 0
+    fixed = []
+    for time, size, total, ptr in events:
+        if size > 0:
+            allocated.add(ptr)
+        elif ptr in allocated:
+            allocated.discard(ptr)
+        else:
+            foreign -= size
+        fixed.append((time, size, total + foreign, ptr))
+    return fixed
