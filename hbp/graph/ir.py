@@ -77,6 +77,10 @@ class Node:
             this node (torch saves an op's inputs before the op runs, its outputs after).
         output_after_last_save: whether its output is allocated after its last save (a
             Linear that saves only its input: the matmul and its output).
+        draws_random: the op draws from the random number generator (dropout, `torch.rand`):
+            a recomputed segment that contains it must replay the generator's state, which
+            costs memory (NOTE [ Random state of recomputed segments ] in
+            hbp/runtime/executor.py); segments without such ops replay nothing.
     """
 
     name: str
@@ -99,6 +103,7 @@ class Node:
     backward_scratch_bytes: int = 0
     flops_after_last_save: float = 0.0
     output_after_last_save: bool = False
+    draws_random: bool = False
 
     @property
     def gradient_bytes(self) -> int:

@@ -61,12 +61,14 @@ class _FakeLiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.ops = 0  # ops seen so far
+        self.draws_random = False  # an op drew from the random number generator
         self.created: dict[int, int] = {}  # storage key -> index of the op that made it
         self._tensors: dict[int, list[int]] = {}  # storage key -> [bytes, live tensors]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.draws_random = self.draws_random or _draws_random(func, args, kwargs)
         input_keys = {_storage_key(t) for t in _tensors((args, kwargs))}
         for t in _tensors(out):
             key = _storage_key(t)
@@ -107,6 +109,21 @@ class _FakeLiveBytes(TorchDispatchMode):
                 self.live -= entry[0]
 
 
+def _draws_random(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the aten op `func` draws from the random number generator: tagged
+    `nondeterministic_seeded` (dropout, bernoulli, rand, ...), except an attention kernel
+    (tagged because it can apply dropout) called with `dropout_p` 0."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    schema = getattr(func, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        position = names.index("dropout_p")
+        p = kwargs.get("dropout_p", args[position] if position < len(args) else 0.0)
+        return p != 0
+    return True
+
+
 @dataclass
 class _Profile:
     output: Any
@@ -127,6 +144,7 @@ class _Profile:
     # of this node would then not run (inputs are saved before an op runs, outputs after).
     flops_after_last_save: float = 0.0
     output_after_last_save: bool = False
+    draws_random: bool = False
 
 
 def _leaf_rooted(value: Any) -> bool:
@@ -246,6 +264,7 @@ def _profile_call(
         flops_after_last_save=flops_after_last_save,
         output_after_last_save=after_last_save,
         value_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
+        draws_random=memory.draws_random,
     )
     if detached and not mutated and profile.requires_grad:
         if gradient_view_of is not None and alias_of == gradient_view_of and not profile.flops:
@@ -427,6 +446,7 @@ def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
       recompute pass early-stops at it (torch saves an op's inputs before the op runs and its
       outputs after): the FLOPs after its last saved tensor, and whether its output storage
       is allocated after it (a Linear that saves only its input: the matmul and its output).
+    - `draws_random`: an op of the node drew from the random number generator.
     """
     for node in graph.nodes:
         prof = profiles.get(node.name)
@@ -439,6 +459,7 @@ def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
         node.grad_passthrough = tuple(prof.grad_passthrough)
         node.flops_after_last_save = prof.flops_after_last_save
         node.output_after_last_save = bool(prof.output_after_last_save)
+        node.draws_random = bool(prof.draws_random)
         node.forward_scratch_bytes = max(
             0, prof.forward_peak_bytes - node.output_bytes - node.saved_extra_bytes
         )

@@ -5,10 +5,11 @@ Every leaf segment becomes generated `torch.fx.GraphModule` code (plain Python c
 module's own submodules and functions: eager speed, no per-op interpreter); a segment with
 children becomes a small runner over its children's blocks. A segment with `recompute=True`
 runs through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
-preserve_rng_state=True, context_fn=...)`: its forward keeps only its inputs and outputs, its
+preserve_rng_state=..., context_fn=...)`: its forward keeps only its inputs and outputs, its
 backward first re-runs it (with its own nested plan: non-reentrant checkpoints nest), with the
-RNG state replayed (same dropout masks) and running statistics frozen (BatchNorm updated once,
-`hbp.runtime.recompute`). Plain segments run directly.
+RNG state replayed (same dropout masks; only for segments that draw random numbers, NOTE
+[ Random state of recomputed segments ]) and running statistics frozen (BatchNorm updated
+once, `hbp.runtime.recompute`). Plain segments run directly.
 
 Memory discipline (otherwise Python references keep activations alive and the saving is lost):
 - a value is dropped from the executor's environment as soon as the last block that reads it
@@ -110,6 +111,7 @@ class _Block:
     frozen_attrs: list[tuple[nn.Module, str]] = field(default_factory=list)
     release: list[fx.Node] = field(default_factory=list)
     context_fn: Callable | None = None
+    draws_random: bool = False  # a node in [start, stop) does: its recompute replays the RNG
 
     def outputs_before(self, end: float) -> tuple[fx.Node, ...]:
         """The outputs some node before `end` reads (all of them in the forward)."""
@@ -206,7 +208,7 @@ class PlanExecutor:
                         _FlatCall(_Checkpointed(block), spec),
                         *leaves,
                         use_reentrant=False,
-                        preserve_rng_state=True,
+                        preserve_rng_state=block.draws_random,
                         context_fn=block.context_fn,
                     )
                 del leaves
@@ -253,6 +255,7 @@ class PlanExecutor:
         block = _Block(a, b, seg.recompute, inputs, outputs, first_reader, call, cloned, frozen)
         if seg.recompute:
             block.context_fn = self._context_fn(block)
+            block.draws_random = draws_random(self.captured, a, b)
         return block
 
     def _mutated_inputs(
@@ -445,6 +448,25 @@ def autocast_cache_disabled() -> Iterator[None]:
         torch.set_autocast_cache_enabled(previous)
 
 
+# NOTE [ Random state of recomputed segments ]
+# `checkpoint(..., preserve_rng_state=True)` replays the random number generator's state in
+# the recompute, so that dropout draws the forward's masks again. It costs memory: every
+# checkpoint call keeps a copy of the state (on CPU the generator's state is a 5 KB CPU tensor;
+# CUDA states live in host memory) for as long as its frame lives, and every recompute holds
+# one more while it runs (`torch.random.fork_rng` restores the state afterwards). Deeply
+# nested plans of small steps hold dozens of them. A segment none of whose nodes draws random
+# numbers (`Node.draws_random`, recorded by the capture from the aten ops' tags) consumes no
+# random numbers in its forward or its recompute, so the executor replays nothing for it
+# (`preserve_rng_state=False`) and it costs nothing. A segment that contains a random node
+# replays the state: a parent of such a segment contains it too, so the parent's recompute
+# reaches the child's checkpoint with the generator where the forward had it.
+
+
+def draws_random(captured: CapturedGraph, start: int, stop: int) -> bool:
+    """Whether a node in [start, stop) of `captured`'s IR draws random numbers."""
+    return any(node.draws_random for node in captured.graph.nodes[start:stop])
+
+
 def getattr_path(root: Any, path: str) -> Any:
     for part in path.split("."):
         root = getattr(root, part)
@@ -608,6 +630,9 @@ class ModuleCallExecutor:
         self._context_fn = checkpoint_context_fn(module)
         self.units = checkpointed_units(plan, captured)
         self.checkpointed = {u.key for u in self.units if u.children is None}
+        self._random = {  # NOTE [ Random state of recomputed segments ]
+            (u.key, u.children): draws_random(captured, u.start, u.stop) for u in self.units
+        }
         self.runs: dict[tuple[str, int], dict[int, int]] = {}  # Sequential call -> {i: j}
         for u in self.units:
             if u.children is not None:
@@ -632,7 +657,7 @@ class ModuleCallExecutor:
                 else:
                     del mod.forward
 
-    def _checkpoint(self, fn: Callable, *args, **kwargs) -> Any:
+    def _checkpoint(self, unit: tuple, fn: Callable, *args, **kwargs) -> Any:
         # Flat tensors in (see PlanExecutor._run_level): checkpoint would hold containers and
         # keyword arguments by strong reference until the call's backward.
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -642,7 +667,7 @@ class ModuleCallExecutor:
                 _FlatCall(fn, spec),
                 *leaves,
                 use_reentrant=False,
-                preserve_rng_state=True,
+                preserve_rng_state=self._random[unit],
                 context_fn=self._context_fn,
             )
 
@@ -654,14 +679,16 @@ class ModuleCallExecutor:
             counts[path] = occurrence + 1
             key = (path, occurrence)
             if key in self.checkpointed:
-                return self._checkpoint(original, *args, **kwargs)
+                return self._checkpoint((key, None), original, *args, **kwargs)
             if key in self.runs:
-                return self._run_sequential(list(mod), self.runs[key], *args)
+                return self._run_sequential(key, list(mod), self.runs[key], *args)
             return original(*args, **kwargs)
 
         return forward
 
-    def _run_sequential(self, children: list[nn.Module], runs: dict[int, int], x: Any) -> Any:
+    def _run_sequential(
+        self, key: tuple[str, int], children: list[nn.Module], runs: dict[int, int], x: Any
+    ) -> Any:
         """nn.Sequential.forward with the runs i..j-1 in `runs` checkpointed as one function."""
         k = 0
         while k < len(children):
@@ -670,7 +697,7 @@ class ModuleCallExecutor:
                 x = children[k](x)
                 k += 1
             else:
-                x = self._checkpoint(_Chain(children[k:j]), x)
+                x = self._checkpoint((key, (k, j)), _Chain(children[k:j]), x)
                 k = j
         return x
 
