@@ -61,6 +61,23 @@ def test_closed_loop_meets_the_budget_from_the_second_step():
         assert peak <= 1.05 * budget, (peak, budget)
 
 
+def test_closed_loop_says_when_the_callers_loss_makes_the_budget_infeasible():
+    """At the module's own minimum the caller's loss cannot fit: the first step's warning
+    gives the measured peak and the least a plan reaches, and says to pass loss_fn."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    idx, targets = batch()
+    hc = hbp.HCModule(model, "min", calibrate=True)
+    with pytest.warns(UserWarning, match="cannot be met this way; pass loss_fn=") as record:
+        lm_loss(hc(idx), targets).backward()
+        measured = hc.measured_peak_bytes
+    budget = hc.compiled.budget_bytes
+    assert measured > 1.05 * budget
+    (message,) = [str(w.message) for w in record if "cannot be met" in str(w.message)]
+    assert f"peaked at {measured / 2**20:.2f} MiB" in message
+    assert f"the least is {budget / 2**20:.2f} MiB" in message
+
+
 def test_closed_loop_gradients_are_those_of_the_plain_model():
     torch.manual_seed(0)
     model = TiedLM()
