@@ -190,10 +190,7 @@ def check_workload(name: str) -> None:
         for budget in (1.0, 0.5, 0.3, "min"):
             predicted, measured, budget_bytes = measured_vs_predicted(module, batch.args, budget)
             rows.append((budget, predicted, measured))
-            # synthetic_dag at its minimum: 4.3% under (README "Known limitations": the
-            # save-free tail of a recomputed segment runs before the recompute)
-            tolerance = 0.05 if (name, budget) == ("synthetic_dag", "min") else 0.03
-            assert abs(predicted - measured) <= tolerance * measured, rows
+            assert abs(predicted - measured) <= 0.03 * measured, rows
             assert measured <= 1.05 * budget_bytes, rows
 
 
