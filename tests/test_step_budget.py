@@ -40,6 +40,16 @@ def lm_loss(output, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def entropy_regularised_loss(output, targets):
+    """The caller's loss keeps more than the cross-entropy's log-softmax: a softmax and its
+    product with the logits (an entropy-like regulariser), live at the start of backward."""
+    logits, _ = output
+    flat = logits.flatten(0, 1)
+    return (
+        F.cross_entropy(flat, targets.flatten()) + 1e-3 * (flat.softmax(-1) * flat).sum(-1).mean()
+    )
+
+
 def batch():
     torch.manual_seed(0)
     return torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
@@ -49,15 +59,18 @@ def test_closed_loop_meets_the_budget_from_the_second_step():
     torch.manual_seed(0)
     model = TiedLM()
     idx, targets = batch()
-    hc = hbp.HCModule(model, 0.7, calibrate=True)
+    hc = hbp.HCModule(model, 0.8, calibrate=True)
     with pytest.warns(UserWarning, match="Planned again"):
-        lm_loss(hc(idx), targets).backward()
+        entropy_regularised_loss(hc(idx), targets).backward()
         first = hc.measured_peak_bytes
     budget = hc.compiled.budget_bytes
-    assert first > budget  # the caller's loss was outside the plan
+    assert first > 1.1 * budget  # the caller's loss was outside the plan
+    # the step that plans again (it also drops the first plan's executor: frees of tensors
+    # from before a measured window count as still live there), then the steps that follow
+    entropy_regularised_loss(hc(idx), targets).backward()
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        _, peak = allocator_peak(lambda: lm_loss(hc(idx), targets).backward())
+        _, peak = allocator_peak(lambda: entropy_regularised_loss(hc(idx), targets).backward())
         assert peak <= 1.05 * budget, (peak, budget)
 
 
@@ -69,7 +82,7 @@ def test_closed_loop_says_when_the_callers_loss_makes_the_budget_infeasible():
     idx, targets = batch()
     hc = hbp.HCModule(model, "min", calibrate=True)
     with pytest.warns(UserWarning, match="cannot be met this way; pass loss_fn=") as record:
-        lm_loss(hc(idx), targets).backward()
+        entropy_regularised_loss(hc(idx), targets).backward()
         measured = hc.measured_peak_bytes
     budget = hc.compiled.budget_bytes
     assert measured > 1.05 * budget

@@ -666,17 +666,23 @@ class HCModule(nn.Module):
     # 4-layer Falcon: a predicted minimum of 7.23 MiB where the step holds 5.71). Which it is
     # shows when backward ends: the module's own references are gone by then, so an output
     # still alive is the caller's. HCModule then plans again with `Graph.held_outputs` =
-    # the outputs still alive: an output backward starts from is counted until backward has
-    # started, any other output until nothing in the step needs it. It keeps watching; an
-    # output the caller keeps again is counted again from the next step, with a warning (that
-    # step may have been over the budget by its size). keeps_outputs=True/False fixes the
-    # assumption instead (False: from the first step).
+    # the outputs still alive, each other output counted until nothing in the step needs it.
+    # Outputs backward starts from stay counted: the caller computed its loss from them, and
+    # that loss's memory (which the plan does not see) is there while they are; letting
+    # them go would hand their room to recompute savings and put the caller's loss over the
+    # budget (a tied LM whose loss the caller computes: 0.885x the budget counting them,
+    # 1.107x letting them go). It keeps watching; an output the caller keeps again is counted
+    # again from the next step, with a warning (that step may have been over the budget by
+    # its size). keeps_outputs=True/False fixes the assumption instead (False: from the first
+    # step, outputs backward starts from too, counted until backward has started: with
+    # loss_fn, or when the caller's loss is small).
 
     def _watch_outputs(self, compiled: Compiled, output) -> None:
         """After this step's backward, note which outputs are still alive."""
         graph = compiled.captured.graph
         returned = getattr(self._executor(compiled), "returned", None)
         watch = self.keeps_outputs is None and returned
+        watch = watch and not set(graph.outputs) <= _grad_seeds(graph)
         if not watch or (compiled.outputs_watched and graph.held_outputs is None):
             return
         leaves = _grad_leaves(self._executor(compiled), output)
@@ -702,7 +708,7 @@ class HCModule(nn.Module):
         compiled.outputs_watched = True
         graph = compiled.captured.graph
         held = set(graph.outputs) if graph.held_outputs is None else set(graph.held_outputs)
-        kept = seen & set(graph.outputs)
+        kept = (seen | _grad_seeds(graph)) & set(graph.outputs)
         if graph.held_outputs is None and kept >= set(graph.outputs):
             return  # the caller keeps them all: the plan is right
         if graph.held_outputs is not None and kept <= held:
@@ -727,6 +733,10 @@ class HCModule(nn.Module):
             return
         if self.budget == "min":
             compiled.budget_bytes = compiled.plan.budget_bytes
+        # the new plan spends what the outputs held on less recompute: memory the plan does
+        # not see (the caller's loss) may now cross the budget, so the closed loop (on CUDA,
+        # or with calibrate=True) measures the next step again
+        compiled.settled, compiled.measurements = False, 0
 
     def _replan(self, compiled: Compiled, target_bytes: int | str) -> None:
         from hbp.planner import plan as make_plan
@@ -752,6 +762,12 @@ class HCModule(nn.Module):
 #: Libraries whose own forward hooks are part of their models (transformers collects
 #: hidden states and attentions with them): no warning is about them.
 _LIBRARY_HOOKS = ("transformers.", "diffusers.", "timm.", "torchvision.")
+
+
+def _grad_seeds(graph) -> set[str]:
+    """The outputs backward starts from (`GraphInfo.grad_seed`)."""
+    info = GraphInfo.of(graph)
+    return {info.names[j] for j in range(info.n) if info.grad_seed[j]}
 
 
 def _grad_leaves(executor, output) -> list[torch.Tensor]:
