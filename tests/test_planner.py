@@ -369,7 +369,7 @@ def _each_block_checkpointed(graph) -> list[Segment]:
     return [*segments, Segment(pos, len(graph))]
 
 
-@pytest.mark.parametrize("layers", [4, 8])
+@pytest.mark.parametrize("layers", [4])  # 8 layers too when changing cuts.py (~1 min)
 def test_encoder_decoder_least_peak_is_below_checkpointing_each_block(layers):
     # NOTE [ Crossing counts are local ]: five values (the encoder output, biases, a mask, the
     # residual) cross every cut between decoder blocks, two between encoder blocks. Ranked by
