@@ -158,10 +158,8 @@ class GraphInfo:
 
         is_input = np.array([nd.is_input for nd in nodes], dtype=bool)
         requires_grad = np.array([nd.requires_grad for nd in nodes], dtype=bool)
-        grad_seed = is_output & requires_grad
-        if graph.grad_outputs is not None:
-            seeds = set(graph.grad_outputs)
-            grad_seed &= np.array([nd.name in seeds for nd in nodes], dtype=bool)
+        seeds = graph.backward_seeds()
+        grad_seed = np.array([nd.name in seeds for nd in nodes], dtype=bool)
         is_held = is_output.copy()
         seed_let_go = np.zeros(n, dtype=bool)
         if graph.held_outputs is not None:

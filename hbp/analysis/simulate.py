@@ -404,9 +404,8 @@ class _Run:
             if info.grad_seed[j]:
                 self.grad[j] = self._new(info.grad_bytes[j])
         self._record(BACKWARD, None)
-        for j in range(info.n):  # the caller's hold on them ends once backward has started
-            if info.seed_let_go[j]:
-                self._release(self.current[j])
+        for j in info.seed_let_go.nonzero()[0]:  # the caller's hold ends once backward started
+            self._release(self.current[j])
         self._backward(segments)
         fwd = float(info.flops.sum())
         bwd = float(info.backward_flops.sum())

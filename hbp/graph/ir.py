@@ -185,6 +185,12 @@ class Graph:
     def node(self, name: str) -> Node:
         return self.nodes[self._index[name]]
 
+    def backward_seeds(self) -> set[str]:
+        """The outputs backward starts from: those that require grad, of `grad_outputs` when
+        it is set, else of all outputs."""
+        listed = self.outputs if self.grad_outputs is None else set(self.grad_outputs)
+        return {o for o in self.outputs if o in listed and self.node(o).requires_grad}
+
     def users(self) -> dict[str, list[str]]:
         """For every node name, the names of the nodes that read its value, in order."""
         out: dict[str, list[str]] = {n.name: [] for n in self.nodes}

@@ -658,34 +658,35 @@ class HCModule(nn.Module):
         )
 
     # NOTE [ Outputs the caller lets go ]
-    # The first step counts the module's outputs as alive until backward ends: the caller
-    # may keep them (`out = model(x); loss_fn(out, y).backward()`). Often it does not. With
+    # The first step counts the module's outputs as alive until backward ends: the caller may keep
+    # them (`out = model(x); loss_fn(out, y).backward()`). Often it does not. With
     # `model(**batch).loss.backward()` (transformers' Trainer too) the logits are gone before
-    # backward starts; with `loss_fn(hc(x), y).backward()` the output goes once backward has
-    # passed the loss. Counting them anyway costs their size in every segment's backward (a
-    # 4-layer Falcon: a predicted minimum of 7.23 MiB where the step holds 5.71). Which it is
-    # shows when backward ends: the module's own references are gone by then, so an output
-    # still alive is the caller's. HCModule then plans again with `Graph.held_outputs` =
-    # the outputs still alive, each other output counted until nothing in the step needs it.
-    # Outputs backward starts from stay counted: the caller computed its loss from them, and
-    # that loss's memory (which the plan does not see) is there while they are; letting
-    # them go would hand their room to recompute savings and put the caller's loss over the
-    # budget (a tied LM whose loss the caller computes: 0.885x the budget counting them,
-    # 1.107x letting them go). It keeps watching; an output the caller keeps again is counted
-    # again from the next step, with a warning (that step may have been over the budget by
-    # its size). keeps_outputs=True/False fixes the assumption instead (False: from the first
-    # step, outputs backward starts from too, counted until backward has started: with
-    # loss_fn, or when the caller's loss is small).
+    # backward starts; with `loss_fn(hc(x), y).backward()` the output goes once backward has passed
+    # the loss. Counting them anyway costs their size in every segment's backward (README "Outputs
+    # the caller lets go"). Which it is shows when backward ends: the module's own references are
+    # gone by then, so an output still alive is the caller's. HCModule then plans again with
+    # `Graph.held_outputs` = the outputs still alive, each other output counted until nothing in the
+    # step needs it. Outputs backward starts from stay counted: the caller computed its loss from
+    # them, and that loss's memory (which the plan does not see) is there while they are; letting
+    # them go would hand their room to recompute savings and put the caller's loss over the budget
+    # (tests/test_step_budget.py's tied LM). It keeps watching; an output the caller keeps again is
+    # counted again from the next step, with a warning (that step may have been over the budget by
+    # its size). keeps_outputs=True/False fixes the assumption instead (False: from the first step,
+    # outputs backward starts from too, counted until backward has started: with loss_fn, or when
+    # the caller's loss is small).
 
     def _watch_outputs(self, compiled: Compiled, output) -> None:
         """After this step's backward, note which outputs are still alive."""
         graph = compiled.captured.graph
-        returned = getattr(self._executor(compiled), "returned", None)
-        watch = self.keeps_outputs is None and returned
-        watch = watch and not set(graph.outputs) <= _grad_seeds(graph)
-        if not watch or (compiled.outputs_watched and graph.held_outputs is None):
+        executor = self._executor(compiled)
+        returned = getattr(executor, "returned", None)
+        if self.keeps_outputs is not None or not returned:
             return
-        leaves = _grad_leaves(self._executor(compiled), output)
+        if compiled.outputs_watched and graph.held_outputs is None:
+            return  # the caller kept them all
+        if set(graph.outputs) <= graph.backward_seeds():
+            return  # nothing to let go
+        leaves = _grad_leaves(executor, output)
         refs, queued = list(returned), []
 
         def backward_ended() -> None:
@@ -708,7 +709,7 @@ class HCModule(nn.Module):
         compiled.outputs_watched = True
         graph = compiled.captured.graph
         held = set(graph.outputs) if graph.held_outputs is None else set(graph.held_outputs)
-        kept = (seen | _grad_seeds(graph)) & set(graph.outputs)
+        kept = (seen | graph.backward_seeds()) & set(graph.outputs)
         if graph.held_outputs is None and kept >= set(graph.outputs):
             return  # the caller keeps them all: the plan is right
         if graph.held_outputs is not None and kept <= held:
@@ -762,12 +763,6 @@ class HCModule(nn.Module):
 #: Libraries whose own forward hooks are part of their models (transformers collects
 #: hidden states and attentions with them): no warning is about them.
 _LIBRARY_HOOKS = ("transformers.", "diffusers.", "timm.", "torchvision.")
-
-
-def _grad_seeds(graph) -> set[str]:
-    """The outputs backward starts from (`GraphInfo.grad_seed`)."""
-    info = GraphInfo.of(graph)
-    return {info.names[j] for j in range(info.n) if info.grad_seed[j]}
 
 
 def _grad_leaves(executor, output) -> list[torch.Tensor]:

@@ -61,13 +61,7 @@ class TinyMode:
         plan = compiled.plan
         out.update(
             {
-                "plan_segments": len(plan.segments),
-                "plan_recomputed_segments": sum(s.recompute for s in plan.segments),
-                "plan_depth": max((s.depth() for s in plan.segments), default=0),
-                "budget_bytes": plan.budget_bytes,
-                "predicted_peak_bytes": plan.predicted_peak_bytes,
-                "predicted_recompute_flops": plan.predicted_recompute_flops,
-                "predicted_recompute_ratio": plan.predicted_recompute_ratio,
+                **plan.metrics(),
                 "naive_predicted_peak_bytes": compiled.naive_peak_bytes,
                 "plan_time_s": compiled.plan_time_s,
                 "capture_time_s": compiled.capture_time_s,

@@ -137,6 +137,7 @@ class CostModel:
         self.g_root = np.array(roots, dtype=np.int64)
         self.g_size = info.storage_bytes[self.g_root].astype(np.int64) if G else np.zeros(0, int)
         forced = np.zeros(G, dtype=bool)
+        held_to_end = np.zeros(G, dtype=bool)  # an output in it is not a seed let go
         touches: list[list[int]] = [[] for _ in range(G)]
         holders: list[list[int]] = [[] for _ in range(G)]
         readers: list[list[int]] = [[] for _ in range(G)]
@@ -146,6 +147,7 @@ class CostModel:
                 touches[g].append(j)
                 if info.is_held[j]:
                     forced[g] = True
+                    held_to_end[g] |= not info.seed_let_go[j]
                 if info.saves_output[j]:
                     holders[g].append(j)
             if info.is_input[j]:
@@ -185,15 +187,8 @@ class CostModel:
         # grad seeds the caller lets go of once backward starts (`GraphInfo.seed_let_go`):
         # counted as freed then only when no node reads or saves them (else held to the end:
         # conservative)
-        let_go = np.zeros(G, dtype=bool)
-        for g in range(G):
-            outputs = [j for j in self.g_touch[g] if info.is_held[j] and self.node_group[j] == g]
-            let_go[g] = (
-                forced[g]
-                and all(info.seed_let_go[j] for j in outputs)
-                and not self.g_hold[g]
-                and not self.g_read[g]
-            )
+        unused = np.array([not h and not r for h, r in zip(self.g_hold, self.g_read)], dtype=bool)
+        let_go = forced & ~held_to_end & unused
         self.seeds_let_go_bytes = int(self.g_size[let_go].sum())
         self._positional()
         # save events: last save event before position f; first node reading from before e

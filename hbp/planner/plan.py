@@ -71,6 +71,18 @@ class Plan:
     def predicted_recompute_ratio(self) -> float:
         return self.predicted_recompute_flops / self.naive_flops if self.naive_flops else 0.0
 
+    def metrics(self) -> dict:
+        """The plan's figures as the bench's metrics fields (the tiny modes' `describe`)."""
+        return {
+            "plan_segments": len(self.segments),
+            "plan_recomputed_segments": sum(s.recompute for s in self.segments),
+            "plan_depth": max((s.depth() for s in self.segments), default=0),
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_recompute_flops": self.predicted_recompute_flops,
+            "predicted_recompute_ratio": self.predicted_recompute_ratio,
+        }
+
     def __str__(self) -> str:
         """Readable summary: predictions against budget and naive, then the segment tree."""
         planner = self.meta.get("planner", "plan")

@@ -73,13 +73,7 @@ class JaxTinyMode:
             return out
         out.update(
             {
-                "plan_segments": len(plan.segments),
-                "plan_recomputed_segments": sum(s.recompute for s in plan.segments),
-                "plan_depth": max((s.depth() for s in plan.segments), default=0),
-                "budget_bytes": plan.budget_bytes,
-                "predicted_peak_bytes": plan.predicted_peak_bytes,
-                "predicted_recompute_flops": plan.predicted_recompute_flops,
-                "predicted_recompute_ratio": plan.predicted_recompute_ratio,
+                **plan.metrics(),
                 "naive_predicted_peak_bytes": plan.naive_peak_bytes,
                 "plan_time_s": plan.meta.get("solve_time_s"),
                 "capture_granularity": "jaxpr",
