@@ -19,11 +19,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python run.py workload=gpt2 mode=tiny
 
+# One pytest worker per core (each test runs torch on one thread, tests/conftest.py): the suite
+# stays within CI's time on 2 cores. TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= 2
+
 test: $(STAMP)
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal
 
 test-fast: $(STAMP)
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q -m "not slow"
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

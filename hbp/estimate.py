@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 import time
 import types
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -160,7 +161,14 @@ def estimate(
     args = inputs if loss_fn is None else (*inputs, *targets)
     with torch.enable_grad():
         captured = capture(root, args, kwargs)
-        calibrate_scratch(captured, args, kwargs)
+        if calibrate_scratch(captured, args, kwargs) is None:
+            warnings.warn(
+                "hbp.estimate: a profiler is running, which the measurement of kernel "
+                "workspace cannot nest in; the estimate counts tensors only (call it outside "
+                "the profiler)",
+                UserWarning,
+                stacklevel=2,
+            )
     capture_time = time.perf_counter() - start
     graph = captured.graph
     if not keeps_outputs:

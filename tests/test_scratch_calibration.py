@@ -174,3 +174,33 @@ def test_calibration_takes_the_call_the_capture_was_made_for():
     module, (x, y) = models()["attention"]
     captured = capture(module, (x, y))
     assert calibrate.calibrate_scratch(captured, (), {"x": x, "y": y}) >= 0
+
+
+def test_a_first_step_inside_a_profiler_is_planned_again_outside_it():
+    """NOTE [ Captured under a profiler ]: the workspace cannot be measured inside a running
+    CPU profiler; HCModule warns and plans again, with it, at the first call outside."""
+    module, (x, y) = models()["convnet"]
+    reference = hbp.HCModule(module, 0.5).prepare(x, y)
+    hc = hbp.HCModule(module, 0.5)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with pytest.warns(UserWarning, match="running profiler"):
+            hc(x, y).backward()
+        inside = hc.plan
+        hc(x, y).backward()
+        assert hc.plan is inside  # nothing better to plan with in there
+    assert calibrate.calibrate_scratch(capture(module, (x, y)), (x, y)) is not None
+    hc(x, y).backward()  # outside: planned again (a measurement is a profiler too)
+    assert hc.plan is not inside
+    module.zero_grad(set_to_none=True)
+    _, measured = allocator_peak(lambda: hc(x, y).backward())
+    assert inside.naive_peak_bytes < 0.95 * reference.naive_peak_bytes  # no workspace
+    assert hc.plan.naive_peak_bytes == reference.naive_peak_bytes
+    assert hc.plan.predicted_peak_bytes == reference.predicted_peak_bytes
+    assert measured <= 1.05 * hc.plan.budget_bytes
+
+
+def test_estimate_inside_a_profiler_says_the_workspace_is_not_counted():
+    module, (x, y) = models()["convnet"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with pytest.warns(UserWarning, match="counts tensors only"):
+            hbp.estimate(module, x, y)

@@ -90,6 +90,7 @@ class Compiled:
     segments_compiled: Any = None  # the executor with compiled segments, made on first use
     outputs_watched: bool = False  # a step showed which outputs the caller keeps
     outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
+    scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
 
 
 class HCModule(nn.Module):
@@ -307,7 +308,10 @@ class HCModule(nn.Module):
     def _prepare(self, args, kwargs, root: nn.Module | None = None, tag: Any = None) -> Compiled:
         key = (tag, self._signature(args, kwargs))
         compiled = self._compiled.get(key)
+        if compiled is not None and not compiled.scratch_measured and _can_measure_scratch():
+            compiled = None  # NOTE [ Captured under a profiler ]
         if compiled is None:
+            self._finish_probe()  # a step measurement still recording would stop calibration
             compiled = self._compile(args, kwargs, root)
             self._compiled[key] = compiled
             if len(self._compiled) == MANY_SIGNATURES + 1:
@@ -357,7 +361,7 @@ class HCModule(nn.Module):
                 "call it once on a batch before wrapping it in HCModule",
             )
         captured = capture(root, args, kwargs)
-        _calibrate_scratch(captured, root, args, kwargs)
+        scratch_measured = _calibrate_scratch(captured, root, args, kwargs)
         graph = captured.graph
         if self.keeps_outputs is False and captured.granularity != MODULE:
             graph.held_outputs = []  # the outputs backward starts from are held regardless
@@ -383,6 +387,15 @@ class HCModule(nn.Module):
         self._warn_about(captured, executor)
         compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
         compiled.root, compiled.budget_bytes = root, plan.budget_bytes
+        compiled.scratch_measured = scratch_measured
+        if not scratch_measured:
+            warnings.warn(
+                "HCModule: planned under a running profiler, which the measurement of kernel "
+                "workspace cannot nest in: this plan counts tensors only and may exceed the "
+                "budget. hbp measures and plans again at the first call outside the profiler.",
+                UserWarning,
+                stacklevel=6,
+            )
         if self.verbose:
             print(plan_summary(compiled))
         return compiled
@@ -884,11 +897,30 @@ def _step_device(root: nn.Module | None, args, kwargs) -> torch.device:
     return torch.device("cpu")
 
 
-def _calibrate_scratch(captured: CapturedGraph, root: nn.Module, args, kwargs) -> None:
-    """Kernel workspace per op, measured by the allocator (`hbp.runtime.calibrate_scratch`)."""
+def _calibrate_scratch(captured: CapturedGraph, root: nn.Module, args, kwargs) -> bool:
+    """Kernel workspace per op, measured by the allocator (`hbp.runtime.calibrate_scratch`);
+    False when it could not be measured (a profiler is running)."""
     from hbp.runtime.calibrate_scratch import calibrate_scratch
 
-    calibrate_scratch(captured, args, kwargs)
+    return calibrate_scratch(captured, args, kwargs) is not None
+
+
+# NOTE [ Captured under a profiler ]
+# Kernel workspace is measured at capture by the CPU allocator's profiler events, and CPU
+# profiler sessions do not nest: a first step run inside `torch.profiler.profile(...)` (or
+# any allocator measurement) plans without workspace, so its plan under-counts attention
+# scores and convolution buffers. HCModule warns, and the first call of that signature outside
+# a profiler captures and plans it again with the workspace measured. Steps still inside the
+# profiler keep the first plan (there is nothing better to plan with there).
+
+
+def _can_measure_scratch() -> bool:
+    """No profiler outside hbp is running (hbp's own measurement windows are closed first,
+    each keeping its result)."""
+    from hbp.runtime.tracker import close_open_windows
+
+    close_open_windows()
+    return not torch.autograd._profiler_enabled()
 
 
 def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:

@@ -27,7 +27,8 @@ dropped after its last user); the module's state is kept: buffers (BatchNorm sta
 put back and the RNG state restored. Skipped: views and in-place results (no storage of their
 own), ops that mutate an input or a buffer, and ops that fail to run alone. The allocator is
 read with no dispatch mode active; under an active profiler (CPU) nothing is measured, since
-profiler sessions do not nest, and on CUDA the peak statistics are reset (do not calibrate
+profiler sessions do not nest (`calibrate_scratch` returns None: measure again outside it; hbp's
+own measurement windows are closed first), and on CUDA the peak statistics are reset (do not calibrate
 inside a step measured with `max_memory_allocated`).
 """
 
@@ -45,7 +46,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hbp.graph.ir import Node
 from hbp.graph.torch_capture import MODES, CapturedGraph, enter_modes
 from hbp.graph.torch_fallback import _buffers_restored
-from hbp.runtime.tracker import allocator_peak
+from hbp.runtime.tracker import allocator_peak, close_open_windows
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
@@ -53,7 +54,9 @@ __all__ = ["calibrate_scratch", "clear_cache"]
 _CACHE: dict[tuple, tuple[int, int]] = {}
 
 
-def calibrate_scratch(captured: CapturedGraph, args: tuple = (), kwargs: dict | None = None) -> int:
+def calibrate_scratch(
+    captured: CapturedGraph, args: tuple = (), kwargs: dict | None = None
+) -> int | None:
     """Raise the scratch fields of `captured.graph`'s nodes to what the allocator measures.
 
     Args:
@@ -62,17 +65,17 @@ def calibrate_scratch(captured: CapturedGraph, args: tuple = (), kwargs: dict | 
         args, kwargs: the call the capture was made for (`module(*args, **kwargs)`).
 
     Returns:
-        The number of nodes whose scratch fields were raised.
+        The number of nodes whose scratch fields were raised; None when nothing could be
+        measured because a profiler outside hbp is running (CPU).
     """
     gm = captured.gm
     if gm is None:
         return 0
     arguments = captured.placeholder_values(args, kwargs or {})
-    if (
-        torch.autograd._profiler_enabled()  # a running profiler cannot nest
-        and _on_cpu(arguments, gm)
-    ):
-        return 0
+    if _on_cpu(arguments, gm):
+        close_open_windows()  # hbp's own step measurements still recording
+        if torch.autograd._profiler_enabled():  # someone else's: profilers cannot nest
+            return None
     raised = 0
     with _disable_current_modes(), _state_kept(gm), torch.no_grad():
         for node, values in _run_graph(gm, captured, arguments):
