@@ -65,11 +65,34 @@ class Attention(nn.Module):
         return F.mse_loss(x, y)
 
 
+class Upsampler(nn.Module):
+    """A diffusers-style decoder piece: an attention-like (B, HW, C) result reshaped back to an
+    image (channels-last strides), upsampled and convolved channels-last, then GroupNorm, whose
+    backward hands the convolution a row-major gradient (NOTE [ The layout of an output's
+    gradient ] in hbp/runtime/calibrate_scratch.py)."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, c, 3, padding=1)
+        self.proj = nn.Linear(c, c)
+        self.up = nn.Conv2d(c, c, 3, padding=1)
+        self.norm = nn.GroupNorm(8, c)
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x, y):
+        h = self.conv_in(x)
+        b, c, hh, ww = h.shape
+        h = self.proj(h.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(b, c, hh, ww)
+        h = self.up(F.interpolate(h, scale_factor=2.0, mode="nearest"))
+        return F.mse_loss(self.conv(F.silu(self.norm(h))), y)
+
+
 def models():
     torch.manual_seed(0)
     return {
         "convnet": (ConvNet(), (torch.randn(4, 3, 24, 24), torch.randn(4, 48, 24, 24))),
         "attention": (Attention(), (torch.randn(4, 64, 64), torch.randn(4, 64, 64))),
+        "upsampler": (Upsampler(), (torch.randn(4, 3, 32, 32), torch.randn(4, 32, 64, 64))),
     }
 
 
@@ -95,6 +118,8 @@ def planned_step(module, inputs, budget):
         ("attention", 1.0),
         ("attention", 0.8),
         ("attention", "min"),
+        ("upsampler", 1.0),
+        ("upsampler", "min"),
     ],
 )
 def test_prediction_matches_the_allocator_within_3_percent(name, budget):

@@ -19,10 +19,12 @@ bytes the IR already models at that event:
 An op signature is the op (function, method, or the module's class and `repr`, which holds
 its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments,
 the values of the others and the layout of its output gradient (a slice of a `torch.cat`'s
-gradient or a dense tensor): measured once per process (`_CACHE`), so a model of repeated
+gradient, the output's own layout, and a row-major one where a user's backward returns one:
+NOTE [ The layout of an output's gradient ]): measured once per process (`_CACHE`), so a model of repeated
 blocks costs one measurement per distinct layer.
 
-Values are produced by running the graph once on the real inputs under `no_grad` (each value
+Values are produced by running the graph on the real inputs (once, twice where an output
+gradient's layout differs) under `no_grad` (each value
 dropped after its last user); the module's state is kept: buffers (BatchNorm statistics) are
 put back and the RNG state restored. Skipped: views and in-place results (no storage of their
 own), ops that mutate an input or a buffer, and ops that fail to run alone. The allocator is
@@ -50,8 +52,9 @@ from hbp.runtime.tracker import allocator_peak, close_open_windows
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
-# op signature -> (forward allocator peak, backward allocator peak), bytes
-_CACHE: dict[tuple, tuple[int, int]] = {}
+# (op signature, cat dim, row-major output gradient) -> (forward allocator peak, backward
+# allocator peak, bytes; whether each input got a row-major gradient)
+_CACHE: dict[tuple, tuple[int, int, tuple[bool, ...]]] = {}
 
 
 def calibrate_scratch(
@@ -76,21 +79,44 @@ def calibrate_scratch(
         close_open_windows()  # hbp's own step measurements still recording
         if torch.autograd._profiler_enabled():  # someone else's: profilers cannot nest
             return None
-    raised = 0
     with _disable_current_modes(), _state_kept(gm), torch.no_grad():
-        for node, values in _run_graph(gm, captured, arguments):
-            ir_node = _measurable(captured, node)
-            if ir_node is None:
+        dense_gradients: set[fx.Node] = set()
+        raised = _calibrate_pass(captured, arguments, dense_gradients)
+        if dense_gradients:  # NOTE [ The layout of an output's gradient ]
+            raised += _calibrate_pass(captured, arguments, dense_gradients, only=dense_gradients)
+    return raised
+
+
+def _calibrate_pass(
+    captured: CapturedGraph,
+    arguments: list[Any],
+    dense_gradients: set[fx.Node],
+    only: set[fx.Node] | None = None,
+) -> int:
+    """Measure every measurable op (or those in `only`, with a row-major output gradient) and
+    raise its scratch fields. The first pass adds to `dense_gradients` the values whose
+    output is not row-major and to which a user's backward returns a row-major gradient."""
+    gm, raised = captured.gm, 0
+    for node, values in _run_graph(gm, captured, arguments):
+        ir_node = _measurable(captured, node)
+        if ir_node is None or (only is not None and node not in only):
+            continue
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
+        cat_dim = _cat_dim(node)
+        dense = only is not None
+        key = (_signature(gm, node, args, kwargs), cat_dim, dense)
+        if key not in _CACHE:
+            measured = _measure(gm, node, args, kwargs, cat_dim, dense)
+            if measured is None:
                 continue
-            args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
-            cat_dim = _cat_dim(node)
-            key = (_signature(gm, node, args, kwargs), cat_dim)
-            if key not in _CACHE:
-                measured = _measure(gm, node, args, kwargs, cat_dim)
-                if measured is None:
-                    continue
-                _CACHE[key] = measured
-            raised += _raise_fields(captured, ir_node, *_CACHE[key])
+            _CACHE[key] = measured
+        forward, backward, row_major = _CACHE[key]
+        raised += _raise_fields(captured, ir_node, forward, backward)
+        if only is None:
+            sources = _leaf_sources(node, values)
+            for source, grad_row_major in zip(sources, row_major):
+                if grad_row_major and source is not None and not values.row_major(source):
+                    dense_gradients.add(source)
     return raised
 
 
@@ -129,6 +155,11 @@ class _Values:
             return t
 
         return tree_map(fresh, self.env[arg])
+
+    def row_major(self, arg: fx.Node) -> bool:
+        """`arg`'s value is row-major (every tensor in it), or is not a tensor."""
+        leaves = tree_leaves(self.env.get(arg))
+        return all(t.is_contiguous() for t in leaves if isinstance(t, torch.Tensor))
 
     def _requires_grad(self, arg: fx.Node) -> bool:
         try:
@@ -235,16 +266,22 @@ def _signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
 
 
 def _measure(
-    gm: fx.GraphModule, node: fx.Node, args, kwargs, cat_dim: int | None = None
-) -> tuple[int, int] | None:
-    """(forward, backward) allocator peaks of one run of `node` on `args`, bytes above the
-    level before each (None when the op cannot run alone)."""
-    device = next(
-        (t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None
-    )
+    gm: fx.GraphModule,
+    node: fx.Node,
+    args,
+    kwargs,
+    cat_dim: int | None = None,
+    dense: bool = False,
+) -> tuple[int, int, tuple[bool, ...]] | None:
+    """(forward, backward, row_major) of one run of `node` on `args`: the allocator peaks
+    above the level before each, bytes, and for each tensor leaf of (args, kwargs) whether
+    the backward returned a row-major gradient for it; None when the op cannot run alone.
+    `dense`: the output gradient is row-major, whatever the output's layout."""
+    leaves = tree_leaves((args, kwargs))
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
     if device is None:
         return None
-    grad_inputs = [t for t in tree_leaves((args, kwargs)) if _is_grad_leaf(t)]
+    grad_inputs = [t for t in leaves if _is_grad_leaf(t)]
     if node.op == "call_module":
         grad_inputs += [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
     grad_inputs = list({id(t): t for t in grad_inputs}.values())
@@ -255,16 +292,16 @@ def _measure(
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
         if not outputs or not grad_inputs:
-            return forward, 0
-        seeds = [_seed_like(t, cat_dim) for t in outputs]
-
-        def backward():
-            return torch.autograd.grad(outputs, grad_inputs, seeds, allow_unused=True)
-
-        _, backward_peak = allocator_peak(backward, device=device)
+            return forward, 0, ()
+        seeds = [_seed_like(t, cat_dim, dense) for t in outputs]
+        grads, backward = allocator_peak(
+            torch.autograd.grad, outputs, grad_inputs, seeds, allow_unused=True, device=device
+        )
     except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
         return None
-    return forward, backward_peak
+    by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
+    row_major = tuple(by_id.get(id(t)) is not None and by_id[id(t)].is_contiguous() for t in leaves)
+    return forward, backward, row_major
 
 
 def _cat_dim(node: fx.Node) -> int | None:
@@ -277,12 +314,51 @@ def _cat_dim(node: fx.Node) -> int | None:
     return None
 
 
-def _seed_like(t: torch.Tensor, cat_dim: int | None) -> torch.Tensor:
+def _seed_layouts(outputs: list[torch.Tensor], cat_dim: int | None) -> tuple[bool, ...]:
+    """The output-gradient layouts to measure a backward with (`dense`: row-major rather
+    than the output's own layout): both where an output is not row-major (NOTE [ The layout
+    of an output's gradient ])."""
+    if cat_dim is None and any(not t.is_contiguous() for t in outputs):
+        return (False, True)
+    return (False,)
+
+
+# NOTE [ The layout of an output's gradient ]
+# An op's backward workspace depends on the layout of the gradient it receives: a convolution
+# whose input is channels-last (in diffusers' decoders, after attention's (B, HW, C) result is
+# reshaped back to an image) runs its backward channels-last and copies a row-major output
+# gradient, a copy as big as the output. The layout is decided by the backward of the op's
+# users (a GroupNorm's backward returns a row-major gradient; SDPA's transposed output gets
+# its gradient back through views, in its own layout), which one op run alone cannot see. So
+# each op is first measured with a gradient of its output's own layout, and each measured
+# backward records which of its inputs got a row-major gradient; a value that is not row-major
+# but got one from a user is measured again with a row-major output gradient (a second pass
+# over the graph, only for those values), and charged the larger. Users that are views are not
+# measured, so a gradient that comes back through views keeps the output's layout.
+
+
+def _leaf_sources(node: fx.Node, values: _Values) -> list[fx.Node | None]:
+    """For each tensor leaf of `node`'s prepared (args, kwargs), the fx node it is the value
+    of (None for constants and attributes), in `tree_leaves` order."""
+
+    def sources(arg: Any) -> Any:
+        if not isinstance(arg, fx.Node):
+            return arg
+        if arg.op == "get_attr":
+            return tree_map(lambda _: None, _fetch_attr(values.gm, arg.target))
+        return tree_map(lambda _: arg, values.env[arg])
+
+    tree = fx.node.map_aggregate((node.args, node.kwargs), sources)
+    return [leaf if isinstance(leaf, fx.Node) else None for leaf in tree_leaves(tree)]
+
+
+def _seed_like(t: torch.Tensor, cat_dim: int | None, dense: bool = False) -> torch.Tensor:
     """The output gradient for a measured backward, laid out as the step's will be: a value
     whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous across
-    channels: a convolution's backward copies it, which is workspace too)."""
+    channels: a convolution's backward copies it, which is workspace too); else one of the
+    output's layout, or a row-major one (`dense`)."""
     if cat_dim is None or t.dim() == 0:
-        return torch.ones_like(t)
+        return torch.ones(t.shape, dtype=t.dtype, device=t.device) if dense else torch.ones_like(t)
     dim = cat_dim % t.dim()
     shape = list(t.shape)
     shape[dim] *= 2
