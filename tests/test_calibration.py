@@ -125,23 +125,11 @@ def small_models():
     }
 
 
-# At 0.25 (below its minimum: planned at the minimum, six levels of nesting) the dropout MLP
-# measures 6.0% above the prediction (783236 vs 738560 B): the generator states that
-# checkpoints of segments with dropout keep (NOTE [ Random state of recomputed segments ] in
-# hbp/runtime/executor.py; 22 of 5056 B live at the peak), which the simulator and the planner
-# do not charge (README "Known limitations"). Strict: the day they match, the xfail goes.
-_UNDER_PREDICTED = pytest.mark.xfail(
-    strict=True, reason="random states of nested checkpoints: allocator 6% above the prediction"
-)
-
-
 def _cases() -> list:
     cases = []
     for budget in (1.0, 0.5, 0.25):
         for name in small_models():
             marks = [pytest.mark.slow] if budget == 0.25 else []  # slow planning
-            if budget == 0.25 and name == "dropout_mlp":
-                marks.append(_UNDER_PREDICTED)
             cases.append(pytest.param(name, budget, marks=marks, id=f"{budget}-{name}"))
     return cases
 

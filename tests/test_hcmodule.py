@@ -143,7 +143,10 @@ def test_dropout_mlp_same_results_and_masks_less_memory_more_flops():
     params = [x, *model.parameters()]
     masks = {"plain": [], "hc": []}
     key = ["plain"]
-    model.layers[2][2].register_forward_hook(lambda m, i, o: masks[key[0]].append(o == 0))
+    # the masks as bytes, not tensors: tensors kept by the hook would count in the peak
+    model.layers[2][2].register_forward_hook(
+        lambda m, i, o: masks[key[0]].append(bytes((o == 0).numpy()))
+    )
     plain = step(model, params, x)
     hc = hbp.HCModule(model, budget=0.4)
     key[0] = "hc"
@@ -151,8 +154,8 @@ def test_dropout_mlp_same_results_and_masks_less_memory_more_flops():
         got = step(hc, params, x)
     assert_same(plain[0], got[0])
     assert_same(plain[1], got[1])
-    assert torch.equal(masks["plain"][0], masks["hc"][0])  # the forward's dropout mask...
-    assert all(torch.equal(masks["plain"][0], m) for m in masks["hc"])  # ...and the recompute's
+    assert len(masks["hc"]) > 1  # the forward's dropout mask and the recomputes'...
+    assert all(masks["plain"][0] == m for m in masks["hc"])  # ...are the plain step's
     plan = hc.plan
     assert any(s.recompute for s in plan.segments)
     assert got[2] <= 1.05 * plan.budget_bytes  # measured peak within the budget

@@ -13,6 +13,7 @@ from hbp.analysis import naive_peak, simulate
 from hbp.analysis.liveness import GraphInfo
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph import synthetic
+from hbp.graph.ir import Graph
 from hbp.planner import (
     candidate_cuts,
     min_feasible_peak,
@@ -101,6 +102,45 @@ def test_one_level_dp_equals_brute_force_on_dags(seed):
 )
 def test_nested_dp_equals_brute_force_over_all_nestings(graph):
     assert_dp_equals_brute_force(graph, depth=4, nested=True)
+
+
+def with_random_nodes(graph, state_bytes):
+    """`graph` with every op drawing random numbers and generator states of `state_bytes`
+    (NOTE [ Generator states of checkpoints ])."""
+    for node in graph.nodes:
+        node.draws_random = not node.is_input
+    graph.rng_state_bytes = state_bytes
+    return graph
+
+
+@pytest.mark.parametrize("seed", [0, 2])  # DAGs where a plan blind to the states breaks
+def test_plans_fit_with_generator_states(seed):
+    """The DP does not see the states that segments nested in a recomputed one keep from the
+    forward; its plans still fit once simulated, and BudgetError's minimum is reachable."""
+    graph = with_random_nodes(synthetic.random_dag(5, seed=seed), state_bytes=1)
+    results = brute_force(graph, depth=3)
+    blind = 0  # budgets that plans ignoring the states break
+    for budget in range(min(p for p, _ in results) - 2, naive_peak(graph) + 1):
+        try:
+            p, fits = optimal_plan(graph, budget, max_cuts=10**6), budget
+        except BudgetError as err:
+            assert err.minimum > budget
+            p, fits = optimal_plan(graph, err.minimum, max_cuts=10**6), err.minimum
+        validate_plan(graph, p)
+        assert p.predicted_peak_bytes <= fits
+        assert p.predicted_recompute_flops >= least_recompute(results, fits) - 1e-6
+        try:
+            unaware = optimal_plan(without_states(graph), budget, max_cuts=10**6)
+        except BudgetError:
+            continue
+        blind += simulate(graph, unaware).peak_bytes > budget
+    assert blind
+
+
+def without_states(graph):
+    copy = Graph.from_dict(graph.to_dict())
+    copy.rng_state_bytes = 0
+    return copy
 
 
 def stopping_before_nodes(graph):

@@ -413,3 +413,34 @@ def test_saved_extras_of_a_node_run_without_saving_are_scratch_of_its_event():
     assert sim.timeline[:2] == [("forward:a", 14), ("forward:b", 30)]
     assert sim.timeline[-2:] == [("recompute:a", 44), ("backward:a", 34)]
     assert sim.peak_bytes == 60
+
+
+def test_checkpoints_of_random_segments_keep_generator_states():
+    # NOTE [ Generator states of checkpoints ], on test_nested_plan_timeline's plan with n1
+    # drawing random numbers and a state of 1 byte: both checkpoints copy the state in the
+    # forward (n1's event: 10 + 2) and keep it until n1's backward (the first save event of
+    # both); the outer pass holds its fork (+1) and a new copy for the inner checkpoint it
+    # runs (+1), both gone when it ends; the inner pass holds its fork (+1).
+    graph = chain6()
+    graph.nodes[1].draws_random = True
+    graph.rng_state_bytes = 1
+    plan = [
+        Segment(0, 4, True, [Segment(0, 2, True), Segment(2, 4)]),
+        Segment(4, 7),
+    ]
+    sim = simulate(graph, plan)
+    assert sim.peak_bytes == 290 + 2
+    assert sim.timeline[0] == ("forward:n1", 12)
+    assert sim.timeline[10:] == [
+        ("recompute:n1", 100 + 4),
+        ("recompute:n2", 120 + 4),
+        ("recompute:n3", 150 + 4),
+        ("backward:n3", 140 + 2),
+        ("backward:n2", 100 + 2),
+        ("recompute:n1", 80 + 3),
+        ("backward:n1", 70 + 2),
+    ]
+    # a state costs nothing where it is not in the measured memory (CUDA), nor without
+    # random nodes
+    graph.rng_state_bytes = 0
+    assert simulate(graph, plan).timeline == simulate(chain6(), plan).timeline

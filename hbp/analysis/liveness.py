@@ -69,6 +69,12 @@ class GraphInfo:
         runs_at_stop: per node, whether a recompute pass that early-stops at it runs it at
             all (False: its last save is one of its inputs, packed before any of it runs, so
             it makes nothing: `Node.output_after_last_save` and no FLOPs before the save).
+        draws_random: per node, whether it draws from the random number generator (a
+            recomputed segment that contains one keeps generator states: `Graph.rng_state_bytes`
+            bytes each, NOTE [ Generator states of checkpoints ] in `hbp.analysis.simulate`).
+        rng_state_bytes: `Graph.rng_state_bytes`.
+        next_save: per position t in [0, n], the first save event at or after t (n if none).
+        random_before: per position t in [0, n], how many nodes before t draw random numbers.
     """
 
     n: int
@@ -98,6 +104,10 @@ class GraphInfo:
     passthrough: list[tuple[int, ...]]
     stop_flops: np.ndarray
     runs_at_stop: np.ndarray
+    draws_random: np.ndarray
+    rng_state_bytes: int
+    next_save: np.ndarray
+    random_before: np.ndarray
 
     @classmethod
     def of(cls, graph: Graph) -> GraphInfo:
@@ -203,6 +213,10 @@ class GraphInfo:
         stop_flops = np.clip(flops - after_save, 0.0, None)
         runs_at_stop = ~np.array([nd.output_after_last_save for nd in nodes], dtype=bool)
         runs_at_stop |= stop_flops > 0
+        draws_random = np.array([nd.draws_random for nd in nodes], dtype=bool) & ~is_input
+        next_save = np.full(n + 1, n, dtype=np.int64)
+        for i in range(n - 1, -1, -1):
+            next_save[i] = i if save_event[i] else next_save[i + 1]
         return cls(
             n=n,
             names=[nd.name for nd in nodes],
@@ -231,7 +245,16 @@ class GraphInfo:
             passthrough=passthrough,
             stop_flops=stop_flops,
             runs_at_stop=runs_at_stop,
+            draws_random=draws_random,
+            rng_state_bytes=int(graph.rng_state_bytes) if draws_random.any() else 0,
+            next_save=next_save,
+            random_before=np.concatenate([[0], np.cumsum(draws_random)]).astype(np.int64),
         )
+
+    def keeps_rng_state(self, start: int, stop: int) -> bool:
+        """Whether a recomputed segment [start, stop) keeps copies of the generator's state:
+        a node in it draws random numbers and a state costs bytes."""
+        return self.rng_state_bytes > 0 and self.random_before[stop] > self.random_before[start]
 
     def segment_inputs(self, start: int, stop: int) -> list[int]:
         """Values a segment [start, stop) reads that it does not produce itself: values made

@@ -145,6 +145,12 @@ class Graph:
             backward starts from it, once backward has started (`loss_fn(model(x),
             y).backward()`): NOTE [ Outputs the caller lets go ] in
             hbp/integrations/torch.py.
+        rng_state_bytes: bytes of one copy of the random number generator's state, counted
+            in the memory the step's peak is measured in: a recomputed segment that draws
+            random numbers keeps copies of it (NOTE [ Random state of recomputed segments ]
+            in hbp/runtime/executor.py). The torch capture records the CPU generator's state
+            size for a step on the CPU and 0 on CUDA (the states live in host memory); 0 for
+            JAX (random keys are values of the graph).
         meta: provenance of the capture (framework, granularity, timings, warnings); memory
             facts are `Node` fields. Graphs built with the legacy per-node meta keys
             (`LEGACY_META_FIELDS`) have them moved onto the nodes by `adopt_legacy_meta`,
@@ -156,6 +162,7 @@ class Graph:
     meta: dict = field(default_factory=dict)
     grad_outputs: list[str] | None = None
     held_outputs: list[str] | None = None
+    rng_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -210,6 +217,7 @@ class Graph:
             "outputs": list(self.outputs),
             "grad_outputs": None if self.grad_outputs is None else list(self.grad_outputs),
             "held_outputs": None if self.held_outputs is None else list(self.held_outputs),
+            "rng_state_bytes": int(self.rng_state_bytes),
             "meta": dict(self.meta),
         }
 
@@ -227,6 +235,7 @@ class Graph:
             graph.grad_outputs = list(d["grad_outputs"])
         if d.get("held_outputs") is not None:
             graph.held_outputs = list(d["held_outputs"])
+        graph.rng_state_bytes = int(d.get("rng_state_bytes", 0))
         return graph.adopt_legacy_meta()
 
     def to_json(self, path: str | Path | None = None) -> str:

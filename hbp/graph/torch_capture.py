@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hbp.errors import CaptureWarning
@@ -90,9 +91,20 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
             )
             captured = _capture_modules(module, bound, signature, reason, args, kwargs)
     _seed_backward_at_the_loss(captured)
+    captured.graph.rng_state_bytes = _rng_state_bytes(module, bound.arguments)
     captured.capture_time_s = time.perf_counter() - start
     captured.graph.meta["capture_time_s"] = captured.capture_time_s
     return captured
+
+
+def _rng_state_bytes(module: nn.Module, arguments: dict) -> int:
+    """`Graph.rng_state_bytes` for a step of `module` on these arguments: the CPU generator's
+    state (what `torch.utils.checkpoint` copies, a CPU tensor) when the step runs on the CPU;
+    0 on CUDA, where the peak is the device's and the states are in host memory."""
+    leaves = (*pytree.tree_leaves(dict(arguments)), *module.parameters())
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in leaves):
+        return 0
+    return int(torch.get_rng_state().nbytes)
 
 
 def _symbolic_trace(

@@ -381,6 +381,13 @@ class CostModel:
                 has_save = self.first_reader_from_before(e) < fs
                 r["zeros"] = np.zeros(len(fs))
                 r["flops_until"] = np.zeros(len(fs))
+                # its checkpoint's copy of the generator state: live from its forward on, and
+                # kept until its backward when it saves something (NOTE [ Random state of
+                # recomputed segments ] in hbp.analysis.simulate)
+                info = self.info
+                random = (info.random_before[fs] > info.random_before[e]) * info.rng_state_bytes
+                r["state"] = random.astype(np.int64)
+                r["state_kept"] = np.where(info.next_save[e] < fs, random, 0).astype(np.int64)
             r["has_save"] = has_save
             for v in r.values():
                 if isinstance(v, np.ndarray):
@@ -433,6 +440,15 @@ class CostModel:
                     nearest = f
             self._save_free_mask[d] = r
         return r
+
+    def fork_bytes(self, e: int, f: int) -> int:
+        """Bytes the recompute pass of a recomputed [e, f) holds beside its children's: the
+        copy of the generator state it restores afterwards (NOTE [ Generator states of
+        checkpoints ] in hbp.analysis.simulate); charged through its whole backward (conservative)."""
+        info = self.info
+        if info.keeps_rng_state(e, f) and info.next_save[e] < f:
+            return info.rng_state_bytes
+        return 0
 
     def pass_pos(self, d: int) -> int:
         """Positional bytes while the recompute pass of a segment ending at d runs: it runs at
@@ -573,6 +589,8 @@ class _Profile:
                     live[lo - e :] -= m.g_size[g]
         fwd_max = np.maximum.accumulate(live) if len(live) else live
         out = {"f": fs, "f_list": f_list, "kept": self.kept[idx].astype(np.int64)}
+        if mode == REC:
+            out["kept"] = out["kept"] + shared["state_kept"]
         pos_pass = 0 if top else m.pass_pos(d)
         full = fwd_max[idx] + pos_pass
         if mode == PLAIN:
@@ -587,7 +605,7 @@ class _Profile:
             out["need_until"] = np.maximum(np.maximum(ls_need, bwd), 0)
             out["need_none"] = np.maximum(bwd, 0)
         else:
-            out["need_full"] = np.maximum(full, 0)
+            out["need_full"] = np.maximum(full + shared["state"], 0)
             out["need_until"] = out["need_none"] = shared["zeros"]
         out["flops_full"], out["flops_until"] = shared["flops_full"], shared["flops_until"]
         out["has_save"] = shared["has_save"]
@@ -702,6 +720,7 @@ class Solver:
         self._rec_need: dict = {}
         self._rec_tail: dict = {}
         self._first_finite: dict = {}  # id(table) -> first slot with a finite value
+        self._shifted: dict = {}  # id(T(e, f) table) -> it with the fork slots off
 
     def sl(self, x):
         """Bytes -> slots, rounded up (conservative)."""
@@ -709,6 +728,24 @@ class Solver:
 
     # T(e, f) ---------------------------------------------------------------------------------
     def rec(self, e: int, f: int, lowest: int = 0, tail: bool = True) -> np.ndarray:
+        """T(e, f) over slots (`_rec_table`), with the slots its pass's generator state copy
+        takes (`CostModel.fork_bytes`) off."""
+        fork = self._fork_slots(e, f)
+        table = self._rec_table(e, f, max(lowest - fork, 0), tail)
+        if not fork:
+            return table
+        r = self._shifted.get(id(table))
+        if r is None:
+            r = np.full(self.M + 1, INF)
+            r[fork:] = table[: max(self.M + 1 - fork, 0)]
+            self._shifted[id(table)] = r
+        return r
+
+    def _fork_slots(self, e: int, f: int) -> int:
+        fork = self.m.fork_bytes(e, f)
+        return int(self.sl(fork)) if fork else 0
+
+    def _rec_table(self, e: int, f: int, lowest: int = 0, tail: bool = True) -> np.ndarray:
         """T(e, f) over slots, exact at every m >= `lowest`; with `tail`, infeasible where its
         tail's backward does not fit (`rec_tail`; without, the parent level counts it).
 
@@ -1072,7 +1109,8 @@ class Solver:
 
     def rec_plan(self, e: int, f: int, slots: int) -> list[Segment]:
         """Children of the recomputed segment [e, f) given `slots` for its backward."""
-        self.rec(e, f, slots)
+        slots -= self._fork_slots(e, f)
+        self._rec_table(e, f, slots)
         if not self.nested or slots >= self._rec_need[e, f]:
             return []  # recomputed as plain autograd
         H = self.m.crossing_in(e, f, False)
@@ -1110,6 +1148,10 @@ class PeakSolver:
                 self._memo[key] = min(a, b, key=_order) + ((1 if _order(a) <= _order(b) else 0),)
             else:
                 self._memo[key] = self._evaluate(f, e, H, None, False, only=f) + (None,)
+            fork = self.m.fork_bytes(e, f)
+            if fork:
+                peak, *rest = self._memo[key]
+                self._memo[key] = (peak + fork, *rest)
         return self._memo[key]
 
     def tail(self, d, e, H, flag):
@@ -1317,8 +1359,7 @@ def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, 
         solver = Solver(model, slots, slot_bytes, nested)
         if solver.top(0, frozenset())[0, slots] < INF:
             return solver.top_plan(slots), slots, slot_bytes, "dp"
-        peak_solver = PeakSolver(model, nested)
-        minimum = int(peak_solver.top(0, frozenset())[0])
+        minimum, segments = _least_peak(info, model, nested)
         if minimum > budget_bytes:
             raise BudgetError(
                 budget_bytes,
@@ -1327,7 +1368,20 @@ def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, 
                 f"candidate cuts of {info.n} nodes",
             )
         # the slot rounding rejected a feasible budget: the least-peak plan fits
-        return peak_solver.top_plan(), slots, slot_bytes, "min-peak"
+        return segments, slots, slot_bytes, "min-peak"
+
+
+def _least_peak(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, list[Segment]]:
+    """The least-peak plan (`PeakSolver`) and its peak. Where the graph keeps generator states,
+    the simulated peak: the DP does not see every copy (NOTE [ Generator states of
+    checkpoints ] in hbp.analysis.simulate), so the minimum is one that a plan reaches."""
+    solver = PeakSolver(model, nested)
+    peak = int(solver.top(0, frozenset())[0])
+    segments = solver.top_plan()
+    if info.rng_state_bytes:
+        plan = absorb_inputs(info, simplify(list(segments)) or [Segment(0, info.n)])
+        peak = max(peak, simulate(None, plan, info=info).peak_bytes)
+    return peak, segments
 
 
 def optimal_plan(
@@ -1382,10 +1436,14 @@ def optimal_plan(
             "solved_by": how,
         },
     )
+    if plan.predicted_peak_bytes > budget_bytes and info.rng_state_bytes and how == "dp":
+        plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive)
     if plan.predicted_peak_bytes > budget_bytes:  # a model mismatch: never hand it out
         peak, fallback = min_feasible_peak(
             graph, block_size=block_size, max_cuts=max_cuts, nested=nested, info=info
         )
+        if peak > budget_bytes and info.rng_state_bytes:
+            raise BudgetError(budget_bytes, peak, "counting the generator states checkpoints keep")
         if peak > budget_bytes:
             raise RuntimeError(
                 f"planner: the DP's plan simulates to {plan.predicted_peak_bytes} bytes over "
@@ -1400,6 +1458,26 @@ def optimal_plan(
         if staged == "always" or _staged_pays(info, cuts):
             plan = _better_staged(graph, info, plan, naive, always=staged == "always") or plan
     plan.meta["solve_time_s"] = time.perf_counter() - t0
+    return plan
+
+
+def _replanned(graph, info, plan, cuts, mem_slots, nested, naive) -> Plan:
+    """The DP's plan for the budget less the excess of `plan` (twice at most): the DP does not
+    see the generator states that segments nested in a recomputed one keep from the forward
+    (NOTE [ Generator states of checkpoints ] in hbp.analysis.simulate). `plan` itself
+    when no such plan fits."""
+    budget = target = plan.budget_bytes
+    for _ in range(2):
+        target -= plan.predicted_peak_bytes - budget
+        try:
+            segments, _, _, how = _solve(info, cuts, target, mem_slots, nested)
+        except BudgetError:
+            break
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        meta = dict(plan.meta, solved_by=f"{how} (below the budget: random states)")
+        plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+        if plan.predicted_peak_bytes <= budget:
+            break
     return plan
 
 
@@ -1451,9 +1529,8 @@ def min_feasible_peak(
     info = info or GraphInfo.of(graph)
     model = CostModel(info, candidate_cuts(info, block_size, max_cuts))
     with _planning(len(model.cuts)):
-        solver = PeakSolver(model, nested)
-        peak = int(solver.top(0, frozenset())[0])
-        segments = absorb_inputs(info, simplify(solver.top_plan()) or [Segment(0, info.n)])
+        peak, segments = _least_peak(info, model, nested)
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
     return peak, segments
 
 
