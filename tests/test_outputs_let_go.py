@@ -189,3 +189,33 @@ def test_a_budget_that_fits_only_without_the_outputs_says_keeps_outputs_false():
     fits = hbp.HCModule(TinyLM(), budget=budget, keeps_outputs=False)
     measured = _measured(fits, _drop, *batch)
     assert measured <= 1.05 * budget
+
+
+class RegressionLoss(nn.Module):
+    """Returns CPU `mse_loss`, whose 0-dim result holds the whole elementwise loss's storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.body(x), y)
+
+
+def test_the_loss_backward_runs_on_stays_counted_with_keeps_outputs_false():
+    """`hc(x, y).backward()` keeps the loss alive until backward returns: letting it go at
+    backward's start would under-count mse_loss's storage (WIDTH x TOKENS x 8 x 4 bytes)."""
+    torch.manual_seed(0)
+    model = RegressionLoss()
+    x, y = torch.randn(8 * TOKENS, WIDTH), torch.randn(8 * TOKENS, WIDTH)
+    assert nn.functional.mse_loss(x, y).untyped_storage().nbytes() == x.nbytes
+    kept = hbp.estimate(model, x, y, keeps_outputs=True)
+    dropped = hbp.estimate(model, x, y, keeps_outputs=False)
+    assert dropped.naive_peak_bytes == kept.naive_peak_bytes
+    hc = hbp.HCModule(model, "min", keeps_outputs=False)
+    plan = hc.prepare(x, y)
+    model.zero_grad(set_to_none=True)
+    _, measured = allocator_peak(lambda: hc(x, y).backward())
+    assert measured <= 1.02 * plan.budget_bytes

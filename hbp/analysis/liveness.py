@@ -51,8 +51,8 @@ class GraphInfo:
         is_held: outputs the caller holds (`Graph.held_outputs`, and every grad seed): the
             other outputs are freed like any value once nothing needs them.
         seed_let_go: grad seeds the caller lets go of once backward has started (grad seeds
-            not in `Graph.held_outputs`): held through the forward and the backward-start
-            event, then freed when nothing else holds them.
+            not in `Graph.held_outputs`, other than a scalar loss): held through the forward
+            and the backward-start event, then freed when nothing else holds them.
         receives_grad / has_backward: see the module docstring.
         grad_bytes: per node, bytes of its output gradient (0 unless it receives one).
         saved: per node, the indices of the inputs its backward keeps (empty without backward).
@@ -175,7 +175,10 @@ class GraphInfo:
         if graph.held_outputs is not None:
             listed = np.array([nd.name in set(graph.held_outputs) for nd in nodes], dtype=bool)
             is_held &= listed | grad_seed
-            seed_let_go = grad_seed & ~listed
+            # a scalar seed is the loss the caller calls .backward() on: alive until backward
+            # returns (CPU mse_loss's 0-dim result holds the elementwise loss's whole storage)
+            scalar = np.array([nd.gradient_bytes <= 8 for nd in nodes], dtype=bool)
+            seed_let_go = grad_seed & ~listed & ~scalar
         receives_grad = np.zeros(n, dtype=bool)
         has_backward = np.zeros(n, dtype=bool)
         for i in range(n - 1, -1, -1):
