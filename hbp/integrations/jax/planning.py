@@ -58,12 +58,13 @@ def check_options(budget, block_size, strategy, plan) -> None:
 
 # NOTE [ Planning's freed heap ]
 # Planning allocates many small Python objects (the DP's tables) and frees them before the
-# step runs. glibc keeps freed small chunks in its heap, and a heap cannot shrink below its
-# highest live chunk, so without help the process keeps that memory resident while the step
-# runs on top of it: the first step's process peak is the planner's high-water mark plus the
-# step's. After collecting cycles, `malloc_trim(0)` hands free pages anywhere in the heap back to the OS (madvise), so
-# the first step starts from what is really live. Planning happens once per input signature,
-# so this runs once per signature too; elsewhere than glibc it does nothing.
+# step runs; compiling the one program called as is does the same in XLA. glibc keeps freed
+# small chunks in its heap, and a heap cannot shrink below its highest live chunk, so without
+# help the process keeps that memory resident while the step runs on top of it: the first
+# step's process peak is the planner's and the compiler's leftovers plus the step's. After
+# collecting cycles, `malloc_trim(0)` hands free pages anywhere in the heap back to the OS
+# (madvise), so the first step starts from what is really live. Both happen once per input
+# signature, and so does this; elsewhere than glibc it does nothing.
 
 
 def return_freed_heap() -> None:
