@@ -15,7 +15,10 @@ Parts:
 - chunked_ce: the chunked LM head + cross-entropy against F.cross_entropy at GPT-2 vocab.
 - medium: GPT-2 124M shape (profile medium): naive, checkpoint, tiny at the budget equal to
   checkpoint's measured peak, tiny at 0.25 (experiments/gpt2_medium.py).
-- jax: naive jax.grad against hbp.jax.height_compressed_grad.
+- jax: jax.grad against hbp.jax.height_compressed_grad on issue 13's MLP chain
+  (experiments/bench_jax.py, jax.md), then the JAX runner rows: the experiments
+  conf/experiment/jax_runner*.yaml (framework=jax, gpt2 and synthetic_dag, naive, checkpoint
+  and tiny at "min") into outputs/bench/jax_runner, printed with hbp.analysis.collect.
 - planner: plan quality and planning time against depth (residual_net 12..192 layers at 0.5),
   planner vs MILP optimum on random DAGs (experiments/bench_planner.py, planner.md).
 Every run is a `run.py` process (Hydra multirun), so one crash leaves the others intact.
@@ -75,12 +78,24 @@ def optimum(quick: bool) -> None:
         write_report(OUT / "matrix", OUT)
 
 
+def jax_part(quick: bool) -> None:
+    script("bench_jax.py", *(["--quick"] if quick else []))
+    experiment("jax_runner")  # small already (profile small, 6 runs); --quick does not change it
+    experiment("jax_runner_tiny")
+    from hbp.analysis.collect import collect, results_table, to_markdown
+
+    runs = OUT / "jax_runner"
+    table = to_markdown(results_table(collect(runs)))
+    (OUT / "jax_runner.md").write_text(table + "\n")
+    print(f"JAX in the runner ({runs}):\n{table}")
+
+
 PARTS = {
     "matrix": matrix,
     "optimum": optimum,
     "chunked_ce": lambda quick: script("bench_chunked_ce.py", *(["--quick"] if quick else [])),
     "medium": lambda quick: script("gpt2_medium.py", *(["--quick"] if quick else [])),
-    "jax": lambda quick: script("bench_jax.py", *(["--quick"] if quick else [])),
+    "jax": jax_part,
     "planner": lambda quick: script("bench_planner.py", *(["--quick"] if quick else [])),
 }
 

@@ -19,7 +19,8 @@ memory; each variant is repeated `--repeats` times (fresh process each). Columns
 temp = the compiled program's temp buffer (memory analysis; hbp as is: the program or piece
 at the peak), peak = memory-analysis peak (temp + outputs; pieces: live arrays + the running
 piece's temp + outputs), rss = process max-RSS growth of one call after a warm-up call (min-max
-over the repeats), rss_first = the same for the first call, compilation included (how issue 13
+over the repeats; the baseline read once the warm-up call's temp has been unmapped:
+`hbp.jax.rss_growth`), rss_first = the same for the first call, compilation included (how issue 13
 measured), *_vs_jit = ratio to `jax.jit(jax.grad)` (rss: of the medians), max_err = the
 largest absolute gradient difference to `jax.jit(jax.grad)`, step_s = the measured call's time
 (median over the repeats; on a shared machine, a rough figure).

@@ -109,3 +109,30 @@ def test_stacked_scan_weights_measured_peak_matches_prediction():
     measured = hj.measure(grad_fn, w, x).peak_bytes
     assert measured <= grad_fn.plan.predicted_peak_bytes + w.nbytes / 4
     assert_trees_close(grad_fn(w, x), jax.grad(loss)(w, x))
+
+
+def test_rss_baseline_waits_for_a_release_in_progress():
+    """XLA:CPU frees a program's temp buffer after its outputs are ready, and unmapping a large
+    buffer takes a while: `rss_growth` reads its baseline once the resident size has stopped
+    falling, not in the middle of the release (which would hide the next call's growth).
+    Here a thread gives back 10 x 40 MiB, one every 30 ms, while the baseline is read."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from hbp.integrations.jax.measure import _current_rss, _settled_rss
+
+    held = [np.ones(40 * 2**20 // 8) for _ in range(10)]  # above glibc's mmap threshold
+    started = _current_rss()
+
+    def release():
+        while held:
+            held.pop()
+            time.sleep(0.03)
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    baseline = _settled_rss()
+    thread.join()
+    assert started - baseline >= 360 * 2**20, (started - baseline) / 2**20

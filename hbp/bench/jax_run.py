@@ -12,12 +12,13 @@ once, ahead of time, and then called as compiled. NOTE [ JAX step metrics ]:
 - Cross-check, process max-RSS growth (Linux: the high-water mark reset right before the
   call): `rss_first_call_growth_bytes` for the first call of the compiled program (nothing
   of the program's memory was resident before it), `rss_growth_bytes` for the measured call
-  after the timed steps (XLA:CPU and malloc keep memory resident between calls, so it can be
-  far below the peak; README "JAX on XLA:CPU"). Before building anything the run asks glibc
-  to serve allocations of 64 KiB and more by mmap and to give freed memory back at once
-  (`mallopt`, what `MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0` do at start-up):
-  otherwise memory freed by an earlier job of the same multirun process is reused without
-  growing RSS, and the first call's growth says nothing.
+  after the timed steps (its baseline read once the previous call's temp buffer has been
+  released: NOTE [ RSS baseline after a previous call ] in hbp/integrations/jax/measure.py).
+  Before building anything the run asks glibc to serve allocations of 64 KiB and more by
+  mmap and to give freed memory back at once (`mallopt`, what
+  `MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0` do at start-up): otherwise memory
+  freed by an earlier job of the same multirun process is reused without growing RSS, and
+  the first call's growth says nothing.
 - `flops`: `cost_analysis()["flops"]` of the compiled step (XLA's count, after its
   optimisations); `naive_flops` the same for `jax.jit(jax.grad(loss))`.
 - `step_time_s`: median of the timed calls (`block_until_ready`), after `warmup` calls.

@@ -12,7 +12,7 @@ from jax.extend.core import Literal
 from hbp.errors import ConfigError
 from hbp.graph.jax_capture import Program, abstractify
 from hbp.integrations.jax.arguments import argnums_mask, bind_static, check_argnums, program_env
-from hbp.integrations.jax.planning import Compiled, Planned
+from hbp.integrations.jax.planning import Compiled, Planned, return_freed_heap
 from hbp.integrations.jax.recording import run_compiled
 from hbp.integrations.jax.remat import RUNNERS, jit
 from hbp.integrations.jax.segments import read_value
@@ -290,6 +290,8 @@ class HeightCompressedGrad(Planned):
                 fn = compiled.program_fns[executor] = (
                     jit(grad) if executor == "remat" else jax.jit(grad)
                 )
+                fn.lower(*args).compile()  # (cached for the call below)
+                return_freed_heap()  # NOTE [ Planning's freed heap ]
             out = run_compiled(f"one program ({executor})", fn, *args)
         return out if self.has_aux else (out, None)
 

@@ -94,16 +94,42 @@ def measure(fn, *args) -> MemoryReport:
 
 def rss_growth(fn, *args) -> tuple[int, float, Any]:
     """(process max-RSS growth in bytes, seconds, the output) of one call of `fn(*args)` as
-    it is (warm it up first: compilation counts too). The growth is -1 where the high-water
-    mark cannot be reset (then only a lower bound is known)."""
+    it is (warm it up first: compilation counts too), from the resident size once memory
+    still being released has been (NOTE [ RSS baseline after a previous call ]). The growth
+    is -1 where the high-water mark cannot be reset (then only a lower bound is known)."""
     gc.collect()
-    rss_before, reset = _current_rss(), _reset_rss_peak()
+    rss_before = _settled_rss()
+    reset = _reset_rss_peak()
     start = time.perf_counter()
     out = fn(*args)
     jax.block_until_ready(out)
     wall = time.perf_counter() - start
     growth = _max_rss() - rss_before if reset else -1
     return growth, wall, out
+
+
+# NOTE [ RSS baseline after a previous call ]
+# On XLA:CPU, `block_until_ready` returns once a program's outputs are ready; its temp buffer
+# is freed after that, and unmapping hundreds of MiB takes a noticeable time. A baseline read
+# in that window still holds the previous call's temp, so the next call's growth is measured
+# from too high a level and a large program looks smaller than it is (the error grows with the
+# program's temp: it hits `jax.jit(jax.grad(f))` hardest, and makes a saving look smaller).
+# The baseline is therefore read once the resident size has stopped falling. Figures: the
+# README's JAX section.
+
+
+def _settled_rss(timeout_s: float = 3.0, interval_s: float = 0.02, calm: int = 4) -> int:
+    """The resident size once memory that is being released has been (NOTE [ RSS baseline
+    after a previous call ]): polled until it has not fallen by 1 MiB or more in `calm`
+    intervals in a row, at most `timeout_s`."""
+    deadline = time.perf_counter() + timeout_s
+    rss, still = _current_rss(), 0
+    while still < calm and time.perf_counter() < deadline:
+        time.sleep(interval_s)
+        now = _current_rss()
+        still = still + 1 if now > rss - 2**20 else 0
+        rss = min(rss, now)
+    return _current_rss()
 
 
 def _current_rss() -> int:

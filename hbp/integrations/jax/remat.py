@@ -48,6 +48,16 @@ from hbp.integrations.jax.segments import SegmentInfo, eval_ops
 # boundary (a few elementwise ops are not fused with their neighbours); and the memory of the
 # inside of one segment is the compiler's (the pieces executor holds the memory model
 # exactly, but only when called eagerly).
+#
+# NOTE [ One program's memory against the plan ]
+# What is live at once in the fenced program stays within the plan's peak (XLA's own live
+# ranges of the compiled program say so). What the program allocates does not quite: XLA:CPU gives the program one temp buffer sized for its busiest moment, whose pages
+# stay resident for the whole call, and separate output buffers. The parameter gradients are
+# outputs, written as backward reaches them, after the temp's busiest moment; the planner
+# counts them growing while activations are freed, but their pages come on top of the temp's.
+# A one-program step therefore holds about temp peak + all gradients, above the plan's peak by
+# the gradients not yet made at the plan's peak. The pieces executor, whose pieces each free
+# their temp, does not pay this.
 
 
 def opaque_true():
