@@ -1,0 +1,290 @@
+"""Entry points of the DP planner: `optimal_plan`, `min_feasible_peak`, `finish_plan`.
+
+`optimal_plan` picks the candidate cuts (`hbp.planner.cuts`), sizes the memory slots, runs
+the least-recompute tables (`Solver`) and, where the slot rounding rejects a feasible budget,
+the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
+(`hbp.planner.stages`) and keeps the better plan. Every plan it hands out is simulated
+(`hbp.analysis.simulate`) and fits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import reduce
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.simulate import simulate
+from hbp.errors import BudgetError, ConfigError
+from hbp.graph.ir import Graph
+from hbp.planner.cuts import candidate_cuts
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.modes import INF
+from hbp.planner.dp.peak import PeakSolver
+from hbp.planner.dp.recursion import planning, simplify
+from hbp.planner.dp.solver import Solver
+from hbp.planner.plan import Plan, Segment
+from hbp.planner.stages import staged_plan
+from hbp.planner.tree import name_segments
+
+__all__ = [
+    "STAGED",
+    "absorb_inputs",
+    "finish_plan",
+    "kept_bytes",
+    "min_feasible_peak",
+    "optimal_plan",
+]
+
+
+def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
+    """Merge a leading segment made only of graph inputs into the next one (graph inputs are
+    never run nor recomputed, so this changes nothing but the printout)."""
+    first = segments[0] if segments else None
+    if len(segments) < 2 or not all(info.is_input[j] for j in range(first.start, first.stop)):
+        return segments
+
+    def extend(seg: Segment) -> Segment:
+        kids = [extend(seg.children[0]), *seg.children[1:]] if seg.children else []
+        return Segment(first.start, seg.stop, seg.recompute, kids)
+
+    return [extend(segments[1]), *segments[2:]]
+
+
+def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
+    sizes = [
+        int(x)
+        for arr in (
+            info.storage_bytes,
+            info.extra_bytes,
+            info.grad_bytes,
+            info.param_grad_bytes,
+        )
+        for x in arr
+        if x
+    ]
+    g = reduce(math.gcd, sizes, 0) or 1
+    if budget // g <= max(mem_slots, 1024):
+        return int(budget // g), float(g)
+    return mem_slots, budget / mem_slots
+
+
+def _solve(info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, nested: bool):
+    """Run the DP; returns (segments, slots, slot bytes, how it was solved)."""
+    model = CostModel(info, cuts)
+    with planning(len(cuts)):
+        slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
+        solver = Solver(model, slots, slot_bytes, nested)
+        if solver.top(0, frozenset())[0, slots] < INF:
+            return solver.top_plan(slots), slots, slot_bytes, "dp"
+        minimum, segments = _least_peak(info, model, nested)
+        if minimum > budget_bytes:
+            raise BudgetError(
+                budget_bytes,
+                minimum,
+                f"{'nested' if nested else 'one-level'} plans over {len(cuts) - 2} "
+                f"candidate cuts of {info.n} nodes",
+            )
+        # the slot rounding rejected a feasible budget: the least-peak plan fits
+        return segments, slots, slot_bytes, "min-peak"
+
+
+def _least_peak(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, list[Segment]]:
+    """The least-peak plan (`PeakSolver`) and its peak. Where the graph keeps generator states,
+    the simulated peak: the DP does not see every copy (NOTE [ Generator states of
+    checkpoints ] in hbp.analysis.simulate), so the minimum is one that a plan reaches."""
+    solver = PeakSolver(model, nested)
+    peak = int(solver.top(0, frozenset()).peak)
+    segments = solver.top_plan()
+    if info.rng_state_bytes:
+        plan = absorb_inputs(info, simplify(list(segments)) or [Segment(0, info.n)])
+        peak = max(peak, simulate(None, plan, info=info).peak_bytes)
+    return peak, segments
+
+
+def optimal_plan(
+    graph: Graph,
+    budget_bytes: int,
+    *,
+    block_size: int = 1,
+    max_cuts: int = 64,
+    mem_slots: int = 256,
+    nested: bool = True,
+    info: GraphInfo | None = None,
+    staged: str | None = None,
+) -> Plan:
+    """The plan with the least recompute FLOPs whose simulated peak fits `budget_bytes`.
+
+    Exact over trees of intervals whose cuts are in `candidate_cuts(info, block_size,
+    max_cuts)` (one level only if `nested=False`), up to memory discretisation into at most
+    max(mem_slots, 1024) slots of the gcd of the graph's byte counts (exact when the budget
+    spans at most that many) or `mem_slots` equal slots of the budget (conservative).
+
+    On large graphs (`staged`: "auto", the default `STAGED`) the graph is also planned in
+    stages (`hbp.planner.stages`: per-stage tables over fine cuts, one allocation across
+    stages) and that plan is taken when it fits and recomputes less.
+
+    Raises:
+        BudgetError: no plan over the candidate cuts fits; `.minimum` is the smallest peak
+            any such plan reaches (bytes).
+    """
+    t0 = time.perf_counter()
+    info = info or GraphInfo.of(graph)
+    budget_bytes = int(budget_bytes)
+    naive = simulate(graph, info=info)
+    cuts = candidate_cuts(info, block_size, max_cuts)
+    if budget_bytes >= naive.peak_bytes:  # plain autograd fits: nothing to recompute
+        segments, slots, slot_bytes, how = [Segment(0, info.n)], 0, 0.0, "naive fits"
+    else:
+        segments, slots, slot_bytes, how = _solve(info, cuts, budget_bytes, mem_slots, nested)
+    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    plan = finish_plan(
+        graph,
+        segments,
+        budget_bytes,
+        info=info,
+        naive=naive,
+        meta={
+            "planner": "optimal",
+            "nested": nested,
+            "block_size": block_size,
+            "candidate_cuts": len(cuts) - 2,
+            "mem_slots": slots,
+            "slot_bytes": slot_bytes,
+            "solved_by": how,
+        },
+    )
+    if plan.predicted_peak_bytes > budget_bytes and info.rng_state_bytes and how == "dp":
+        plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive)
+    if plan.predicted_peak_bytes > budget_bytes:  # a model mismatch: never hand it out
+        peak, fallback = min_feasible_peak(
+            graph, block_size=block_size, max_cuts=max_cuts, nested=nested, info=info
+        )
+        if peak > budget_bytes and info.rng_state_bytes:
+            raise BudgetError(budget_bytes, peak, "counting the generator states checkpoints keep")
+        if peak > budget_bytes:
+            raise RuntimeError(
+                f"planner: the DP's plan simulates to {plan.predicted_peak_bytes} bytes over "
+                f"the budget of {budget_bytes} and no fallback fits; please report this graph"
+            )
+        plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
+        plan.meta["solved_by"] = "min-peak (dp over budget)"
+    staged = STAGED if staged is None else staged
+    if staged not in ("auto", "always", "never"):
+        raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
+    if how == "dp" and block_size == 1 and staged != "never":
+        if staged == "always" or _staged_pays(info, cuts):
+            plan = _better_staged(graph, info, plan, naive, always=staged == "always") or plan
+    plan.meta["solve_time_s"] = time.perf_counter() - t0
+    return plan
+
+
+def _replanned(graph, info, plan, cuts, mem_slots, nested, naive) -> Plan:
+    """The DP's plan for the budget less the excess of `plan` (twice at most): the DP does not
+    see the generator states that segments nested in a recomputed one keep from the forward
+    (NOTE [ Generator states of checkpoints ] in hbp.analysis.simulate). `plan` itself
+    when no such plan fits."""
+    budget = target = plan.budget_bytes
+    for _ in range(2):
+        target -= plan.predicted_peak_bytes - budget
+        try:
+            segments, _, _, how = _solve(info, cuts, target, mem_slots, nested)
+        except BudgetError:
+            break
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        meta = dict(plan.meta, solved_by=f"{how} (below the budget: random states)")
+        plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+        if plan.predicted_peak_bytes <= budget:
+            break
+    return plan
+
+
+# "auto": graphs from STAGED_MIN_NODES nodes on, where the candidate cuts thin out, are also
+# planned in stages and the staged plan is taken when it recomputes less; "always": taken
+# whenever it fits (tests); "never"
+STAGED = "auto"
+STAGED_MIN_NODES = 400
+
+
+def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
+    return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
+
+
+def _better_staged(graph, info, plan, naive, always=False) -> Plan | None:
+    """The staged plan (`hbp.planner.stages`) when it fits and recomputes less than `plan`
+    (or, with `always`, when it fits).
+    Its stage-boundary accounting is approximate: an overshoot is taken off the budget and
+    the stages planned again (twice at most)."""
+    budget = target = plan.budget_bytes
+    for _ in range(3):
+        segments = staged_plan(info, target, nested=False)
+        if segments is None:
+            return None
+        sim = simulate(graph, segments, info=info)
+        if sim.peak_bytes <= budget:
+            break
+        target -= sim.peak_bytes - budget
+    else:
+        return None
+    if sim.recompute_flops >= plan.predicted_recompute_flops and not always:
+        return None
+    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    meta = dict(plan.meta, solved_by="staged", whole_graph_recompute=plan.predicted_recompute_flops)
+    return finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+
+
+def min_feasible_peak(
+    graph: Graph,
+    *,
+    block_size: int = 1,
+    max_cuts: int = 64,
+    nested: bool = True,
+    info: GraphInfo | None = None,
+) -> tuple[int, list[Segment]]:
+    """The smallest simulated peak over the planner's plan space, and a plan reaching it."""
+    info = info or GraphInfo.of(graph)
+    model = CostModel(info, candidate_cuts(info, block_size, max_cuts))
+    with planning(len(model.cuts)):
+        peak, segments = _least_peak(info, model, nested)
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    return peak, segments
+
+
+def finish_plan(
+    graph: Graph,
+    segments: list[Segment],
+    budget_bytes: int,
+    *,
+    info: GraphInfo | None = None,
+    naive=None,
+    meta: dict | None = None,
+) -> Plan:
+    """A Plan for `segments` with its predictions filled in from the simulator."""
+    info = info or GraphInfo.of(graph)
+    naive = naive or simulate(graph, info=info)
+    name_segments(info, segments)
+    sim = simulate(graph, segments, info=info)
+    kept = kept_bytes(info, segments)
+    meta = dict(meta or {})
+    meta["cuts"] = [info.names[s.start] for s in segments[1:]]
+    meta["predicted_peak_phase"] = sim.peak_phase
+    meta["predicted_peak_at"] = sim.peak_at
+    return Plan(
+        segments=segments,
+        budget_bytes=int(budget_bytes),
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_recompute_flops=sim.recompute_flops,
+        naive_peak_bytes=naive.peak_bytes,
+        naive_flops=naive.total_flops,
+        kept_bytes=kept,
+        meta=meta,
+    )
+
+
+def kept_bytes(info: GraphInfo, segments: list[Segment]) -> int:
+    """Bytes of distinct storage the top-level recomputed segments hold as inputs."""
+    roots = set()
+    for s in segments:
+        if s.recompute:
+            roots.update(int(info.root[v]) for v in info.segment_inputs(s.start, s.stop))
+    return int(sum(info.storage_bytes[r] for r in roots))
