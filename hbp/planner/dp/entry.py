@@ -131,29 +131,60 @@ def optimal_plan(
     t0 = time.perf_counter()
     info = info or GraphInfo.of(graph)
     budget_bytes = int(budget_bytes)
+    staged = STAGED if staged is None else staged
+    if staged not in ("auto", "always", "never"):
+        raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
     naive = simulate(graph, info=info)
     cuts = candidate_cuts(info, block_size, max_cuts)
+    stages = block_size == 1 and staged != "never"
+    stages = stages and (staged == "always" or _staged_pays(info, cuts))
+    meta = {"planner": "optimal", "nested": nested, "block_size": block_size}
     if budget_bytes >= naive.peak_bytes:  # plain autograd fits: nothing to recompute
-        segments, slots, slot_bytes, how = [Segment(0, info.n)], 0, 0.0, "naive fits"
-    else:
-        segments, slots, slot_bytes, how = _solve(info, cuts, budget_bytes, mem_slots, nested)
+        meta.update(candidate_cuts=len(cuts) - 2, mem_slots=0, slot_bytes=0.0)
+        meta["solved_by"] = "naive fits"
+        plan = finish_plan(
+            graph, [Segment(0, info.n)], budget_bytes, info=info, naive=naive, meta=meta
+        )
+        plan.meta["solve_time_s"] = time.perf_counter() - t0
+        return plan
+
+    def whole_graph(cuts: list[int]) -> tuple[Plan, str]:
+        return _whole_graph_plan(
+            graph, info, cuts, budget_bytes, naive, meta, mem_slots, nested, max_cuts, block_size
+        )
+
+    plan = how = candidate = None
+    if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
+        # NOTE [ Fewer whole-graph cuts beside stages ]
+        try:
+            plan, how = whole_graph(candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS))
+        except BudgetError:
+            pass  # below what the fewer cuts reach
+        if how == "dp":
+            candidate = _staged_candidate(graph, info, budget_bytes)
+            if _takes(candidate, plan, False):
+                return _as_staged(graph, info, plan, candidate, naive, t0)
+        plan = how = None
+    if plan is None:
+        plan, how = whole_graph(cuts)
+    if how == "dp" and stages:
+        candidate = candidate or _staged_candidate(graph, info, budget_bytes)
+        if _takes(candidate, plan, staged == "always"):
+            return _as_staged(graph, info, plan, candidate, naive, t0)
+    plan.meta["solve_time_s"] = time.perf_counter() - t0
+    return plan
+
+
+def _whole_graph_plan(
+    graph, info, cuts, budget_bytes, naive, meta, mem_slots, nested, max_cuts, block_size
+) -> tuple[Plan, str]:
+    """The whole-graph DP's plan over `cuts`, and how the DP solved it ("dp": the tables;
+    "min-peak": the least-peak plan, where slot rounding rejected a feasible budget)."""
+    segments, slots, slot_bytes, how = _solve(info, cuts, budget_bytes, mem_slots, nested)
     segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
-    plan = finish_plan(
-        graph,
-        segments,
-        budget_bytes,
-        info=info,
-        naive=naive,
-        meta={
-            "planner": "optimal",
-            "nested": nested,
-            "block_size": block_size,
-            "candidate_cuts": len(cuts) - 2,
-            "mem_slots": slots,
-            "slot_bytes": slot_bytes,
-            "solved_by": how,
-        },
-    )
+    meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
+    meta["solved_by"] = how
+    plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
     if plan.predicted_peak_bytes > budget_bytes and info.rng_state_bytes and how == "dp":
         plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive)
     if plan.predicted_peak_bytes > budget_bytes:  # a model mismatch: never hand it out
@@ -169,14 +200,7 @@ def optimal_plan(
             )
         plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
         plan.meta["solved_by"] = "min-peak (dp over budget)"
-    staged = STAGED if staged is None else staged
-    if staged not in ("auto", "always", "never"):
-        raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
-    if how == "dp" and block_size == 1 and staged != "never":
-        if staged == "always" or _staged_pays(info, cuts):
-            plan = _better_staged(graph, info, plan, naive, always=staged == "always") or plan
-    plan.meta["solve_time_s"] = time.perf_counter() - t0
-    return plan
+    return plan, how
 
 
 def _replanned(graph, info, plan, cuts, mem_slots, nested, naive) -> Plan:
@@ -204,33 +228,53 @@ def _replanned(graph, info, plan, cuts, mem_slots, nested, naive) -> Plan:
 # whenever it fits (tests); "never"
 STAGED = "auto"
 STAGED_MIN_NODES = 400
+# NOTE [ Fewer whole-graph cuts beside stages ]
+# Where staged planning runs, it plans every budget where recomputation stays within a stage
+# over fine cuts; the whole-graph DP is needed for long-span recomputation (the smallest
+# budgets), where a few dozen cuts over the whole graph are what matter. Its work grows like
+# cuts^2.5, so beside stages it runs over STAGED_WHOLE_GRAPH_CUTS cuts, and over all
+# `max_cuts` only when the budget is below what those reach.
+STAGED_WHOLE_GRAPH_CUTS = 32
 
 
 def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
     return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
 
 
-def _better_staged(graph, info, plan, naive, always=False) -> Plan | None:
-    """The staged plan (`hbp.planner.stages`) when it fits and recomputes less than `plan`
-    (or, with `always`, when it fits).
-    Its stage-boundary accounting is approximate: an overshoot is taken off the budget and
-    the stages planned again (twice at most)."""
-    budget = target = plan.budget_bytes
+def _staged_candidate(graph, info, budget: int):
+    """The staged plan (`hbp.planner.stages`) within `budget`: (segments, their simulation),
+    or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
+    budget and the stages planned again (twice at most)."""
+    target = budget
     for _ in range(3):
         segments = staged_plan(info, target, nested=False)
         if segments is None:
             return None
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
         sim = simulate(graph, segments, info=info)
         if sim.peak_bytes <= budget:
-            break
+            return segments, sim
         target -= sim.peak_bytes - budget
-    else:
-        return None
-    if sim.recompute_flops >= plan.predicted_recompute_flops and not always:
-        return None
-    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    return None
+
+
+def _takes(candidate, plan: Plan, always: bool) -> bool:
+    """Whether the staged `candidate` replaces `plan`: it fits and recomputes less (or, with
+    `always`, it fits)."""
+    if candidate is None:
+        return False
+    return always or candidate[1].recompute_flops < plan.predicted_recompute_flops
+
+
+def _as_staged(graph, info, plan: Plan, candidate, naive, t0: float) -> Plan:
+    """`candidate` (`_staged_candidate`) as the Plan handed out."""
+    segments, sim = candidate
     meta = dict(plan.meta, solved_by="staged", whole_graph_recompute=plan.predicted_recompute_flops)
-    return finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+    staged = finish_plan(
+        graph, segments, plan.budget_bytes, info=info, naive=naive, meta=meta, sim=sim
+    )
+    staged.meta["solve_time_s"] = time.perf_counter() - t0
+    return staged
 
 
 def min_feasible_peak(
@@ -258,12 +302,14 @@ def finish_plan(
     info: GraphInfo | None = None,
     naive=None,
     meta: dict | None = None,
+    sim=None,
 ) -> Plan:
-    """A Plan for `segments` with its predictions filled in from the simulator."""
+    """A Plan for `segments` with its predictions filled in from the simulator (`sim`: the
+    simulation of these segments, when the caller has it)."""
     info = info or GraphInfo.of(graph)
     naive = naive or simulate(graph, info=info)
     name_segments(info, segments)
-    sim = simulate(graph, segments, info=info)
+    sim = sim or simulate(graph, segments, info=info)
     kept = kept_bytes(info, segments)
     meta = dict(meta or {})
     meta["cuts"] = [info.names[s.start] for s in segments[1:]]

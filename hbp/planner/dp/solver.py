@@ -99,6 +99,8 @@ class Solver(Recursion):
         return r
 
     def _fork_slots(self, e: int, f: int) -> int:
+        if not self.model.info.rng_state_bytes:
+            return 0
         fork = self.model.fork_bytes(e, f)
         return int(self.sl(fork)) if fork else 0
 
