@@ -90,7 +90,6 @@ class CostModel:
         self.g_root = np.array(roots, dtype=np.int64)
         self.g_size = info.storage_bytes[self.g_root].astype(np.int64) if G else np.zeros(0, int)
         forced = np.zeros(G, dtype=bool)
-        held_to_end = np.zeros(G, dtype=bool)  # an output in it is not a seed let go
         touches: list[list[int]] = [[] for _ in range(G)]
         holders: list[list[int]] = [[] for _ in range(G)]
         readers: list[list[int]] = [[] for _ in range(G)]
@@ -100,7 +99,6 @@ class CostModel:
                 touches[g].append(j)
                 if info.is_held[j]:
                     forced[g] = True
-                    held_to_end[g] |= not info.seed_let_go[j]
                 if info.saves_output[j]:
                     holders[g].append(j)
             if info.is_input[j]:
@@ -136,18 +134,13 @@ class CostModel:
                 self.end_pre[top, mode] = _prefix(self.g_lu[finite], self.g_size[finite], n)
         # outputs live from their creation to the end of the step (top level only)
         self.out_pre = _prefix(self.g_root[forced], self.g_size[forced], n)
-        self.out_total = int(self.g_size[forced].sum())
-        # grad seeds the caller lets go of once backward starts (`GraphInfo.seed_let_go`):
-        # counted as freed then only when no node reads or saves them (else held to the end:
-        # conservative)
-        unused = np.array([not h and not r for h, r in zip(self.g_hold, self.g_read)], dtype=bool)
-        let_go = forced & ~held_to_end & unused
-        self.seeds_let_go_bytes = int(self.g_size[let_go].sum())
-        # gradients, parameter gradients, outputs and backward scratch: at each backward event
-        # (pos_bwd) and once the backward of nodes >= d is done (pos_after[d], when the
-        # recompute pass of a segment ending at d runs)
+        # gradients, parameter gradients, outputs (and the grad seeds let go once backward
+        # starts) and backward scratch: at each backward event (pos_bwd) and once the backward
+        # of nodes >= d is done (pos_after[d], when the recompute pass of a segment ending at d
+        # runs)
         positional = positional_bytes(info)
         self.pos_bwd, self.pos_after = positional.at_backward, positional.after
+        self.out_total = positional.held_output_bytes
         # save events: last save event before position f; first node reading from before e
         last = -1
         self.last_save = np.full(n + 1, -1, dtype=np.int64)
