@@ -11,14 +11,15 @@ import hbp
 from hbp.analysis import naive_peak, simulate
 from hbp.analysis.liveness import GraphInfo
 from hbp.graph import synthetic
-from hbp.planner import dp, optimal_plan, validate_plan
+from hbp.planner import optimal_plan, validate_plan
+from hbp.planner.dp import entry
 from hbp.planner.stages import StageOption, _allocate, stage_bounds, staged_plan
 
 
 @pytest.fixture
 def always_staged(monkeypatch):
     """Take the staged plan whenever it fits, on every graph, however small."""
-    monkeypatch.setattr(dp, "STAGED", "always")
+    monkeypatch.setattr(entry, "STAGED", "always")
 
 
 def forward_flops(graph):
@@ -92,7 +93,7 @@ def test_staged_plans_fit_and_validate(graph, fraction):
     # tiles; every value a node reads is live at every event (the plan can run)
     simulate(graph, segments, info=info, check=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dp, "STAGED", "always")
+        mp.setattr(entry, "STAGED", "always")
         try:
             p = optimal_plan(graph, budget, info=info)
         except hbp.BudgetError:

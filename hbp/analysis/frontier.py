@@ -12,7 +12,8 @@ For every cut c (between node c-1 and node c; c in [0, n]):
 Plus the naive peak, a lower bound on any plan's peak (the working set of the most demanding
 single node: its backward needs its saved values, its output gradient, the gradients it
 creates and every gradient and parameter gradient alive at that moment, which no plan can
-avoid), and the smallest peak the planner reaches (`hbp.planner.min_feasible_peak`).
+avoid), and, when the caller gives it, the smallest peak the planner reaches
+(`hbp.planner.min_feasible_peak`: the analysis does not import the planner).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.positional import positional_bytes
 from hbp.analysis.simulate import simulate
 from hbp.graph.ir import Graph
 
@@ -45,9 +47,11 @@ class Frontier:
         return sorted(sorted(interior, key=lambda c: (self.keep_bytes[c], c))[:k])
 
 
-def frontier(graph: Graph, *, min_peak: bool = True, info: GraphInfo | None = None) -> Frontier:
-    """Frontier analysis of `graph` (see the module docstring). `min_peak`: also run the
-    planner's min-peak search (a few seconds on thousands of nodes)."""
+def frontier(
+    graph: Graph, *, min_peak_bytes: int | None = None, info: GraphInfo | None = None
+) -> Frontier:
+    """Frontier analysis of `graph` (see the module docstring). `min_peak_bytes`: the
+    planner's least peak (`hbp.planner.min_feasible_peak(graph)[0]`), recorded as given."""
     info = info or GraphInfo.of(graph)
     n = info.n
     root = info.root
@@ -91,10 +95,7 @@ def frontier(graph: Graph, *, min_peak: bool = True, info: GraphInfo | None = No
         naive_peak_bytes=naive_peak,
         lower_bound_bytes=lower_bound(info),
     )
-    if min_peak:
-        from hbp.planner.dp import min_feasible_peak  # the planner imports this package
-
-        result.min_peak_bytes = min_feasible_peak(graph, info=info)[0]
+    result.min_peak_bytes = min_peak_bytes
     return result
 
 
@@ -102,9 +103,7 @@ def lower_bound(info: GraphInfo) -> int:
     """Bytes no plan can go below: max over nodes of what their forward event or their
     backward event needs live whatever is recomputed (plan-independent gradients, parameter
     gradients and outputs included)."""
-    from hbp.planner.dp import CostModel  # plan-independent terms live there
-
-    model = CostModel(info, [0, info.n])
+    at_backward = positional_bytes(info).at_backward
     n = info.n
     out_root = np.zeros(n, dtype=bool)
     out_root[info.root[info.is_held]] = True
@@ -124,5 +123,5 @@ def lower_bound(info: GraphInfo) -> int:
             if info.saves_output[j]:
                 saved.add(int(info.root[j]))
             kept = sum(int(info.storage_bytes[r]) for r in saved if not out_root[r])
-            best = max(best, int(model.pos_bwd[j]) + kept + int(info.extra_bytes[j]))
+            best = max(best, int(at_backward[j]) + kept + int(info.extra_bytes[j]))
     return best

@@ -16,11 +16,12 @@ def _mib(x: float) -> str:
     return f"{x / MIB:9.2f} MiB" if x >= MIB / 100 else f"{int(x):>9d} B  "
 
 
-def format_report(graph: Graph, *, cuts: int = 10, min_peak: bool = True) -> str:
-    """Naive peak (and where it happens), the lower bound and the planner's minimum feasible
-    peak, the frontier's spread, and the `cuts` cheapest cuts with their node names."""
+def format_report(graph: Graph, *, cuts: int = 10, min_peak_bytes: int | None = None) -> str:
+    """Naive peak (and where it happens), the lower bound and, if given, the planner's
+    minimum feasible peak (`hbp.planner.min_feasible_peak(graph)[0]`), the frontier's
+    spread, and the `cuts` cheapest cuts with their node names."""
     info = GraphInfo.of(graph)
-    fr: Frontier = frontier(graph, min_peak=min_peak, info=info)
+    fr: Frontier = frontier(graph, min_peak_bytes=min_peak_bytes, info=info)
     naive = simulate(graph, info=info)
     n = info.n
     interior = fr.keep_bytes[1:n] if n > 1 else np.zeros(1)

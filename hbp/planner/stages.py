@@ -37,7 +37,10 @@ import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.planner.cuts import _frontier, window_cuts
-from hbp.planner.dp import INF, CostModel, Solver, _planning
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.modes import INF
+from hbp.planner.dp.recursion import planning
+from hbp.planner.dp.solver import Solver
 from hbp.planner.plan import Segment
 
 
@@ -92,7 +95,7 @@ def staged_plan(
     model = CostModel(info, cuts, bounds)
     stages = list(zip(bounds[:-1], bounds[1:]))
     solvers, options = [], []
-    with _planning(len(cuts)):
+    with planning(len(cuts)):
         for a, b in stages:
             solver = _stage_solver(model, a, b, stage_slots, nested, levels)
             solvers.append(solver)
@@ -101,7 +104,7 @@ def staged_plan(
     if choice is None:
         return None
     segments: list[Segment] = []
-    with _planning(len(cuts)):
+    with planning(len(cuts)):
         for (a, _), solver, opts, k in zip(stages, solvers, options, choice):
             segments.extend(solver.top_plan(opts[k].local_slots, start=a, row=opts[k].row))
     return segments

@@ -174,6 +174,7 @@ def plot_graph(runs: pd.DataFrame, path: str | Path) -> Path | str:
     """frontier.png: the frontier-width profile of the first run's captured graph, the plan's
     cuts marked. Returns the path, or why there is no plot."""
     from hbp.analysis.frontier import frontier
+    from hbp.planner import min_feasible_peak
     from hbp.report.plots import plot_frontier
 
     ok = _ok_runs(runs)
@@ -187,7 +188,8 @@ def plot_graph(runs: pd.DataFrame, path: str | Path) -> Path | str:
         f"dashed: the plan's cuts at budget {row.get('config.mode.budget')}"
     )
     cuts = plan.cut_points() if plan is not None else None
-    return plot_frontier(frontier(graph), path, title=title, cuts=cuts)
+    minimum = min_feasible_peak(graph)[0]
+    return plot_frontier(frontier(graph, min_peak_bytes=minimum), path, title=title, cuts=cuts)
 
 
 def _label(run: pd.Series) -> str:

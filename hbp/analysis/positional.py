@@ -1,0 +1,116 @@
+"""Bytes live in backward whatever the plan: gradients, parameter gradients, the outputs the
+caller holds, and each node's backward scratch.
+
+These are the terms of the simulator's accounting that no plan changes (the simulator,
+`hbp.analysis.simulate`, counts them event by event with the same rules); the planner's cost
+model (`hbp.planner.dp`) and the lower bound (`hbp.analysis.frontier`) read them from here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from hbp.analysis.liveness import GraphInfo
+
+
+class Positional(NamedTuple):
+    """Plan-independent bytes of one training step.
+
+    Attributes:
+        at_backward: per node j, the bytes live at j's backward event (0 without one):
+            gradients, parameter gradients, held outputs, j's backward scratch.
+        after: per position d in [0, n], the bytes live once the backward of the nodes
+            >= d is done (after[n]: at the backward-start event).
+        held_output_bytes: storage of the groups holding an output the caller keeps.
+        seeds_let_go_bytes: storage of the grad seeds the caller lets go of once backward
+            starts and that no node reads or saves (else counted as held: conservative).
+    """
+
+    at_backward: np.ndarray
+    after: np.ndarray
+    held_output_bytes: int
+    seeds_let_go_bytes: int
+
+
+def positional_bytes(info: GraphInfo) -> Positional:
+    """The plan-independent bytes of `info`'s step (see `Positional`)."""
+    n = info.n
+    root = info.root
+    group_size: dict[int, int] = {
+        j: int(info.storage_bytes[j]) for j in range(n) if root[j] == j and info.storage_bytes[j]
+    }
+    held = set()  # groups with an output the caller holds
+    held_to_end = set()  # ... that is not a seed let go
+    used = set()  # groups a node reads or saves
+    for j in range(n):
+        r = int(root[j])
+        if r in group_size:
+            if info.is_held[j]:
+                held.add(r)
+                if not info.seed_let_go[j]:
+                    held_to_end.add(r)
+            if info.saves_output[j]:
+                used.add(r)
+        if info.is_input[j]:
+            continue
+        used.update(int(root[v]) for v in info.inputs[j])
+        used.update(int(root[v]) for v in info.saved[j])
+    held_output_bytes = sum(group_size[r] for r in held)
+    let_go = sum(group_size[r] for r in held - held_to_end - used)
+    at_backward, after = _backward_terms(info, held_output_bytes, let_go)
+    return Positional(at_backward, after, held_output_bytes, let_go)
+
+
+def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gradients, parameter gradients, outputs and backward scratch live at each backward
+    event and when the backward of nodes >= d is done. Same rules as the simulator."""
+    n = info.n
+    size: list[int] = []
+    refs: list[int] = []
+    grad = [-1] * n
+
+    def new(nbytes: int) -> int:
+        size.append(int(nbytes))
+        refs.append(1)
+        return len(size) - 1
+
+    for j in range(n):
+        if info.grad_seed[j]:
+            grad[j] = new(info.grad_bytes[j])
+            live += int(info.grad_bytes[j])
+    at_backward = np.zeros(n, dtype=np.int64)
+    after = np.zeros(n + 1, dtype=np.int64)
+    after[n] = live
+    live -= let_go  # after the backward-start event, as the simulator
+    for j in range(n - 1, -1, -1):
+        if info.has_backward[j]:
+            scratch = int(info.backward_transient[j])
+            for v in info.inputs[j]:
+                if not info.receives_grad[v]:
+                    continue
+                passed = v in info.passthrough[j] and grad[j] >= 0
+                if grad[v] < 0:
+                    if passed:
+                        grad[v] = grad[j]
+                        refs[grad[j]] += 1
+                    else:
+                        grad[v] = new(info.grad_bytes[v])
+                        live += int(info.grad_bytes[v])
+                    continue
+                if refs[grad[v]] - (grad[v] == grad[j]) > 1:  # see the simulator
+                    refs[grad[v]] -= 1
+                    grad[v] = new(info.grad_bytes[v])
+                    live += int(info.grad_bytes[v])
+                elif not passed:  # the computed gradient, until added in place
+                    scratch += int(info.grad_bytes[v])
+            live += int(info.param_grad_bytes[j])
+            at_backward[j] = live + scratch
+            if grad[j] >= 0:
+                refs[grad[j]] -= 1
+                if refs[grad[j]] == 0:
+                    live -= size[grad[j]]
+                grad[j] = -1
+        after[j] = live
+    return at_backward, after

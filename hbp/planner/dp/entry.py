@@ -1,0 +1,363 @@
+"""Entry points of the DP planner: `optimal_plan`, `min_feasible_peak`, `finish_plan`.
+
+`optimal_plan` picks the candidate cuts (`hbp.planner.cuts`), sizes the memory slots, runs
+the least-recompute tables (`Solver`) and, where the slot rounding rejects a feasible budget,
+the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
+(`hbp.planner.stages`) and keeps the better plan. Every plan it hands out is simulated
+(`hbp.analysis.simulate`) and fits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import reduce
+from typing import NamedTuple
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.simulate import simulate
+from hbp.errors import BudgetError, ConfigError
+from hbp.graph.ir import Graph
+from hbp.planner.cuts import candidate_cuts
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.modes import INF
+from hbp.planner.dp.peak import PeakSolver
+from hbp.planner.dp.recursion import planning, simplify
+from hbp.planner.dp.solver import Solver
+from hbp.planner.plan import Plan, Segment
+from hbp.planner.stages import staged_plan
+from hbp.planner.tree import name_segments
+
+__all__ = [
+    "STAGED",
+    "absorb_inputs",
+    "finish_plan",
+    "kept_bytes",
+    "min_feasible_peak",
+    "optimal_plan",
+]
+
+
+def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
+    """Merge a leading segment made only of graph inputs into the next one (graph inputs are
+    never run nor recomputed, so this changes nothing but the printout)."""
+    first = segments[0] if segments else None
+    if len(segments) < 2 or not all(info.is_input[j] for j in range(first.start, first.stop)):
+        return segments
+
+    def extend(seg: Segment) -> Segment:
+        kids = [extend(seg.children[0]), *seg.children[1:]] if seg.children else []
+        return Segment(first.start, seg.stop, seg.recompute, kids)
+
+    return [extend(segments[1]), *segments[2:]]
+
+
+def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
+    sizes = [
+        int(x)
+        for arr in (
+            info.storage_bytes,
+            info.extra_bytes,
+            info.grad_bytes,
+            info.param_grad_bytes,
+        )
+        for x in arr
+        if x
+    ]
+    g = reduce(math.gcd, sizes, 0) or 1
+    if budget // g <= max(mem_slots, 1024):
+        return int(budget // g), float(g)
+    return mem_slots, budget / mem_slots
+
+
+class _Solved(NamedTuple):
+    """The whole-graph DP's result: top-level segments, the memory axis, how it was solved
+    ("dp": the tables; "min-peak": the least-peak plan, where slot rounding rejected a
+    feasible budget) and, for "dp", the tables' recompute FLOPs."""
+
+    segments: list[Segment]
+    slots: int
+    slot_bytes: float
+    how: str
+    recompute: float | None = None
+
+
+def _solve(
+    info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, nested: bool
+) -> _Solved:
+    """Run the DP over `cuts`."""
+    model = CostModel(info, cuts)
+    with planning(len(cuts)):
+        slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
+        solver = Solver(model, slots, slot_bytes, nested)
+        recompute = float(solver.top(0, frozenset())[0, slots])
+        if recompute < INF:
+            return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
+        minimum, segments = _least_peak(info, model, nested)
+        if minimum > budget_bytes:
+            raise BudgetError(
+                budget_bytes,
+                minimum,
+                f"{'nested' if nested else 'one-level'} plans over {len(cuts) - 2} "
+                f"candidate cuts of {info.n} nodes",
+            )
+        # the slot rounding rejected a feasible budget: the least-peak plan fits
+        return _Solved(segments, slots, slot_bytes, "min-peak")
+
+
+def _least_peak(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, list[Segment]]:
+    """The least-peak plan (`PeakSolver`) and its peak. Where the graph keeps generator states,
+    the simulated peak: the DP does not see every copy (NOTE [ Generator states of
+    checkpoints ] in hbp.analysis.simulate), so the minimum is one that a plan reaches."""
+    solver = PeakSolver(model, nested)
+    peak = int(solver.top(0, frozenset()).peak)
+    segments = solver.top_plan()
+    if info.rng_state_bytes:
+        plan = absorb_inputs(info, simplify(list(segments)) or [Segment(0, info.n)])
+        peak = max(peak, simulate(None, plan, info=info).peak_bytes)
+    return peak, segments
+
+
+def optimal_plan(
+    graph: Graph,
+    budget_bytes: int,
+    *,
+    block_size: int = 1,
+    max_cuts: int = 64,
+    mem_slots: int = 256,
+    nested: bool = True,
+    info: GraphInfo | None = None,
+    staged: str | None = None,
+) -> Plan:
+    """The plan with the least recompute FLOPs whose simulated peak fits `budget_bytes`.
+
+    Exact over trees of intervals whose cuts are in `candidate_cuts(info, block_size,
+    max_cuts)` (one level only if `nested=False`), up to memory discretisation into at most
+    max(mem_slots, 1024) slots of the gcd of the graph's byte counts (exact when the budget
+    spans at most that many) or `mem_slots` equal slots of the budget (conservative).
+
+    On large graphs (`staged`: "auto", the default `STAGED`) the graph is also planned in
+    stages (`hbp.planner.stages`: per-stage tables over fine cuts, one allocation across
+    stages) and that plan is taken when it fits and recomputes less.
+
+    Raises:
+        BudgetError: no plan over the candidate cuts fits; `.minimum` is the smallest peak
+            any such plan reaches (bytes).
+    """
+    t0 = time.perf_counter()
+    info = info or GraphInfo.of(graph)
+    budget_bytes = int(budget_bytes)
+    staged = STAGED if staged is None else staged
+    if staged not in ("auto", "always", "never"):
+        raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
+    naive = simulate(graph, info=info)
+    cuts = candidate_cuts(info, block_size, max_cuts)
+    stages = block_size == 1 and staged != "never"
+    stages = stages and (staged == "always" or _staged_pays(info, cuts))
+    meta = {"planner": "optimal", "nested": nested, "block_size": block_size}
+    if budget_bytes >= naive.peak_bytes:  # plain autograd fits: nothing to recompute
+        meta.update(candidate_cuts=len(cuts) - 2, mem_slots=0, slot_bytes=0.0)
+        meta["solved_by"] = "naive fits"
+        plan = finish_plan(
+            graph, [Segment(0, info.n)], budget_bytes, info=info, naive=naive, meta=meta
+        )
+        plan.meta["solve_time_s"] = time.perf_counter() - t0
+        return plan
+
+    def whole_graph(cuts: list[int]) -> tuple[Plan, str]:
+        return _whole_graph_plan(
+            graph, info, cuts, budget_bytes, naive, meta, mem_slots, nested, max_cuts, block_size
+        )
+
+    candidate = None
+    if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
+        # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
+        # value over fewer cuts (its plan is not needed: not simulated)
+        fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
+        try:
+            solved = _solve(info, fewer, budget_bytes, mem_slots, nested)
+        except BudgetError:  # below what the fewer cuts reach
+            solved = None
+        if solved is not None and solved.how == "dp":
+            candidate = _staged_candidate(graph, info, budget_bytes)
+            if candidate is not None and candidate[1].recompute_flops < solved.recompute * (
+                1 - 1e-9
+            ):
+                meta.update(
+                    candidate_cuts=len(fewer) - 2,
+                    mem_slots=solved.slots,
+                    slot_bytes=solved.slot_bytes,
+                    whole_graph_recompute=solved.recompute,
+                )
+                return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
+    plan, how = whole_graph(cuts)
+    if how == "dp" and stages:
+        candidate = candidate or _staged_candidate(graph, info, budget_bytes)
+        if _takes(candidate, plan, staged == "always"):
+            meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
+            return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
+    plan.meta["solve_time_s"] = time.perf_counter() - t0
+    return plan
+
+
+def _whole_graph_plan(
+    graph, info, cuts, budget_bytes, naive, meta, mem_slots, nested, max_cuts, block_size
+) -> tuple[Plan, str]:
+    """The whole-graph DP's plan over `cuts`, and how the DP solved it ("dp": the tables;
+    "min-peak": the least-peak plan, where slot rounding rejected a feasible budget)."""
+    segments, slots, slot_bytes, how, _ = _solve(info, cuts, budget_bytes, mem_slots, nested)
+    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
+    meta["solved_by"] = how
+    plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
+    if plan.predicted_peak_bytes > budget_bytes and info.rng_state_bytes and how == "dp":
+        plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive)
+    if plan.predicted_peak_bytes > budget_bytes:  # a model mismatch: never hand it out
+        peak, fallback = min_feasible_peak(
+            graph, block_size=block_size, max_cuts=max_cuts, nested=nested, info=info
+        )
+        if peak > budget_bytes and info.rng_state_bytes:
+            raise BudgetError(budget_bytes, peak, "counting the generator states checkpoints keep")
+        if peak > budget_bytes:
+            raise RuntimeError(
+                f"planner: the DP's plan simulates to {plan.predicted_peak_bytes} bytes over "
+                f"the budget of {budget_bytes} and no fallback fits; please report this graph"
+            )
+        plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
+        plan.meta["solved_by"] = "min-peak (dp over budget)"
+    return plan, how
+
+
+def _replanned(graph, info, plan, cuts, mem_slots, nested, naive) -> Plan:
+    """The DP's plan for the budget less the excess of `plan` (twice at most): the DP does not
+    see the generator states that segments nested in a recomputed one keep from the forward
+    (NOTE [ Generator states of checkpoints ] in hbp.analysis.simulate). `plan` itself
+    when no such plan fits."""
+    budget = target = plan.budget_bytes
+    for _ in range(2):
+        target -= plan.predicted_peak_bytes - budget
+        try:
+            segments, _, _, how, _ = _solve(info, cuts, target, mem_slots, nested)
+        except BudgetError:
+            break
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        meta = dict(plan.meta, solved_by=f"{how} (below the budget: random states)")
+        plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+        if plan.predicted_peak_bytes <= budget:
+            break
+    return plan
+
+
+# "auto": graphs from STAGED_MIN_NODES nodes on, where the candidate cuts thin out, are also
+# planned in stages and the staged plan is taken when it recomputes less; "always": taken
+# whenever it fits (tests); "never"
+STAGED = "auto"
+STAGED_MIN_NODES = 400
+# NOTE [ Fewer whole-graph cuts beside stages ]
+# Where staged planning runs, it plans every budget where recomputation stays within a stage
+# over fine cuts; the whole-graph DP is needed for long-span recomputation (the smallest
+# budgets), where a few dozen cuts over the whole graph are what matter. Its work grows like
+# cuts^2.5, so beside stages it first runs over STAGED_WHOLE_GRAPH_CUTS cuts: when the staged
+# plan recomputes less than that DP's value (its plan is not built nor simulated), the staged
+# plan is taken; otherwise (or when the budget is below what those cuts reach) the DP runs
+# over all `max_cuts` and its plan is compared with the staged one as always. The plans are
+# those of the full DP beside stages unless the 32-cut DP loses to the staged plan while the
+# full one would beat it (none of experiments/check_plans.py's plans).
+STAGED_WHOLE_GRAPH_CUTS = 32
+
+
+def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
+    return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
+
+
+def _staged_candidate(graph, info, budget: int):
+    """The staged plan (`hbp.planner.stages`) within `budget`: (segments, their simulation),
+    or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
+    budget and the stages planned again (twice at most)."""
+    target = budget
+    for _ in range(3):
+        segments = staged_plan(info, target, nested=False)
+        if segments is None:
+            return None
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        sim = simulate(graph, segments, info=info)
+        if sim.peak_bytes <= budget:
+            return segments, sim
+        target -= sim.peak_bytes - budget
+    return None
+
+
+def _takes(candidate, plan: Plan, always: bool) -> bool:
+    """Whether the staged `candidate` replaces `plan`: it fits and recomputes less (or, with
+    `always`, it fits)."""
+    if candidate is None:
+        return False
+    return always or candidate[1].recompute_flops < plan.predicted_recompute_flops
+
+
+def _as_staged(graph, info, meta: dict, budget: int, candidate, naive, t0: float) -> Plan:
+    """`candidate` (`_staged_candidate`) as the Plan handed out."""
+    segments, sim = candidate
+    meta = dict(meta, solved_by="staged")
+    plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta, sim=sim)
+    plan.meta["solve_time_s"] = time.perf_counter() - t0
+    return plan
+
+
+def min_feasible_peak(
+    graph: Graph,
+    *,
+    block_size: int = 1,
+    max_cuts: int = 64,
+    nested: bool = True,
+    info: GraphInfo | None = None,
+) -> tuple[int, list[Segment]]:
+    """The smallest simulated peak over the planner's plan space, and a plan reaching it."""
+    info = info or GraphInfo.of(graph)
+    model = CostModel(info, candidate_cuts(info, block_size, max_cuts))
+    with planning(len(model.cuts)):
+        peak, segments = _least_peak(info, model, nested)
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    return peak, segments
+
+
+def finish_plan(
+    graph: Graph,
+    segments: list[Segment],
+    budget_bytes: int,
+    *,
+    info: GraphInfo | None = None,
+    naive=None,
+    meta: dict | None = None,
+    sim=None,
+) -> Plan:
+    """A Plan for `segments` with its predictions filled in from the simulator (`sim`: the
+    simulation of these segments, when the caller has it)."""
+    info = info or GraphInfo.of(graph)
+    naive = naive or simulate(graph, info=info)
+    name_segments(info, segments)
+    sim = sim or simulate(graph, segments, info=info)
+    kept = kept_bytes(info, segments)
+    meta = dict(meta or {})
+    meta["cuts"] = [info.names[s.start] for s in segments[1:]]
+    meta["predicted_peak_phase"] = sim.peak_phase
+    meta["predicted_peak_at"] = sim.peak_at
+    return Plan(
+        segments=segments,
+        budget_bytes=int(budget_bytes),
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_recompute_flops=sim.recompute_flops,
+        naive_peak_bytes=naive.peak_bytes,
+        naive_flops=naive.total_flops,
+        kept_bytes=kept,
+        meta=meta,
+    )
+
+
+def kept_bytes(info: GraphInfo, segments: list[Segment]) -> int:
+    """Bytes of distinct storage the top-level recomputed segments hold as inputs."""
+    roots = set()
+    for s in segments:
+        if s.recompute:
+            roots.update(int(info.root[v]) for v in info.segment_inputs(s.start, s.stop))
+    return int(sum(info.storage_bytes[r] for r in roots))

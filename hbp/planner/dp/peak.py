@@ -1,0 +1,149 @@
+"""The least-peak DP: the same recursion as `Solver`, minimising the peak in exact bytes,
+recompute FLOPs as the tie-break. It gives the smallest peak reachable over the candidate
+cuts (BudgetError's minimum) and a plan reaching it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.modes import FULL, INF, NOT_RUN, PLAIN, REC, UNTIL_SAVE, RestSaves
+from hbp.planner.dp.profile import ChildArrays
+from hbp.planner.dp.recursion import Choice, Recursion
+
+__all__ = ["PeakSolver", "PeakValue"]
+
+
+class PeakValue(NamedTuple):
+    """A table entry: the least peak above the level's kept bytes, its recompute FLOPs, the
+    choice reaching it and (T(e, f) only) the flag of the level inside."""
+
+    peak: float
+    cost: float
+    choice: Choice | None
+    rest: RestSaves | None = None
+
+
+class _PeakLists(NamedTuple):
+    """A child's arrays as Python lists (floats), for the scalar loop."""
+
+    kept: list
+    need: tuple  # by PassExtent
+    flops: tuple  # by PassExtent FULL, UNTIL_SAVE
+
+
+class PeakSolver(Recursion):
+    """Memoised least-peak tables: top(e, H), tail(d, e, H, flag) and rec(e, f) = T(e, f),
+    as `Solver`'s, with values `PeakValue`."""
+
+    def __init__(self, model: CostModel, nested: bool = True):
+        super().__init__(model, nested)
+        self._memo: dict = {}
+
+    def rec(self, e: int, f: int) -> PeakValue:
+        key = ("rec", e, f)
+        if key not in self._memo:
+            H = self.model.crossing_in(e, f, False)
+            if self.nested:
+                a = self.tail(f, e, H, RestSaves.YES)
+                b = self.tail(f, e, H, RestSaves.NO)
+                best, rest = (a, RestSaves.YES) if _order(a) <= _order(b) else (b, RestSaves.NO)
+                value = best._replace(rest=rest)
+            else:
+                value = self._fill(f, e, H, None, False, only=(f, PLAIN))
+            fork = self.model.fork_bytes(e, f)
+            self._memo[key] = value._replace(peak=value.peak + fork) if fork else value
+        return self._memo[key]
+
+    def tail(self, d, e, H, flag) -> PeakValue:
+        key = (d, e, H, flag)
+        if key not in self._memo:
+            if e == d:
+                self._memo[key] = PeakValue(0.0, 0.0, None) if flag == RestSaves.NO else _INFEASIBLE
+            else:
+                self._memo[key] = self._fill(d, e, H, flag, False)
+        return self._memo[key]
+
+    def top(self, e, H) -> PeakValue:
+        key = ("top", e, H)
+        if key not in self._memo:
+            if e == self.model.n:
+                self._memo[key] = PeakValue(float(self.model.pos_after[self.model.n]), 0.0, None)
+            else:
+                self._memo[key] = self._fill(self.model.n, e, H, None, True)
+        return self._memo[key]
+
+    def _fill(self, d, e, H, flag, top, only=None) -> PeakValue:
+        """The least (peak, recompute) over the options, ends f in order within each mode."""
+        m = self.model
+        memo = self._memo
+        best_peak, best_cost, best_choice = INF, INF, None
+        for group in self.by_mode(self.options(d, e, H, flag, top, only)):
+            p = group[0].arrays
+            lists = p.peak_lists
+            if lists is None:
+                lists = p.peak_lists = _peak_lists(p)
+            kept_list, needs, flops = lists
+            H_list = group[0].profile.held_list(p.d)
+            mode = group[0].mode
+            selects = [o.select.tolist() for o in group]
+            for i, f in enumerate(p.f_list):
+                kept = kept_list[i]
+                H2 = H_list[i]
+                for option, select in zip(group, selects):
+                    if not select[i]:
+                        continue
+                    extent, flag2 = option.extent, option.rest
+                    need = needs[extent][i]
+                    if top:
+                        sub = memo.get(("top", f, H2))
+                        if sub is None:
+                            sub = self.top(f, H2)
+                    else:
+                        sub = memo.get((d, f, H2, flag2))
+                        if sub is None:
+                            sub = self.tail(d, f, H2, flag2)
+                    x = kept + sub.peak
+                    peak = x if x > need else need  # max(need, x)
+                    cost = sub.cost
+                    if not top and extent != NOT_RUN:
+                        cost += flops[extent][i]
+                    if mode == REC:
+                        r = memo.get(("rec", e, f))
+                        if r is None:
+                            r = self.rec(e, f)
+                        x = kept + r.peak
+                        if x > peak:
+                            peak = x
+                        if top or m.last_save[d] >= f:  # it counts its tail (Solver.rec_tail)
+                            x = kept + m.tail_need(e, f)
+                            if x > peak:
+                                peak = x
+                        cost += r.cost
+                    if peak < best_peak or (peak == best_peak and cost < best_cost):
+                        best_peak, best_cost = peak, cost
+                        best_choice = Choice(f, mode, extent, H2, flag2)
+        return PeakValue(best_peak, best_cost, best_choice)
+
+    # rebuilding the plan ---------------------------------------------------------------------
+    def _choose(self, d, e, H, flag, top, budget, row) -> tuple[Choice, int]:
+        value = self.top(e, H) if top else self.tail(d, e, H, flag)
+        return value.choice, 0
+
+    def _nested_level(self, e, f, budget) -> tuple[RestSaves, int] | None:
+        if not self.nested:
+            return None
+        return self.rec(e, f).rest, 0
+
+
+_INFEASIBLE = PeakValue(INF, INF, None)
+
+
+def _peak_lists(p: ChildArrays) -> _PeakLists:
+    needs = tuple(x.astype(float).tolist() for x in p.need)
+    flops = (p.flops[FULL].astype(float).tolist(), p.flops[UNTIL_SAVE].astype(float).tolist())
+    return _PeakLists(p.kept.astype(float).tolist(), needs, flops)
+
+
+def _order(v: PeakValue) -> tuple[float, float]:
+    return (v.peak, v.cost)

@@ -1,0 +1,400 @@
+"""The least-recompute DP: tables over memory slots, filled right to left.
+
+Nested tables: tail(d, e, H, flag) is the least recompute FLOPs of the children [e, d) of a
+level ending at d, at every number of memory slots m, given the held set H at e and whether
+they include a save event (`RestSaves`). The top table top(e, H) is the same for the top
+level (one row per end requirement, see `hbp.planner.stages`). `rec(e, f)` = T(e, f): the
+cost of recomputing [e, f) (its recompute pass plus its children) within the slots given.
+
+Memory is discretised into slots (`slot_bytes`); needs are rounded up, so a plan the DP
+accepts always fits. An option's value (`_option_rows`, top level `_top_rows`) is computed
+by one function that both the table fill and the plan rebuild call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.modes import FULL, INF, NOT_RUN, PLAIN, REC, UNTIL_SAVE, RestSaves
+from hbp.planner.dp.profile import ChildArrays
+from hbp.planner.dp.recursion import Choice, Option, Recursion
+
+__all__ = ["SlotArrays", "Solver"]
+
+
+class SlotArrays(NamedTuple):
+    """A child's byte arrays at a level end (one entry per candidate end f) in memory slots."""
+
+    key: tuple  # (slots, slot bytes, need offset) they were made for
+    need: tuple  # need slots by PassExtent
+    kept: np.ndarray  # kept slots
+    fits: tuple  # need and kept within the slots, by PassExtent
+    room: np.ndarray  # slots - kept (int)
+    kept_slots: np.ndarray  # kept slots (int)
+    low: tuple  # max(kept, need) by PassExtent, int lists: below it the child does not fit
+    kept_list: list  # kept slots as an int list
+
+
+class _Rows(NamedTuple):
+    """The options' children that can be feasible: their indices, rest tables, next states."""
+
+    slots: SlotArrays
+    keep: list[int]
+    rest: list[np.ndarray]
+    states: list[frozenset]
+
+
+class Solver(Recursion):
+    """Memoised DP tables over a cost model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: CostModel,
+        slots: int,
+        slot_bytes: float,
+        nested: bool = True,
+        *,
+        end: int | None = None,
+        need_offset: float = 0.0,
+    ):
+        super().__init__(model, nested, end)
+        self.n_slots = slots
+        self.slot = slot_bytes
+        # needs are counted in slots above `need_offset` bytes (a stage's own memory axis)
+        self.offset = float(need_offset)
+        # top tables have one row per end requirement: slots a stage must leave free at its
+        # end (hbp.planner.stages); a whole-graph solve has one row, 0
+        self.end_slots = np.zeros(1, dtype=np.int64)
+        self.slot_index = np.arange(slots + 1)
+        self._tail: dict = {}
+        self._top: dict = {}
+        self._top_kept: dict = {}  # (e, H) -> kept bytes of the top plan chosen at each m
+        self._rec: dict = {}
+        self._rec_plain: dict = {}
+        self._rec_need: dict = {}
+        self._rec_tail: dict = {}
+        self._first_finite: dict = {}  # id(table) -> first slot with a finite value
+        self._shifted: dict = {}  # id(T(e, f) table) -> it with the fork slots off
+
+    def sl(self, x):
+        """Bytes -> slots, rounded up (conservative)."""
+        return np.ceil(np.asarray(x, dtype=float) / self.slot - 1e-9)
+
+    # T(e, f) ---------------------------------------------------------------------------------
+    def rec(self, e: int, f: int, lowest: int = 0, tail: bool = True) -> np.ndarray:
+        """T(e, f) over slots (`_rec_table`), with the slots its pass's generator state copy
+        takes (`CostModel.fork_bytes`) off."""
+        fork = self._fork_slots(e, f)
+        table = self._rec_table(e, f, max(lowest - fork, 0), tail)
+        if not fork:
+            return table
+        r = self._shifted.get(id(table))
+        if r is None:
+            r = np.full(self.n_slots + 1, INF)
+            r[fork:] = table[: max(self.n_slots + 1 - fork, 0)]
+            self._shifted[id(table)] = r
+        return r
+
+    def _fork_slots(self, e: int, f: int) -> int:
+        if not self.model.info.rng_state_bytes:
+            return 0
+        fork = self.model.fork_bytes(e, f)
+        return int(self.sl(fork)) if fork else 0
+
+    def _rec_table(self, e: int, f: int, lowest: int = 0, tail: bool = True) -> np.ndarray:
+        """T(e, f) over slots, exact at every m >= `lowest`; with `tail`, infeasible where its
+        tail's backward does not fit (`rec_tail`; without, the parent level counts it).
+
+        Recomputing [e, f) as one plain child costs the FLOPs up to its last save event, and
+        no nested plan costs less (each node up to that event runs at least once), so where
+        the plain recompute fits (m >= its need) T equals it; the nested tables are only
+        built when a caller needs T below that."""
+        plain = self._rec_plain.get((e, f))
+        if plain is None:
+            plain = self._rec_plain[e, f] = self._plain_recompute(e, f)
+            finite = np.flatnonzero(plain < INF)
+            self._rec_need[e, f] = int(finite[0]) if len(finite) else self.n_slots + 1
+        if not self.nested or lowest >= self._rec_need[e, f]:
+            return self._with_tail(e, f, plain, False) if tail else plain
+        r = self._rec.get((e, f))
+        if r is None:
+            H = self.model.crossing_in(e, f, False)
+            r = np.minimum(self.tail(f, e, H, RestSaves.YES), self.tail(f, e, H, RestSaves.NO))
+            self._rec[e, f] = r = np.minimum(r, plain)
+        return self._with_tail(e, f, r, True) if tail else r
+
+    def _with_tail(self, e: int, f: int, table: np.ndarray, nested: bool) -> np.ndarray:
+        """`table` made infinite below the slots of the tail's backward (memoised)."""
+        key = (e, f, nested)
+        r = self._rec_tail.get(key)
+        if r is None:
+            need = self.model.tail_need(e, f)
+            r = table
+            if need > -INF:
+                low = int(self.sl(max(need - self.offset, 0.0)))
+                if low > 0:
+                    r = table.copy()
+                    r[: min(low, self.n_slots + 1)] = INF
+            self._rec_tail[key] = r
+        return r
+
+    def rec_tail(self, d: int | None, f: int) -> bool:
+        """Whether a recomputed child ending at f of a level ending at d counts its tail
+        itself: a save event follows it in the level (else its tail is the level's tail,
+        counted where the level's is). The top level (d=None) always does."""
+        return d is None or self.model.last_save[d] >= f
+
+    def top_kept(self, e: int, H: frozenset) -> np.ndarray:
+        """Bytes kept across the forward by the plan that top(e, H) chose at each m (one row
+        per end requirement)."""
+        self.top(e, H)
+        return self._top_kept[e, H]
+
+    def _plain_recompute(self, e: int, f: int) -> np.ndarray:
+        """T(e, f) restricted to one plain child: the level [e, f) with the single child
+        [e, f), which runs until its last save event (or not at all without one): its FLOPs
+        wherever m covers its need and what it keeps, else infinite. (The general recursion
+        over `options(f, e, H, None, False, only=(f, PLAIN))` gives the same table.)"""
+        H = self.model.crossing_in(e, f, False)
+        p = self.model.profile(e, H, PLAIN, False).at(f)
+        slots = self._slot_arrays(p)
+        i = len(p.f_list) - 1  # the child ending at f
+        has_save = bool(p.has_save[i])
+        extent = UNTIL_SAVE if has_save else NOT_RUN
+        out = np.full(self.n_slots + 1, INF)
+        if slots.fits[extent][i]:
+            out[slots.low[extent][i] :] = p.flops[UNTIL_SAVE][i] if has_save else 0.0
+        return out
+
+    # the tables ------------------------------------------------------------------------------
+    def tail(self, d: int, e: int, H: frozenset, flag: RestSaves) -> np.ndarray:
+        key = (d, e, H, flag)
+        r = self._tail.get(key)
+        if r is None:
+            if e == d:
+                r = (
+                    np.zeros(self.n_slots + 1)
+                    if flag == RestSaves.NO
+                    else np.full(self.n_slots + 1, INF)
+                )
+            else:
+                r = self._fill(d, e, H, flag)
+            self._tail[key] = r
+        return r
+
+    def top(self, e: int, H: frozenset) -> np.ndarray:
+        key = (e, H)
+        r = self._top.get(key)
+        if r is None:
+            mi = self.slot_index
+            if e == self.model.n:
+                need = self.sl(max(0.0, self.model.pos_after[self.model.n] - self.offset))
+                need = np.maximum(need, self.end_slots)[:, None]
+                r = np.where(mi[None, :] >= need, 0.0, INF)
+                self._top_kept[key] = np.zeros_like(r)
+            elif e == self.end:  # a stage ends here: the stages after it are planned apart
+                r = np.where(mi[None, :] >= self.end_slots[:, None], 0.0, INF)
+                self._top_kept[key] = np.zeros_like(r)
+            else:
+                r = self._fill_top(e, H)
+            self._top[key] = r
+        return r
+
+    def _fill(self, d, e, H, flag) -> np.ndarray:
+        """tail(d, e, H, flag): at every m, the least value of its options."""
+        best = np.full(self.n_slots + 1, INF)
+        if flag == RestSaves.NO and not self.model.save_free_tiling(e, d):
+            return best
+        for option in self.options(d, e, H, flag, False):
+            for _, _, lo, value in self._option_rows(d, e, option):
+                low_best = best[lo:]
+                np.minimum(low_best, value, out=low_best)
+        return best
+
+    def _option_rows(self, d, e, option: Option):
+        """The value of `option` (a nested level's first child) for each of its ends f that
+        can be feasible: yields (index of f, held set at f, lo, value) where value[m - lo]
+        is its least recompute at m >= lo (infeasible below lo = max(kept, need)).
+
+        Value at m: pass FLOPs + T(e, f)[m - kept] (recomputed child) + the rest's value at
+        m - kept. The one place a nested option's value is computed: the table fill and the
+        plan rebuild both call it."""
+        rows = self._feasible_rows(d, False, option)
+        if not rows.keep:
+            return
+        M = self.n_slots
+        p = option.arrays
+        lows, kept_list = rows.slots.low[option.extent], rows.slots.kept_list
+        flops = None
+        if option.extent != NOT_RUN:
+            if p.flops_lists is None:
+                p.flops_lists = (p.flops[FULL].tolist(), p.flops[UNTIL_SAVE].tolist())
+            flops = p.flops_lists[option.extent]
+        first_finite = self._first_finite
+        for i, sub, H2 in zip(rows.keep, rows.rest, rows.states):
+            kept = kept_list[i]
+            lo = lows[i]  # max(kept, need): below it the option is infeasible
+            value = sub[lo - kept : M + 1 - kept]
+            if flops is not None:
+                value = value + flops[i]
+            if option.mode == REC:
+                first = first_finite.get(id(sub))
+                if first is None:
+                    first = first_finite[id(sub)] = int(np.argmax(sub < INF))
+                lowest = max(lo, kept + first) - kept
+                table = self.rec(e, p.f_list[i], lowest, self.rec_tail(d, p.f_list[i]))
+                value = value + table[lo - kept : M + 1 - kept]
+            yield i, H2, lo, value
+
+    def _fill_top(self, e: int, H: frozenset) -> np.ndarray:
+        """top(e, H), one row per end requirement: the least recompute at every m and, among
+        the plans that reach it, the least bytes kept (`_top_kept`: what a stage hands the
+        stages after it)."""
+        shape = (len(self.end_slots), self.n_slots + 1)
+        best, best_kept = np.full(shape, INF), np.zeros(shape)
+        for option in self.options(self.model.n, e, H, None, True):
+            rows = self._top_rows(e, option)
+            if rows is None:
+                continue
+            _, _, cost, kept = rows
+            c_min = cost.min(axis=0)
+            k_min = np.where(cost == c_min, kept, INF).min(axis=0)
+            better = (c_min < best) | ((c_min == best) & (k_min < best_kept))
+            best = np.where(better, c_min, best)
+            best_kept = np.where(better, k_min, best_kept)
+        self._top_kept[e, H] = best_kept
+        return best
+
+    def _top_rows(self, e, option: Option):
+        """The values of a top-level option: (f indices, next states, cost and kept bytes,
+        each (option, end requirement, m)), or None. The one place the top level's option
+        values are computed (table fill and plan rebuild).
+
+        Value at m: T(e, f)[m - kept] (recomputed child) + the rest's value at m - kept, if
+        m >= the child's own need and m >= kept; else infinite."""
+        M = self.n_slots
+        rows = self._feasible_rows(self.model.n, True, option)
+        if not rows.keep:
+            return None
+        p = option.arrays
+        shape = (len(rows.keep), len(self.end_slots), M + 1)
+        cost, kept = np.full(shape, INF), np.zeros(shape)
+        lows, kept_list = rows.slots.low[option.extent], rows.slots.kept_list
+        for j, (i, sub, H2) in enumerate(zip(rows.keep, rows.rest, rows.states)):
+            k, lo = kept_list[i], lows[i]  # below max(kept, need) the child does not fit
+            cost[j, :, lo:] = sub[:, lo - k : M + 1 - k]
+            if option.mode == REC:  # asked from the smallest m at which the rest is feasible
+                first = int(np.argmax(sub[0] < INF))
+                rec = self.rec(e, p.f_list[i], max(lo, k + first) - k)
+                cost[j, :, lo:] += rec[lo - k : M + 1 - k]
+            kept[j, :, lo:] = self._top_kept[p.f_list[i], H2][:, lo - k : M + 1 - k]
+            kept[j, :, lo:] += p.kept[i]
+        return np.array(rows.keep), rows.states, cost, kept
+
+    def _feasible_rows(self, d, top, option: Option) -> _Rows:
+        """The selected ends f whose rest can be feasible, with the rest's tables."""
+        p = option.arrays
+        slots = self._slot_arrays(p)
+        ok = option.select & slots.fits[option.extent]  # need and kept fit in M slots
+        if option.rest == RestSaves.NO:  # the rest must be a tail without save events
+            if p.save_free is None:
+                p.save_free = self.model.save_free_mask(d)[p.f]
+            ok &= p.save_free
+        idx = np.flatnonzero(ok)
+        rows, keep, states = [], [], []
+        f_list, H_list = p.f_list, option.profile.held_list(p.d)
+        limit = slots.room[idx].tolist()
+        if top:
+            memo, table = self._top, self.top
+            for i, lim in zip(idx.tolist(), limit):
+                f, H2 = f_list[i], H_list[i]
+                sub = memo.get((f, H2))
+                if sub is None:
+                    sub = table(f, H2)
+                if sub.item(lim) < INF:  # tables are non-increasing in m
+                    rows.append(sub)
+                    keep.append(i)
+                    states.append(H2)
+        else:
+            memo, table, flag = self._tail, self.tail, option.rest
+            for i, lim in zip(idx.tolist(), limit):
+                f, H2 = f_list[i], H_list[i]
+                sub = memo.get((d, f, H2, flag))
+                if sub is None:
+                    sub = table(d, f, H2, flag)
+                if sub.item(lim) < INF:  # tables are non-increasing in m
+                    rows.append(sub)
+                    keep.append(i)
+                    states.append(H2)
+        return _Rows(slots, keep, rows, states)
+
+    def _slot_arrays(self, p: ChildArrays) -> SlotArrays:
+        """A child's byte arrays in slots (needs above `self.offset`, rounded up; cached)."""
+        M = self.n_slots
+        key = (M, self.slot, self.offset)
+        if p.slots is not None and p.slots.key == key:
+            return p.slots
+        need = tuple(self.sl(np.maximum(x - self.offset, 0.0)) for x in p.need)
+        kept = self.sl(p.kept)
+        kept_int = kept.astype(np.int64)
+        p.slots = SlotArrays(
+            key=key,
+            need=need,
+            kept=kept,
+            fits=tuple((x <= M) & (kept <= M) for x in need),
+            room=(M - kept).astype(np.int64),
+            kept_slots=kept_int,
+            low=tuple(np.maximum(kept_int, x).astype(np.int64).tolist() for x in need),
+            kept_list=kept_int.tolist(),
+        )
+        return p.slots
+
+    # rebuilding the plan ---------------------------------------------------------------------
+    def _choose(self, d, e, H, flag, top, slots, row) -> tuple[Choice, int]:
+        """The option that achieves the table's value at `slots` (top level: with the table's
+        kept bytes, at end requirement `row`), and its kept slots."""
+        if top:
+            return self._choose_top(e, H, slots, row)
+        target = self.tail(d, e, H, flag)[slots]
+        for option in self.options(d, e, H, flag, False):
+            best_value, best = INF, None
+            for i, H2, lo, value in self._option_rows(d, e, option):
+                v = value[slots - lo] if slots >= lo else INF
+                if v < best_value or best is None:
+                    best_value, best = v, (i, H2)
+            if best is not None and best_value <= target + 1e-9 * max(1.0, abs(target)):
+                i, H2 = best
+                p = option.arrays
+                choice = Choice(int(p.f[i]), option.mode, option.extent, H2, option.rest)
+                return choice, int(p.slots.kept_slots[i])
+        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
+
+    def _choose_top(self, e, H, slots, row) -> tuple[Choice, int]:
+        target = self.top(e, H)[row, slots]
+        target_kept = self._top_kept[e, H][row, slots]
+        for option in self.options(self.model.n, e, H, None, True):
+            rows = self._top_rows(e, option)
+            if rows is None:
+                continue
+            idx, states, cost, kept = rows
+            fits = (cost[:, row, slots] <= target + 1e-9 * max(1.0, abs(target))) & (
+                kept[:, row, slots] <= target_kept
+            )
+            for k in np.flatnonzero(fits).tolist():
+                p, i = option.arrays, idx[k]
+                choice = Choice(int(p.f[i]), option.mode, option.extent, states[k], option.rest)
+                return choice, int(p.slots.kept_slots[i])
+        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
+
+    def _nested_level(self, e, f, slots) -> tuple[RestSaves, int] | None:
+        slots -= self._fork_slots(e, f)
+        self._rec_table(e, f, slots)
+        if not self.nested or slots >= self._rec_need[e, f]:
+            return None  # recomputed as plain autograd
+        H = self.model.crossing_in(e, f, False)
+        with_save = self.tail(f, e, H, RestSaves.YES)[slots]
+        without = self.tail(f, e, H, RestSaves.NO)[slots]
+        return (RestSaves.YES if with_save <= without else RestSaves.NO), slots
