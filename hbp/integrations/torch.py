@@ -62,6 +62,7 @@ from hbp.planner import PLANNERS
 from hbp.planner.budget import parse_budget
 from hbp.planner.plan import MIB, Plan, Segment
 from hbp.runtime.executor import make_executor, per_call_plan
+from hbp.runtime.heap import return_freed_heap
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
@@ -383,6 +384,7 @@ class HCModule(nn.Module):
                     ) from err
                 raise self._budget_error_without_outputs(graph, err) from err
         plan_time_s = time.perf_counter() - start
+        return_freed_heap()  # NOTE [ Planning's freed heap ]
         executor = make_executor(captured, plan, root)
         self._warn_about(captured, executor)
         compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)

@@ -12,11 +12,12 @@ from jax.extend.core import Literal
 from hbp.errors import ConfigError
 from hbp.graph.jax_capture import Program, abstractify
 from hbp.integrations.jax.arguments import argnums_mask, bind_static, check_argnums, program_env
-from hbp.integrations.jax.planning import Compiled, Planned, return_freed_heap
+from hbp.integrations.jax.planning import Compiled, Planned
 from hbp.integrations.jax.recording import run_compiled
 from hbp.integrations.jax.remat import RUNNERS, jit
 from hbp.integrations.jax.segments import read_value
 from hbp.planner.plan import Plan
+from hbp.runtime.heap import return_freed_heap
 
 
 @jax.tree_util.register_pytree_node_class

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
-import sys
 from dataclasses import dataclass, field
 
 import jax
@@ -15,6 +11,7 @@ from hbp.graph.jax_capture import CapturedFunction, Program, abstractify, captur
 from hbp.integrations.jax.pieces import PiecesExecutor
 from hbp.integrations.jax.segments import SegmentInfo, check_segments, resolve_segments
 from hbp.planner.plan import Plan
+from hbp.runtime.heap import return_freed_heap
 
 STRATEGIES = ("auto", "fenced", "pieces", "remat")
 # What "auto" runs when called with concrete arrays (under tracing it runs "fenced").
@@ -54,30 +51,6 @@ def check_options(budget, block_size, strategy, plan) -> None:
         raise ConfigError("strategy", strategy, f"one of {STRATEGIES}")
     if plan is not None and not isinstance(plan, Plan | list):
         raise ConfigError("plan", type(plan).__name__, "an hbp.planner.Plan or None")
-
-
-# NOTE [ Planning's freed heap ]
-# Planning allocates many small Python objects (the DP's tables) and frees them before the
-# step runs; compiling the one program called as is does the same in XLA. glibc keeps freed
-# small chunks in its heap, and a heap cannot shrink below its highest live chunk, so without
-# help the process keeps that memory resident while the step runs on top of it: the first
-# step's process peak is the planner's and the compiler's leftovers plus the step's. After
-# collecting cycles, `malloc_trim(0)` hands free pages anywhere in the heap back to the OS
-# (madvise), so the first step starts from what is really live. Both happen once per input
-# signature, and so does this; elsewhere than glibc it does nothing.
-
-
-def return_freed_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc `malloc_trim(0)`; a no-op elsewhere):
-    NOTE [ Planning's freed heap ]."""
-    if not sys.platform.startswith("linux"):
-        return
-    gc.collect()  # the planner's garbage in reference cycles first
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
 
 
 class Planned:
