@@ -205,8 +205,10 @@ def test_a_first_step_inside_a_profiler_is_planned_again_outside_it():
     """NOTE [ Captured under a profiler ]: the workspace cannot be measured inside a running
     CPU profiler; HCModule warns and plans again, with it, at the first call outside."""
     module, (x, y) = models()["convnet"]
-    reference = hbp.HCModule(module, 0.5).prepare(x, y)
-    hc = hbp.HCModule(module, 0.5)
+    # 0.7: 0.5 is within 1% of this model's minimum, which moves with the workspace the
+    # process's kernels measured before
+    reference = hbp.HCModule(module, 0.7).prepare(x, y)
+    hc = hbp.HCModule(module, 0.7)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         with pytest.warns(UserWarning, match="running profiler"):
             hc(x, y).backward()
