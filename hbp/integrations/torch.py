@@ -63,6 +63,7 @@ from hbp.planner.budget import parse_budget
 from hbp.planner.plan import MIB, Plan, Segment
 from hbp.runtime.executor import make_executor, per_call_plan
 from hbp.runtime.heap import return_freed_heap
+from hbp.runtime.tracker import foreign_profiler_running
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
@@ -309,10 +310,13 @@ class HCModule(nn.Module):
     def _prepare(self, args, kwargs, root: nn.Module | None = None, tag: Any = None) -> Compiled:
         key = (tag, self._signature(args, kwargs))
         compiled = self._compiled.get(key)
-        if compiled is not None and not compiled.scratch_measured and _can_measure_scratch():
+        if (
+            compiled is not None
+            and not compiled.scratch_measured
+            and not foreign_profiler_running()
+        ):
             compiled = None  # NOTE [ Captured under a profiler ]
         if compiled is None:
-            self._finish_probe()  # a step measurement still recording would stop calibration
             compiled = self._compile(args, kwargs, root)
             self._compiled[key] = compiled
             if len(self._compiled) == MANY_SIGNATURES + 1:
@@ -914,15 +918,6 @@ def _calibrate_scratch(captured: CapturedGraph, root: nn.Module, args, kwargs) -
 # scores and convolution buffers. HCModule warns, and the first call of that signature outside
 # a profiler captures and plans it again with the workspace measured. Steps still inside the
 # profiler keep the first plan (there is nothing better to plan with there).
-
-
-def _can_measure_scratch() -> bool:
-    """No profiler outside hbp is running (hbp's own measurement windows are closed first,
-    each keeping its result)."""
-    from hbp.runtime.tracker import close_open_windows
-
-    close_open_windows()
-    return not torch.autograd._profiler_enabled()
 
 
 def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:

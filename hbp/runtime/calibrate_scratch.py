@@ -20,18 +20,18 @@ An op signature is the op (function, method, or the module's class and `repr`, w
 its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments,
 the values of the others and the layout of its output gradient (a slice of a `torch.cat`'s
 gradient, the output's own layout, and a row-major one where a user's backward returns one:
-NOTE [ The layout of an output's gradient ]): measured once per process (`_CACHE`), so a model of repeated
-blocks costs one measurement per distinct layer.
+NOTE [ The layout of an output's gradient ]): measured once per process (`_CACHE`), so a
+model of repeated blocks costs one measurement per distinct layer.
 
 Values are produced by running the graph on the real inputs (once, twice where an output
-gradient's layout differs) under `no_grad` (each value
-dropped after its last user); the module's state is kept: buffers (BatchNorm statistics) are
-put back and the RNG state restored. Skipped: views and in-place results (no storage of their
-own), ops that mutate an input or a buffer, and ops that fail to run alone. The allocator is
-read with no dispatch mode active; under an active profiler (CPU) nothing is measured, since
-profiler sessions do not nest (`calibrate_scratch` returns None: measure again outside it; hbp's
-own measurement windows are closed first), and on CUDA the peak statistics are reset (do not calibrate
-inside a step measured with `max_memory_allocated`).
+gradient's layout differs) under `no_grad` (each value dropped after its last user); the
+module's state is kept: buffers (BatchNorm statistics) are put back and the RNG state
+restored. Skipped: views and in-place results (no storage of their own), ops that mutate an
+input or a buffer, and ops that fail to run alone. The allocator is read with no dispatch mode
+active; under a profiler other than hbp's own measurements (CPU) nothing is measured, since
+profiler sessions do not nest (`calibrate_scratch` returns None: measure again outside it),
+and on CUDA the peak statistics are reset (do not calibrate inside a step measured with
+`max_memory_allocated`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hbp.graph.ir import Node
 from hbp.graph.torch_capture import MODES, CapturedGraph, enter_modes
 from hbp.graph.torch_fallback import _buffers_restored
-from hbp.runtime.tracker import allocator_peak, close_open_windows
+from hbp.runtime.tracker import allocator_peak, foreign_profiler_running
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
@@ -75,10 +75,8 @@ def calibrate_scratch(
     if gm is None:
         return 0
     arguments = captured.placeholder_values(args, kwargs or {})
-    if _on_cpu(arguments, gm):
-        close_open_windows()  # hbp's own step measurements still recording
-        if torch.autograd._profiler_enabled():  # someone else's: profilers cannot nest
-            return None
+    if _on_cpu(arguments, gm) and foreign_profiler_running():  # profilers cannot nest
+        return None
     with _disable_current_modes(), _state_kept(gm), torch.no_grad():
         dense_gradients: set[fx.Node] = set()
         raised = _calibrate_pass(captured, arguments, dense_gradients)
@@ -312,15 +310,6 @@ def _cat_dim(node: fx.Node) -> int | None:
         dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
         return dim if isinstance(dim, int) else None
     return None
-
-
-def _seed_layouts(outputs: list[torch.Tensor], cat_dim: int | None) -> tuple[bool, ...]:
-    """The output-gradient layouts to measure a backward with (`dense`: row-major rather
-    than the output's own layout): both where an output is not row-major (NOTE [ The layout
-    of an output's gradient ])."""
-    if cat_dim is None and any(not t.is_contiguous() for t in outputs):
-        return (False, True)
-    return (False,)
 
 
 # NOTE [ The layout of an output's gradient ]

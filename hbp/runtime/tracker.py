@@ -310,6 +310,13 @@ def close_open_windows() -> None:
         _OPEN_WINDOWS.discard(window)
 
 
+def foreign_profiler_running() -> bool:
+    """Whether a profiler other than hbp's own measurement windows is running (those are
+    closed first, each keeping its result): CPU allocator measurements cannot start then."""
+    close_open_windows()
+    return torch.autograd._profiler_enabled()
+
+
 # NOTE [ CPU allocator peak ]
 # With memory profiling on, PyTorch's CPU allocator reports every allocation and free to the
 # profiler together with its running total of the bytes it allocated while profiling was on
