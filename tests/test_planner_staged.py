@@ -13,7 +13,15 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.graph import synthetic
 from hbp.planner import optimal_plan, validate_plan
 from hbp.planner.dp import entry
-from hbp.planner.stages import StageOption, _allocate, stage_bounds, staged_plan
+from hbp.planner.cuts import window_cuts
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.stages import (
+    StageOption,
+    _allocate,
+    stage_bounds,
+    stage_signature,
+    staged_plan,
+)
 
 
 @pytest.fixture
@@ -54,6 +62,77 @@ def test_stage_bounds_fall_between_layers():
     bounds = stage_bounds(info, list(range(info.n + 1)), stage_nodes=40)
     inner = [info.names[b - 1] for b in bounds[1:-1]]
     assert inner and all(name.endswith(("res1", "res2")) for name in inner), inner
+
+
+def signatures(graph) -> list[tuple]:
+    """The signature of every stage of `graph`, as `staged_plan` cuts it."""
+    info = GraphInfo.of(graph)
+    bounds = stage_bounds(info, window_cuts(info), 40)
+    model = CostModel(info, window_cuts(info, bounds=bounds), bounds)
+    return [stage_signature(model, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def test_identical_layers_are_solved_once():
+    """NOTE [ Identical stages are solved once ]: a stack of identical layers has a handful of
+    distinct stages (first, last, the repeated ones), and reusing their tables gives the
+    plan of solving every stage."""
+    graph = synthetic.residual_net(12, same_layers=True)
+    keys = signatures(graph)
+    assert len(keys) > 20 and len(set(keys)) <= 5
+    assert len(set(signatures(synthetic.residual_net(12)))) == len(keys)  # layers differ
+    info = GraphInfo.of(graph)
+    for fraction in (0.5, 0.3):
+        budget = int(fraction * naive_peak(graph))
+        reused = staged_plan(info, budget, nested=False)
+        assert reused == staged_plan(info, budget, nested=False, reuse=False)
+        assert simulate(graph, reused, info=info, check=True).peak_bytes <= budget
+
+
+@pytest.mark.parametrize(
+    ("graph", "stage_nodes"),
+    [
+        (synthetic.residual_net(6, same_layers=True, ops_per_layer=30), 20),
+        (synthetic.encoder_decoder_net(6), 40),  # values read by every block of a side
+        (synthetic.random_dag(60, seed=3, skip_prob=0.3, max_skip=6), 8),
+    ],
+    ids=["stack", "encoder-decoder", "random-dag"],
+)
+def test_stage_reuse_gives_the_plans_of_solving_every_stage(graph, stage_nodes):
+    info = GraphInfo.of(graph)
+    for fraction in (0.8, 0.6, 0.45):
+        budget = int(fraction * naive_peak(graph))
+        kwargs = dict(nested=False, stage_nodes=stage_nodes)
+        assert staged_plan(info, budget, **kwargs) == staged_plan(
+            info, budget, reuse=False, **kwargs
+        )
+
+
+def test_stage_signature_tells_apart_what_changes_a_table():
+    """Twin stages of a stack of identical layers stop sharing a signature when one of them
+    differs in FLOPs, in bytes, or in a value that crosses into it from far before."""
+    keys = signatures(synthetic.residual_net(8, same_layers=True))
+    twin = next(j for j in range(3, len(keys)) if keys[j] == keys[j - 2])  # period 2 stages
+
+    def changed(edit) -> list[tuple]:
+        graph = synthetic.residual_net(8, same_layers=True)
+        info = GraphInfo.of(graph)
+        bounds = stage_bounds(info, window_cuts(info), 40)
+        edit(graph, bounds[twin] + 5)  # a node inside stage `twin`
+        return signatures(graph)
+
+    def flops(graph, k):
+        graph.nodes[k].flops += 1.0
+
+    def nbytes(graph, k):
+        graph.nodes[k].output_bytes += 4
+
+    def skip(graph, k):  # node k also reads the first layer norm's output
+        node = graph.nodes[k]
+        node.inputs = (*node.inputs, graph.nodes[1].name)
+
+    for edit in (flops, nbytes, skip):
+        edited = changed(edit)
+        assert edited[twin] != edited[twin - 2], edit.__name__
 
 
 def test_allocation_spends_memory_where_it_saves_most():

@@ -129,12 +129,16 @@ def residual_net(
     width_bytes: int = 4 * 256 * 1024,
     attn_bytes: int = 4 * 16 * 256 * 256,
     seed: int = 0,
+    same_layers: bool = False,
 ) -> Graph:
     """A transformer-like stack at operator level: per layer two residual branches (an
     attention-like one with one large square tensor, an MLP-like one with a 4x wide part),
     padded with elementwise ops and views to `ops_per_layer` ops. Sizes are bytes of float32
     activations (defaults: batch x tokens x width = 256K floats, 16 heads of 256 x 256).
-    About `layers * ops_per_layer + 3` nodes: GPT-2 medium is 24 layers of ~60 ops."""
+    About `layers * ops_per_layer + 3` nodes: GPT-2 medium is 24 layers of ~60 ops.
+
+    The padding is drawn at random per layer, so no two layers are alike; `same_layers`
+    draws it once, so every layer is the same ops, as in a real model's stack."""
     rng = np.random.default_rng(seed)
     w = width_bytes
     nodes = [Node("x", "input", output_bytes=w, is_input=True, requires_grad=False)]
@@ -158,6 +162,8 @@ def residual_net(
 
     h = "x"
     for layer in range(layers):
+        if same_layers:
+            rng = np.random.default_rng(seed)
         p = f"l{layer}."
         budget_ops = ops_per_layer
         # attention branch

@@ -57,13 +57,13 @@ def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal",
     if planner not in PLANNERS:
         raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
     info = GraphInfo.of(graph)
-    naive = simulate(graph, info=info).peak_bytes
+    naive = simulate(graph, info=info)
     if budget == "min":
         budget_bytes, _ = min_feasible_peak(
             graph, block_size=block_size, nested=planner != "one_level", info=info
         )
     else:
-        budget_bytes = parse_budget(budget, naive)
+        budget_bytes = parse_budget(budget, naive.peak_bytes)
     if planner == "uniform":
         segments = options.pop("segments", None) or max(1, round(math.sqrt(info.n)))
         return uniform_plan(graph, segments, budget_bytes=budget_bytes, info=info, **options)
@@ -73,5 +73,6 @@ def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal",
         block_size=block_size,
         nested=planner == "optimal",
         info=info,
+        naive=naive,
         **options,
     )

@@ -160,10 +160,14 @@ def _spread(k: int, n: int) -> int:
     return int(f"{k:0{bits}b}"[::-1], 2)
 
 
-def window_cuts(info: GraphInfo, per_region: int = 6, region: int = 32) -> list[int]:
+def window_cuts(
+    info: GraphInfo, per_region: int = 6, region: int = 32, bounds: list[int] | None = None
+) -> list[int]:
     """Candidate cuts spread evenly: in every run of `region` consecutive positions, the
     `per_region` best by `candidate_cuts`'s ranking (frontier local minima, fewer crossing
-    values, fewer bytes)."""
+    values, fewer bytes). With `bounds` (stage bounds, kept as cuts), the runs start again at
+    every bound, so that identical stages get identical cuts (NOTE [ Identical stages are
+    solved once ] in hbp.planner.stages)."""
     n = info.n
     first = 0
     while first < n and info.is_input[first]:
@@ -172,22 +176,27 @@ def window_cuts(info: GraphInfo, per_region: int = 6, region: int = 32) -> list[
     if not pos:
         return [0, n]
     w, count = _frontier(info)
-    chosen = []
-    for lo in range(0, len(pos), region):
-        block = pos[lo : lo + region]
-        minima = {
-            c
-            for c in block
-            if (c == pos[0] or w[c] <= w[c - 1]) and (c == pos[-1] or w[c] < w[c + 1])
-        }
-        ranked = sorted(
-            range(len(block)),
-            key=lambda k: (
-                block[k] not in minima,
-                count[block[k]],
-                w[block[k]],
-                _spread(k, len(block)),
-            ),
-        )
-        chosen.extend(block[k] for k in ranked[:per_region])
+    starts = sorted({pos[0], *(b for b in bounds or () if pos[0] < b < n)})
+    chosen = [*starts] if bounds else []
+    for start, stop in zip(starts, [*starts[1:], n]):
+        for lo in range(start, stop, region):
+            block = list(range(lo, min(lo + region, stop)))
+            chosen.extend(_best_in(block, pos, w, count, per_region))
     return sorted({0, *chosen, n})
+
+
+def _best_in(block: list[int], pos: list[int], w, count, k: int) -> list[int]:
+    """The `k` best positions of `block` by `candidate_cuts`'s ranking."""
+    minima = {
+        c for c in block if (c == pos[0] or w[c] <= w[c - 1]) and (c == pos[-1] or w[c] < w[c + 1])
+    }
+    ranked = sorted(
+        range(len(block)),
+        key=lambda i: (
+            block[i] not in minima,
+            count[block[i]],
+            w[block[i]],
+            _spread(i, len(block)),
+        ),
+    )
+    return [block[i] for i in ranked[:k]]

@@ -31,7 +31,8 @@ any overshoot before it is handed out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,27 +88,156 @@ def staged_plan(
     global_slots: int = 8192,
     nested: bool = True,
     levels: int = 4,
+    reuse: bool = True,
 ) -> list[Segment] | None:
     """Top-level segments of a staged plan within `budget_bytes` (by the cost model), or
-    None when no combination of stage options fits."""
-    cuts = window_cuts(info, per_region, region)
-    bounds = stage_bounds(info, cuts, stage_nodes)
+    None when no combination of stage options fits. `reuse`: solve identical stages once
+    (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests)."""
+    bounds = stage_bounds(info, window_cuts(info, per_region, region), stage_nodes)
+    cuts = window_cuts(info, per_region, region, bounds)  # the same within identical stages
     model = CostModel(info, cuts, bounds)
     stages = list(zip(bounds[:-1], bounds[1:]))
-    solvers, options = [], []
+    solved: dict[tuple, tuple[int, Solver, list[StageOption]]] = {}
+    reps, options = [], []  # per stage: (start of the stage solved, its solver); its options
     with planning(len(cuts)):
         for a, b in stages:
-            solver = _stage_solver(model, a, b, stage_slots, nested, levels)
-            solvers.append(solver)
-            options.append(_stage_options(solver, a))
+            # NOTE [ Identical stages are solved once ]
+            key = stage_signature(model, a, b) if reuse else (a,)
+            if key not in solved:
+                solver = _stage_solver(model, a, b, stage_slots, nested, levels)
+                solved[key] = (a, solver, _stage_options(solver, a))
+            first, solver, opts = solved[key]
+            reps.append((first, solver))
+            # needs count the positional bytes below the stage's base (parameter gradients
+            # of the stages after it), which differ between identical stages
+            lift = _stage_base(model, a, b) - solver.offset
+            options.append([replace(o, need_bytes=o.need_bytes + lift) for o in opts])
     choice = _allocate(options, budget_bytes, global_slots)
     if choice is None:
         return None
     segments: list[Segment] = []
+    rebuilt: dict[tuple, list[Segment]] = {}  # (stage solved, option) -> its plan
     with planning(len(cuts)):
-        for (a, _), solver, opts, k in zip(stages, solvers, options, choice):
-            segments.extend(solver.top_plan(opts[k].local_slots, start=a, row=opts[k].row))
+        for (a, _), (first, solver), opts, k in zip(stages, reps, options, choice):
+            plan = rebuilt.get((first, k))
+            if plan is None:
+                o = opts[k]
+                plan = rebuilt[first, k] = solver.top_plan(o.local_slots, start=first, row=o.row)
+            segments.extend(_shifted(s, a - first) for s in plan)
     return segments
+
+
+# NOTE [ Identical stages are solved once ]
+# Real models are stacks of identical layers, so most stages of a deep graph are copies of
+# one another: the same nodes, bytes and FLOPs at the same offsets, the same values crossing
+# in and out, the same positional memory above the stage's own base. A stage's table depends
+# on nothing else, so a stage whose signature (`stage_signature`) equals an earlier one's
+# takes that stage's options and its rebuilt plan, shifted to its own positions. The
+# signature lists everything the cost model reads within a stage, relative to the stage's
+# start (a value made before the stage by the order of first reference, a position after it
+# as "after", positional bytes above the stage's base); two stages whose tables could differ
+# never share one (tests check the plans against solving every stage). Only the needs move:
+# they are counted from the stage's own base (the parameter gradients of the stages after
+# it, which differ between identical stages).
+
+
+def stage_signature(model: CostModel, a: int, b: int) -> tuple:
+    """Everything the stage [a, b)'s table depends on, relative to a (hashable)."""
+    info, n = model.info, model.n
+    base = _stage_base(model, a, b)
+    outside: dict[int, int] = {}  # group or value made before a -> order of first reference
+
+    def value(v: int) -> int:  # a value: its offset in the stage, or -1 - its order outside
+        if v >= a:
+            return v - a
+        return -1 - outside.setdefault(int(info.root[v]), len(outside))
+
+    def position(t: int) -> int:  # a position past the stage reads as "after" (b - a + 1)
+        return t - a if t <= b else b - a + 1
+
+    scalars = [
+        getattr(info, name)[a:b].tobytes()
+        for name in (
+            "storage_bytes", "is_input", "is_output", "grad_seed", "is_held", "seed_let_go",
+            "receives_grad", "has_backward", "grad_bytes", "saves_output", "extra_bytes",
+            "param_grad_bytes", "save_event", "flops", "backward_flops", "forward_transient",
+            "backward_transient", "stop_flops", "runs_at_stop", "draws_random",
+        )
+    ]  # fmt: skip
+    nodes = tuple(
+        (
+            tuple(value(v) for v in info.inputs[j]),
+            tuple(value(v) for v in info.saved[j]),
+            tuple(value(v) for v in info.passthrough[j]),
+            value(int(info.root[j])),
+            position(int(info.last_user[j])) if info.last_user[j] >= 0 else -1,
+        )
+        for j in range(a, b)
+    )
+    groups = set(model.node_group[a:b][model.node_group[a:b] >= 0].tolist())
+    for j in range(a, b):
+        groups.update(int(model.node_group[v]) for v in (*info.inputs[j], *info.saved[j]))
+    for c in model.cuts[bisect_left(model.cuts, a) : bisect_right(model.cuts, b)]:
+        groups.update(model.crossing[c])
+    groups.discard(-1)
+
+    def within(seq: list[int]) -> tuple:  # positions in [a, b); whether any lies before
+        lo, hi = bisect_left(seq, a), bisect_left(seq, b)
+        return lo > 0, tuple(t - a for t in seq[lo:hi]), hi < len(seq)
+
+    described = sorted(
+        (
+            value(int(model.g_root[g])),
+            int(model.g_size[g]),
+            bool(model.g_forced[g]),
+            position(int(model.g_lu[g])),
+            # first holder: before the stage, in it, after it, never
+            (-2 if model.g_hmin[g] < a else position(int(model.g_hmin[g])))
+            if model.g_hmin[g] < n
+            else -1,
+            within(model.g_touch[g]),
+            within(model.g_hold[g]),
+            within(model.g_read[g]),
+        )
+        for g in sorted(groups)
+    )
+    last_before = int(model.last_save[a])  # the pass of a level without save events
+    positions = np.arange(a, b + 1)
+    return (
+        b == n,
+        *scalars,
+        nodes,
+        tuple(described),
+        (model.pos_bwd[a:b] - base).tobytes(),
+        (model.pos_after[a : b + 1] - base).tobytes(),
+        float(model.pos_after[last_before + 1] - base),
+        model.out_pre[a : b + 1].tobytes(),
+        np.where(model.last_save[a : b + 1] >= a, model.last_save[a : b + 1] - a, -1).tobytes(),
+        (np.minimum(model.next_save[a : b + 1], b) - positions).tobytes(),
+        (info.random_before[a : b + 1] - info.random_before[a]).tobytes(),
+        np.where(model.min_input[a:b] >= a, model.min_input[a:b] - a, -1).tobytes(),
+        tuple(c - a for c in model.cuts[bisect_left(model.cuts, a) : bisect_right(model.cuts, b)]),
+        float(model.pos_after[n] - base) if b == n else 0.0,
+        model.out_total if b == n else 0,
+    )
+
+
+def _stage_base(model: CostModel, a: int, b: int) -> float:
+    """The smallest positional bytes of the stage's backward: its memory axis starts there."""
+    pos = model.pos_bwd[a:b][model.info.has_backward[a:b]]
+    return float(pos.min()) if len(pos) else 0.0
+
+
+def _shifted(segment: Segment, delta: int) -> Segment:
+    """`segment` (and its children) moved by `delta` positions, names left to fill."""
+    return replace(
+        segment,
+        start=segment.start + delta,
+        stop=segment.stop + delta,
+        children=[_shifted(c, delta) for c in segment.children],
+        first="",
+        last="",
+    )
 
 
 def _stage_solver(
@@ -116,9 +246,8 @@ def _stage_solver(
     """A Solver whose top level is the stage [a, b), on the stage's own memory axis, with
     `levels + 1` end requirements from 0 to the bytes the stage could keep at most."""
     info = model.info
-    has_bwd = info.has_backward[a:b]
-    pos = model.pos_bwd[a:b][has_bwd]
-    base = float(pos.min()) if len(pos) else 0.0
+    pos = model.pos_bwd[a:b][info.has_backward[a:b]]
+    base = _stage_base(model, a, b)
     own = (
         info.storage_bytes[a:b].sum()
         + info.extra_bytes[a:b].sum()

@@ -15,7 +15,7 @@ from functools import reduce
 from typing import NamedTuple
 
 from hbp.analysis.liveness import GraphInfo
-from hbp.analysis.simulate import simulate
+from hbp.analysis.simulate import Simulation, simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.cuts import candidate_cuts
@@ -128,6 +128,7 @@ def optimal_plan(
     nested: bool = True,
     info: GraphInfo | None = None,
     staged: str | None = None,
+    naive: Simulation | None = None,
 ) -> Plan:
     """The plan with the least recompute FLOPs whose simulated peak fits `budget_bytes`.
 
@@ -150,7 +151,7 @@ def optimal_plan(
     staged = STAGED if staged is None else staged
     if staged not in ("auto", "always", "never"):
         raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
-    naive = simulate(graph, info=info)
+    naive = naive or simulate(graph, info=info)  # plain autograd's step (callers may have it)
     cuts = candidate_cuts(info, block_size, max_cuts)
     stages = block_size == 1 and staged != "never"
     stages = stages and (staged == "always" or _staged_pays(info, cuts))
