@@ -12,8 +12,8 @@ from hbp.analysis import naive_peak, simulate
 from hbp.analysis.liveness import GraphInfo
 from hbp.graph import synthetic
 from hbp.planner import optimal_plan, validate_plan
-from hbp.planner.dp import entry
 from hbp.planner.cuts import window_cuts
+from hbp.planner.dp import entry
 from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.stages import (
     StageOption,
