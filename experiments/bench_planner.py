@@ -5,7 +5,8 @@ MILP optimum on random DAGs.
     python experiments/bench_planner.py --quick    # depths 12, 48 only; 6-op DAGs only
     python experiments/bench_planner.py --only depth   # or --only dags
 
-Depth sweep: `hbp.graph.synthetic.residual_net(L)` at budget 0.5 of the naive peak, planned by
+Depth sweep: `hbp.graph.synthetic.residual_net(L)` at budget 0.5 of the naive peak (every
+layer different, then identical layers: `same_layers=True`), planned by
 `hbp.planner.plan` (the default: whole-graph DP, plus staged planning on large graphs) and by
 the whole-graph DP alone (`staged="never"`, the planner before staged planning). Recompute is
 in % of the graph's forward FLOPs; time is the CPU seconds (and wall seconds) of one `plan`
@@ -25,30 +26,33 @@ from pathlib import Path
 import torch
 
 from hbp.analysis import naive_peak
+from hbp.analysis.liveness import GraphInfo
 from hbp.graph import synthetic
 from hbp.planner import min_feasible_peak, optimal_plan, plan
 from hbp.planner.optimum import Schedule
+from hbp.planner.stages import stage_signatures
 
 OUT = Path(__file__).resolve().parents[1] / "outputs" / "bench"
 
 
-def depth_sweep(depths: list[int]) -> list[str]:
+def depth_sweep(depths: list[int], same_layers: bool = False) -> list[str]:
     lines = [
-        "| layers | nodes | recompute % (plan) | solved by | plan CPU s (wall) | "
-        "recompute % (whole-graph DP only) | whole-graph DP CPU s (wall) |",
-        "|---|---|---|---|---|---|---|",
+        "| layers | nodes | stages (distinct) | recompute % (plan) | solved by | "
+        "plan CPU s (wall) | recompute % (whole-graph DP only) | whole-graph DP CPU s (wall) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     first = None
     for layers in depths:
-        graph = synthetic.residual_net(layers)
+        graph = synthetic.residual_net(layers, same_layers=same_layers)
         forward = sum(n.flops for n in graph.nodes)
+        keys = stage_signatures(GraphInfo.of(graph))
         p, t_plan = timed(plan, graph, 0.5)
         whole, t_whole = timed(plan, graph, 0.5, staged="never")
         ratio = p.predicted_recompute_flops / forward
         first = first if first is not None else ratio
         lines.append(
-            f"| {layers} | {len(graph.nodes)} | {100 * ratio:.1f} ({ratio / first:.2f}x) | "
-            f"{p.meta['solved_by']} | {t_plan} | "
+            f"| {layers} | {len(graph.nodes)} | {len(keys)} ({len(set(keys))}) | "
+            f"{100 * ratio:.1f} ({ratio / first:.2f}x) | {p.meta['solved_by']} | {t_plan} | "
             f"{100 * whole.predicted_recompute_flops / forward:.1f} | {t_whole} |"
         )
         print(lines[-1], flush=True)
@@ -105,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = []
     if args.only != "dags":
         lines += ["## Planner: depth sweep (residual_net, budget 0.5)", ""]
+        lines += ["Every layer different (random padding per layer):", ""]
         lines += depth_sweep(depths)
+        lines += ["", "Identical layers (`same_layers=True`, as in a real model's stack):", ""]
+        lines += depth_sweep(depths, same_layers=True)
         lines += ["", *small_graph_time(), ""]
     if args.only != "depth":
         lines += dag_gaps([6] if args.quick else [5, 6, 7, 8])

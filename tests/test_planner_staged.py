@@ -14,12 +14,11 @@ from hbp.graph import synthetic
 from hbp.planner import optimal_plan, validate_plan
 from hbp.planner.cuts import window_cuts
 from hbp.planner.dp import entry
-from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.stages import (
     StageOption,
     _allocate,
     stage_bounds,
-    stage_signature,
+    stage_signatures,
     staged_plan,
 )
 
@@ -65,11 +64,7 @@ def test_stage_bounds_fall_between_layers():
 
 
 def signatures(graph) -> list[tuple]:
-    """The signature of every stage of `graph`, as `staged_plan` cuts it."""
-    info = GraphInfo.of(graph)
-    bounds = stage_bounds(info, window_cuts(info), 40)
-    model = CostModel(info, window_cuts(info, bounds=bounds), bounds)
-    return [stage_signature(model, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return stage_signatures(GraphInfo.of(graph))
 
 
 def test_identical_layers_are_solved_once():

@@ -24,14 +24,14 @@ import inspect
 import operator
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from hbp.graph.ir import Graph, Node
 from hbp.graph.torch_captured import OP, CapturedGraph
@@ -45,6 +45,7 @@ from hbp.graph.torch_fake import (
     _tensors,
 )
 from hbp.graph.torch_flops import TotalFlopCounterMode
+from hbp.graph.torch_modes import MODES
 from hbp.graph.torch_normalise import _mutates_persistent, _out_of_place, _updated_running_stats
 from hbp.graph.torch_norms import stat_tracking_norms
 
@@ -171,6 +172,8 @@ def _profile_call(
     name: str = "",
     params: tuple[torch.Tensor, ...] = (),
     gradient_view_of: str | None = None,
+    cache: _ProfileCache | None = None,
+    op: tuple | None = None,
 ) -> _Profile:
     """Run `run(*args, **kwargs)` (its inputs are `inputs`: (IR name, value)) on detached
     copies of its inputs, and classify its memory; then run its backward (FLOPs, peak bytes).
@@ -181,7 +184,28 @@ def _profile_call(
     params: (fake) parameters `run` uses, for the backward.
     gradient_view_of: the input of a view op whose backward views the output's gradient
         (`_gradient_view_input`): when the output aliases it, the backward is not run.
+    cache, op: profiles of the calls made so far, and what this call runs (hashable; None:
+        not cached) (NOTE [ Identical nodes are profiled once ]).
     """
+    key = None
+    if cache is not None and op is not None:
+        key = cache.key(op, args, kwargs, inputs, persistent_keys, owners, params, gradient_view_of)
+    if key is not None:
+        profile = cache.replay(key, run, args, kwargs, inputs, persistent_keys, owners, name)
+        if profile is not None:
+            return profile
+    profile = _profile_call_once(
+        run, args, kwargs, inputs, persistent_keys, owners, name, params, gradient_view_of
+    )
+    if key is not None:
+        cache.store(key, profile, inputs)
+    return profile
+
+
+def _profile_call_once(
+    run, args, kwargs, inputs, persistent_keys, owners, name, params, gradient_view_of
+) -> _Profile:
+    """`_profile_call` without the cache."""
     input_keys: dict[int, str] = {}
     versions = []
     for input_name, value in inputs:
@@ -219,17 +243,10 @@ def _profile_call(
         detached = False
     mutated = tuple(dict.fromkeys(n for n, t, v in versions if t._version != v))
 
-    output_bytes, alias_of, output_keys = 0, None, set()
-    for t in _tensors(output):
-        key = _storage_key(t)
-        if key is None:
-            continue
-        output_keys.add(key)
-        if key in input_keys:
-            alias_of = alias_of or input_keys[key]
-        elif key not in persistent_keys and key not in owners:
-            output_bytes += real.sizes.get(key, t.untyped_storage().nbytes())
-            owners[key] = name
+    output_bytes, alias_of, output_keys, new_keys = _classify_output(
+        output, input_keys, persistent_keys, owners, real.sizes
+    )
+    owners.update(dict.fromkeys(new_keys, name))
     saved_inputs: list[str] = []
     saves_output = False
     extra: dict[int, int] = {}
@@ -273,6 +290,150 @@ def _profile_call(
             _profile_backward(profile, output, leaves, inputs, params, persistent_keys, saved_extra)
     saved_extra.clear()
     return profile
+
+
+def _classify_output(output, input_keys: dict[int, str], persistent_keys, owners, sizes):
+    """(new bytes, the input it aliases, its storage keys, the keys of its new storages) of an
+    op's output (`sizes`: real sizes where fake kernels allocate others)."""
+    output_bytes, alias_of, output_keys, new_keys = 0, None, set(), []
+    for t in _tensors(output):
+        key = _storage_key(t)
+        if key is None:
+            continue
+        output_keys.add(key)
+        if key in input_keys:
+            alias_of = alias_of or input_keys[key]
+        elif key not in persistent_keys and key not in owners and key not in new_keys:
+            output_bytes += sizes.get(key, t.untyped_storage().nbytes())
+            new_keys.append(key)
+    return output_bytes, alias_of, output_keys, new_keys
+
+
+# NOTE [ Identical nodes are profiled once ]
+# A model's layers repeat, so most fx nodes are the same op on the same kind of values as a
+# node of an earlier layer. What profiling learns about a node (FLOPs, what its backward
+# saves, its scratch, its backward's FLOPs and gradients) depends only on the op, its
+# non-tensor arguments and, per tensor argument, its metadata (shape, strides, offset, dtype,
+# device, requires_grad), its storage (size; shared with which other argument; a parameter's,
+# a node input's — which one —, an earlier node's or a new one) and the parameters it uses.
+# With those equal (`_ProfileCache.key`), the node is only run forward on fake values (its
+# output is needed downstream) and the rest is taken from the first such node, inputs mapped
+# by position. Nodes that mutate an input, run outside autograd's normal path, or run in
+# their own modes (autocast, ...) are always profiled; so are call_module nodes (a module's
+# Python state is not in its signature). A replay whose output does not classify as the
+# first node's did (new bytes, aliasing) is profiled in full instead.
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+PROFILE_CACHE = True  # off: every node profiled in full (tests compare the two)
+
+
+class _ProfileCache:
+    """Profiles of fx-node calls by signature (NOTE [ Identical nodes are profiled once ])."""
+
+    def __init__(self):
+        self.entries: dict[tuple, dict] = {}
+        self.hits = 0
+
+    def key(self, op, args, kwargs, inputs, persistent_keys, owners, params, gradient_view_of):
+        """The call's signature, or None where it cannot be told (symbolic sizes, arguments
+        of other types)."""
+        first_input: dict[int, int] = {}
+        for i, (_, value) in enumerate(inputs):
+            for t in _tensors(value):
+                k = _storage_key(t)
+                if k is not None:
+                    first_input.setdefault(k, i)
+        storages: dict[int, int] = {}
+        leaves, spec = tree_flatten((args, kwargs))
+        described = []
+        try:
+            for x in (*leaves, *params):
+                if isinstance(x, torch.Tensor):
+                    k = _storage_key(x)
+                    if k is None:
+                        return None
+                    if k in persistent_keys:
+                        kind = -1
+                    elif k in first_input:
+                        kind = first_input[k]
+                    else:
+                        kind = -2 if k in owners else -3
+                    described.append(
+                        (
+                            tuple(int(d) for d in x.shape),
+                            tuple(int(d) for d in x.stride()),
+                            int(x.storage_offset()),
+                            x.dtype,
+                            x.device,
+                            x.requires_grad,
+                            kind,
+                            storages.setdefault(k, len(storages)),
+                            int(x.untyped_storage().nbytes()),
+                        )
+                    )
+                elif isinstance(x, _PLAIN) or x is Ellipsis:
+                    described.append((type(x), x))
+                else:
+                    return None
+        except (TypeError, RuntimeError):  # symbolic sizes, ...
+            return None
+        names = [n for n, _ in inputs]
+        view = names.index(gradient_view_of) if gradient_view_of in names else -1
+        return (op, str(spec), len(params), view, tuple(described))
+
+    def store(self, key: tuple, profile: _Profile, inputs) -> None:
+        if profile.mutated_inputs:
+            return
+        names = [n for n, _ in inputs]
+        self.entries[key] = dict(
+            profile=profile,
+            alias_of=names.index(profile.alias_of) if profile.alias_of is not None else -1,
+            saved_inputs=[names.index(n) for n in profile.saved_inputs],
+            grad_passthrough=[names.index(n) for n in profile.grad_passthrough],
+        )
+
+    def replay(self, key, run, args, kwargs, inputs, persistent_keys, owners, name):
+        """The profile of a call with the signature of an earlier one: run forward only."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        first: _Profile = entry["profile"]
+        names = [n for n, _ in inputs]
+        input_keys: dict[int, str] = {}
+        versions = []
+        for input_name, value in inputs:
+            for t in _tensors(value):
+                k = _storage_key(t)
+                if k is not None:
+                    input_keys.setdefault(k, input_name)
+                versions.append(t._version)
+        call_args, call_kwargs = tree_map(_leaf, (args, kwargs))
+        try:
+            with _RealStorageSizes() as real:
+                output = run(*call_args, **call_kwargs)
+        except RuntimeError:  # profiled off leaves the first time: profile it in full
+            return None
+        output_bytes, alias_of, _, new_keys = _classify_output(
+            output, input_keys, persistent_keys, owners, real.sizes
+        )
+        alias = names.index(alias_of) if alias_of is not None else -1
+        unchanged = versions == [t._version for _, v in inputs for t in _tensors(v)]
+        if not (
+            unchanged
+            and output_bytes == first.output_bytes
+            and alias == entry["alias_of"]
+            and _requires_grad(output) == first.requires_grad
+        ):
+            return None
+        owners.update(dict.fromkeys(new_keys, name))
+        self.hits += 1
+        return replace(
+            first,
+            output=output,
+            alias_of=alias_of,
+            saved_inputs=tuple(names[i] for i in entry["saved_inputs"]),
+            grad_passthrough=[names[i] for i in entry["grad_passthrough"]],
+            value_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
+        )
 
 
 def _profile_backward(
@@ -368,6 +529,7 @@ def _profile_graph(
     outputs: list[str] = []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name: dict[str, Node] = {}
+    cache = _ProfileCache() if PROFILE_CACHE else None
     changed = False
 
     for node in gm.graph.nodes:
@@ -385,7 +547,7 @@ def _profile_graph(
             params_used.append([])
         else:
             ir_node, params, profiles[node.name], attrs = _profile_fx_node(
-                node, gm, faker, values, owners, persistent_keys
+                node, gm, faker, values, owners, persistent_keys, cache
             )
             if not _mutates_persistent(node, profiles[node.name], values, persistent_keys) and (
                 _out_of_place(node, ir_node, profiles[node.name], gm, by_name, fx_nodes, order)
@@ -394,7 +556,7 @@ def _profile_graph(
                 for key in [k for k, owner in owners.items() if owner == node.name]:
                     del owners[key]
                 ir_node, params, profiles[node.name], attrs = _profile_fx_node(
-                    node, gm, faker, values, owners, persistent_keys
+                    node, gm, faker, values, owners, persistent_keys, cache
                 )
             if profiles[node.name].mutated_inputs:
                 mutated_inputs[node.name] = profiles[node.name].mutated_inputs
@@ -532,6 +694,7 @@ def _profile_fx_node(
     values: dict[fx.Node, Any],
     owners: dict[int, str],
     persistent_keys: set[int],
+    cache: _ProfileCache | None = None,
 ) -> tuple[Node, list[nn.Parameter], _Profile, tuple[str, ...]]:
     """Run one fx node on fake values; return its IR node, the parameters it uses, its
     profile and the attributes (buffers) it mutates in place."""
@@ -553,6 +716,13 @@ def _profile_fx_node(
     args, kwargs = fx.node.map_aggregate(
         (node.args, node.kwargs), lambda a: values[a] if isinstance(a, fx.Node) else a
     )
+    op = None
+    if (
+        cache is not None
+        and node.op in ("call_function", "call_method")
+        and not node.meta.get(MODES)
+    ):
+        op = (node.op, node.target)
     with faker.mode:
         prof = _profile_call(
             lambda *a, **k: _run_fx_node(node, gm, faker, a, k),
@@ -564,6 +734,8 @@ def _profile_fx_node(
             node.name,
             tuple(faker.tensor(p) for p in params),
             _gradient_view_input(node, values),
+            cache,
+            op,
         )
     values[node] = prof.output
     if prof.alias_of is not None and not prof.mutated_inputs and _leaf_rooted(prof.output):

@@ -93,9 +93,8 @@ def staged_plan(
     """Top-level segments of a staged plan within `budget_bytes` (by the cost model), or
     None when no combination of stage options fits. `reuse`: solve identical stages once
     (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests)."""
-    bounds = stage_bounds(info, window_cuts(info, per_region, region), stage_nodes)
-    cuts = window_cuts(info, per_region, region, bounds)  # the same within identical stages
-    model = CostModel(info, cuts, bounds)
+    model = _staged_model(info, stage_nodes, per_region, region)
+    cuts, bounds = model.cuts, model.bounds
     stages = list(zip(bounds[:-1], bounds[1:]))
     solved: dict[tuple, tuple[int, Solver, list[StageOption]]] = {}
     reps, options = [], []  # per stage: (start of the stage solved, its solver); its options
@@ -139,6 +138,22 @@ def staged_plan(
 # never share one (tests check the plans against solving every stage). Only the needs move:
 # they are counted from the stage's own base (the parameter gradients of the stages after
 # it, which differ between identical stages).
+
+
+def _staged_model(info: GraphInfo, stage_nodes: int, per_region: int, region: int) -> CostModel:
+    """The cost model of staged planning: stage bounds, then window cuts within each stage
+    (the same cuts within identical stages)."""
+    bounds = stage_bounds(info, window_cuts(info, per_region, region), stage_nodes)
+    return CostModel(info, window_cuts(info, per_region, region, bounds), bounds)
+
+
+def stage_signatures(
+    info: GraphInfo, stage_nodes: int = 40, per_region: int = 6, region: int = 32
+) -> list[tuple]:
+    """`stage_signature` of every stage `staged_plan` plans (equal ones share a table)."""
+    model = _staged_model(info, stage_nodes, per_region, region)
+    bounds = model.bounds
+    return [stage_signature(model, a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def stage_signature(model: CostModel, a: int, b: int) -> tuple:
