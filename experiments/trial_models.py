@@ -414,15 +414,19 @@ def table(rows) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=list(MODELS), choices=[*MODELS, []])
+    parser.add_argument("models", nargs="*", help=f"some of {', '.join(MODELS)} (default all)")
     parser.add_argument("--compile", action="store_true", help="also torch.compile(hc) at 0.5")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    args.models = args.models or list(MODELS)
     torch.set_num_threads(1)
     import transformers
 
     transformers.logging.set_verbosity_error()
-    rows = [trial(name, compile_too=args.compile) for name in args.models or list(MODELS)]
+    rows = [trial(name, compile_too=args.compile) for name in args.models]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "models" if set(args.models) == set(MODELS) else "models_" + "_".join(args.models)
