@@ -115,7 +115,35 @@ def _calibrate_pass(
             for source, grad_row_major in zip(sources, row_major):
                 if grad_row_major and source is not None and not values.row_major(source):
                     dense_gradients.add(source)
+                    root = _same_layout_root(captured, source)
+                    if root is not None:
+                        dense_gradients.add(root)
     return raised
+
+
+def _same_layout_root(captured: CapturedGraph, node: fx.Node) -> fx.Node | None:
+    """The op whose storage `node` aliases, when `node` has that value's shape and strides
+    (exported graphs put `broadcast_tensors` and `getitem` between an output and
+    `mse_loss`): the gradient the alias gets back is the root's, in the same layout. None
+    otherwise, or where the graph records no fake values."""
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    root = node
+    for _ in range(len(by_name)):
+        try:
+            alias = captured.ir_node(root).alias_of
+        except KeyError:
+            return None
+        if alias is None or alias not in by_name:
+            break
+        root = by_name[alias]
+    if root is node:
+        return None
+    mine, theirs = node.meta.get("val"), root.meta.get("val")
+    if not (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)):
+        return None
+    if mine.shape != theirs.shape or mine.stride() != theirs.stride():
+        return None
+    return root
 
 
 def clear_cache() -> None:
@@ -323,7 +351,9 @@ def _cat_dim(node: fx.Node) -> int | None:
 # backward records which of its inputs got a row-major gradient; a value that is not row-major
 # but got one from a user is measured again with a row-major output gradient (a second pass
 # over the graph, only for those values), and charged the larger. Users that are views are not
-# measured, so a gradient that comes back through views keeps the output's layout.
+# measured, so a gradient that comes back through views keeps the output's layout; a view
+# with its root's shape and strides (exported graphs' `broadcast_tensors` before `mse_loss`)
+# passes a row-major gradient on to the root, which is then measured with one too.
 
 
 def _leaf_sources(node: fx.Node, values: _Values) -> list[fx.Node | None]:
@@ -354,7 +384,15 @@ def _seed_like(t: torch.Tensor, cat_dim: int | None, dense: bool = False) -> tor
     return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
 
 
-_CATS = (torch.cat, torch.concat, torch.concatenate)
+# torch.fx graphs call the Python functions; exported graphs the ATen ops.
+_CATS = (
+    torch.cat,
+    torch.concat,
+    torch.concatenate,
+    torch.ops.aten.cat.default,
+    torch.ops.aten.concat.default,
+    torch.ops.aten.concatenate.default,
+)
 
 
 def _is_grad_leaf(t: Any) -> bool:

@@ -1,0 +1,444 @@
+"""A new user's trial of HCModule on architectures the tests and workloads do not use, measured
+by the CPU allocator.
+
+    python experiments/trial_models.py                    # every model, budgets 0.5 and min
+    python experiments/trial_models.py gemma2 bart        # some of them
+    python experiments/trial_models.py --compile albert   # also torch.compile(HCModule(...))
+
+Each model is built from its transformers / diffusers config class with random weights and
+tiny sizes (nothing downloads), dropout off, and trained the way a user does: `.loss`
+(`model(**batch).loss.backward()`, the logits let go) or an MSE on the output. Per model:
+
+- the plain step's peak by the allocator (`allocator_peak`, second step: warm-up first),
+- `hbp.estimate(..., keeps_outputs=False)`: its naive peak and predicted peak per budget,
+- per budget (0.5 and "min"): a fresh `HCModule`, its first step (capture, scratch
+  calibration, plan) timed OUTSIDE any measurement window, then its second step measured by
+  the allocator: measured / budget, predicted / measured, recompute (FLOPs of the step over
+  the plain step's, minus 1) and the largest gradient difference from plain autograd
+  (relative to each parameter gradient's largest entry).
+
+Writes outputs/trial/models.md (the table) and outputs/trial/models.json (the rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import hbp
+from hbp.runtime.flops import TotalFlopCounterMode
+from hbp.runtime.tracker import allocator_peak
+
+MIB = 2**20
+OUT = Path("outputs/trial")
+
+
+# ----------------------------------------------------------------------------- models
+# Each builder returns (model, step): step(module) runs one training step's forward, loss and
+# backward on fixed inputs (the same for the plain model and HCModule).
+
+
+def _tokens(batch, length, vocab=512):
+    return torch.randint(3, vocab, (batch, length))
+
+
+def gemma2():
+    """Gemma2: alternating sliding-window / global attention, logit soft-capping, tied
+    embeddings, GeGLU MLP, pre+post norms."""
+    import transformers as t
+
+    config = t.Gemma2Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=32,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
+    model = t.Gemma2ForCausalLM(config)
+    ids = _tokens(4, 96)
+    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+
+def mistral_sdpa():
+    """Mistral with a sliding window shorter than the sequence, SDPA attention."""
+    import transformers as t
+
+    config = t.MistralConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=32,
+        max_position_embeddings=256,
+    )
+    model = t.MistralForCausalLM(config)
+    ids = _tokens(4, 96)
+    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+
+def albert():
+    """ALBERT masked LM: one layer's weights shared by every layer, factorised embeddings."""
+    import transformers as t
+
+    config = t.AlbertConfig(
+        vocab_size=512,
+        embedding_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+        max_position_embeddings=128,
+    )
+    model = t.AlbertForMaskedLM(config)
+    ids = _tokens(4, 96)
+    labels = torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
+    return model, lambda m: m(input_ids=ids, labels=labels).loss.backward()
+
+
+def bart():
+    """BART: encoder-decoder with learned positions, cross-attention, shifted labels."""
+    import transformers as t
+
+    config = t.BartConfig(
+        vocab_size=512,
+        d_model=128,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=256,
+        decoder_ffn_dim=256,
+        max_position_embeddings=128,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    model = t.BartForConditionalGeneration(config)
+    ids, labels = _tokens(4, 96), _tokens(4, 64)
+    return model, lambda m: m(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+
+
+def wav2vec2():
+    """wav2vec2 for CTC: a 1-D conv feature extractor (group norm), conv positional
+    embedding with weight norm, transformer encoder, CTC loss."""
+    import transformers as t
+
+    config = t.Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        hidden_dropout=0.0,
+        activation_dropout=0.0,
+        attention_dropout=0.0,
+        feat_proj_dropout=0.0,
+        final_dropout=0.0,
+        layerdrop=0.0,
+        mask_time_prob=0.0,
+        mask_feature_prob=0.0,
+        pad_token_id=0,
+        ctc_loss_reduction="mean",
+    )
+    model = t.Wav2Vec2ForCTC(config)
+    audio = torch.randn(2, 8000)
+    labels = torch.randint(1, 32, (2, 20))
+    return model, lambda m: m(input_values=audio, labels=labels).loss.backward()
+
+
+def swin():
+    """Swin: shifted-window attention (roll, window partition, relative position bias),
+    patch merging."""
+    import transformers as t
+
+    config = t.SwinConfig(
+        image_size=64,
+        patch_size=4,
+        embed_dim=32,
+        depths=[2, 2, 2],
+        num_heads=[2, 4, 8],
+        window_size=4,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+    )
+    model = t.SwinForImageClassification(config)
+    x, labels = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+    return model, lambda m: m(pixel_values=x, labels=labels).loss.backward()
+
+
+def pixart():
+    """diffusers PixArt-alpha transformer: patch embedding, adaLN-single timestep
+    conditioning, cross-attention to a caption, MSE on the predicted noise."""
+    import diffusers
+
+    model = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        num_layers=4,
+        cross_attention_dim=64,
+        caption_channels=32,
+        sample_size=16,
+        patch_size=2,
+        norm_num_groups=1,
+        use_additional_conditions=False,
+    )
+    x = torch.randn(2, 4, 16, 16)
+    caption = torch.randn(2, 12, 32)
+    step_t = torch.tensor([10, 500])
+    target = torch.randn(2, 4, 16, 16)
+
+    def step(m):
+        out = m(x, encoder_hidden_states=caption, timestep=step_t).sample
+        F.mse_loss(out, target).backward()
+
+    return model, step
+
+
+def unet2d_cl_bf16():
+    """diffusers UNet2DModel (unconditional: down/up blocks, attention, group norm) in
+    channels_last, its forward under CPU bf16 autocast, MSE on the output."""
+    import diffusers
+
+    model = diffusers.UNet2DModel(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=16,
+        attention_head_dim=16,
+    ).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    target = torch.randn(2, 3, 32, 32)
+    timesteps = torch.tensor([3, 700])
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x, timesteps).sample
+        F.mse_loss(out.float(), target).backward()
+
+    return model, step
+
+
+MODELS = {
+    f.__name__: f
+    for f in (gemma2, mistral_sdpa, albert, bart, wav2vec2, swin, pixart, unet2d_cl_bf16)
+}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, runner, step):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    step(runner)
+
+
+def measured(model, runner, step):
+    """(allocator peak, FLOPs, gradients) of one step of `runner` (model or HCModule)."""
+    _, peak = allocator_peak(lambda: _step(model, runner, step))
+    grads = _grads(model)
+    with TotalFlopCounterMode() as counter:
+        _step(model, runner, step)
+    return peak, counter.get_total_flops(), grads
+
+
+def grad_error(got, ref):
+    missing = set(ref) ^ set(got)
+    if missing:
+        return float("inf")
+    return max(
+        ((got[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)).item() for n in ref
+    )
+
+
+def _estimate(model, step):
+    """hbp.estimate on the call the step makes, from inside it: the model's forward is
+    intercepted, and the estimate runs there (under the step's autocast, if any) on the
+    same arguments; the step then stops."""
+    result = {}
+
+    class _Stop(Exception):
+        pass
+
+    def grab(*args, **kwargs):
+        del model.forward  # the class's forward again, for the estimate's capture
+        result["estimate"] = hbp.estimate(
+            model, *args, budgets=(0.5, "min"), keeps_outputs=False, **kwargs
+        )
+        raise _Stop
+
+    model.forward = grab
+    try:
+        step(model)
+    except _Stop:
+        pass
+    finally:
+        model.__dict__.pop("forward", None)
+    return result["estimate"]
+
+
+def trial(name, budgets=(0.5, "min"), compile_too=False):
+    torch.manual_seed(0)
+    model, step = MODELS[name]()
+    model.train()
+    _step(model, model, step)  # warm-up
+    naive, naive_flops, ref = measured(model, model, step)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            est = _estimate(model, step)
+        except Exception as e:  # noqa: BLE001 - the trial records failures
+            est = None
+            est_error = f"{type(e).__name__}: {e}"[:300]
+    est_s = time.perf_counter() - t0
+    row = {
+        "model": name,
+        "naive_mib": naive / MIB,
+        "estimate_s": est_s,
+        "estimate_naive_mib": est.naive_peak_bytes / MIB if est else None,
+        "estimate_min_mib": est.min_peak_bytes / MIB if est else None,
+        "estimate_error": None if est else est_error,
+        "estimate_warnings": [str(w.message)[:200] for w in caught],
+        "budgets": [],
+    }
+    predicted = {p.budget: p.predicted_peak_bytes for p in est.frontier} if est else {}
+    print(
+        f"{name}: naive {naive / MIB:.2f} MiB; estimate naive "
+        f"{row['estimate_naive_mib'] or float('nan'):.2f} min "
+        f"{row['estimate_min_mib'] or float('nan'):.2f} ({est_s:.1f} s)",
+        flush=True,
+    )
+    variants = [(b, False) for b in budgets] + ([(0.5, True)] if compile_too else [])
+    for budget, compiled in variants:
+        r = {"budget": str(budget), "compile": compiled}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hc = hbp.HCModule(model, budget=budget)
+            runner = torch.compile(hc) if compiled else hc
+            t0 = time.perf_counter()
+            try:
+                _step(model, runner, step)
+                r["first_step_s"] = time.perf_counter() - t0
+                peak, flops, grads = measured(model, runner, step)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {e}"[:400]
+                print(f"  {budget}{' compiled' if compiled else ''}: {r['error']}", flush=True)
+                r["warnings"] = [str(w.message)[:300] for w in caught]
+                row["budgets"].append(r)
+                continue
+        plan = hc.plan
+        r.update(
+            granularity=hc.captured.granularity,
+            tracer=getattr(hc.captured, "tracer", None),
+            budget_mib=plan.budget_bytes / MIB,
+            predicted_mib=plan.predicted_peak_bytes / MIB,
+            estimate_predicted_mib=predicted.get(budget, 0) / MIB if budget in predicted else None,
+            measured_mib=peak / MIB,
+            measured_over_budget=peak / plan.budget_bytes,
+            predicted_over_measured=plan.predicted_peak_bytes / peak,
+            recompute=flops / naive_flops - 1,
+            grad_error=grad_error(grads, ref),
+            warnings=[str(w.message)[:300] for w in caught],
+        )
+        row["budgets"].append(r)
+        print(
+            f"  {budget}{' compiled' if compiled else ''}: {r['granularity']}/{r['tracer']} "
+            f"budget {r['budget_mib']:.2f} pred {r['predicted_mib']:.2f} "
+            f"measured {r['measured_mib']:.2f} ({r['measured_over_budget']:.3f}x budget, "
+            f"pred/meas {r['predicted_over_measured']:.3f}) rec {r['recompute']:.3f} "
+            f"err {r['grad_error']:.1e} first step {r['first_step_s']:.1f} s",
+            flush=True,
+        )
+        for w in r["warnings"]:
+            print("    warning:", w[:200], flush=True)
+    return row
+
+
+def table(rows) -> str:
+    lines = [
+        "| model | naive MiB (est.) | budget | budget MiB | measured MiB | meas/budget "
+        "| pred/meas | est. pred MiB | recompute | max grad err | first step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        est = row["estimate_naive_mib"]
+        naive = f"{row['naive_mib']:.2f} ({est:.2f})" if est else f"{row['naive_mib']:.2f} (-)"
+        for r in row["budgets"]:
+            label = r["budget"] + (" compiled" if r["compile"] else "")
+            if "error" in r:
+                lines.append(f"| {row['model']} | {naive} | {label} | {r['error'][:160]} |")
+                continue
+            ep = r["estimate_predicted_mib"]
+            lines.append(
+                f"| {row['model']} | {naive} | {label} | {r['budget_mib']:.2f} "
+                f"| {r['measured_mib']:.2f} | {r['measured_over_budget']:.3f} "
+                f"| {r['predicted_over_measured']:.3f} | {'-' if ep is None else f'{ep:.2f}'} "
+                f"| {r['recompute']:.3f} | {r['grad_error']:.1e} | {r['first_step_s']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", help=f"some of {', '.join(MODELS)} (default all)")
+    parser.add_argument("--compile", action="store_true", help="also torch.compile(hc) at 0.5")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    args.models = args.models or list(MODELS)
+    torch.set_num_threads(1)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows = [trial(name, compile_too=args.compile) for name in args.models]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "models" if set(args.models) == set(MODELS) else "models_" + "_".join(args.models)
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{stem}.md").write_text(
+        f"`python experiments/trial_models.py {' '.join(args.models)}"
+        f"{' --compile' if args.compile else ''}`, torch {torch.__version__}, CPU, 1 thread\n\n"
+        + table(rows)
+        + "\n"
+    )
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Found by a new user's trial on architectures outside the other tests
+(`experiments/trial_models.py`), measured by the CPU allocator:
+
+- transformers' attention masks under export: with no `attention_mask` passed, eager SDPA runs
+  without a mask (or with `is_causal=True`) while a traced forward used to build the full
+  mask, which SDPA saves as a float tensor per layer: HCModule at budget 1.0 measured above
+  the plain step (ALBERT +3.6%);
+- `hbp.estimate` on a module-level fallback reports the least peak HCModule reaches there
+  (the executable plans), not the planner's least plan over the module graph;
+- wav2vec2 for CTC is not captured at operator level (xfail: see its reason).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hbp
+from hbp.errors import BudgetError, CaptureWarning
+from hbp.runtime.tracker import allocator_peak
+
+transformers = pytest.importorskip("transformers")
+
+
+def _albert():
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(
+        vocab_size=256,
+        embedding_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+        max_position_embeddings=96,
+    )
+    return transformers.AlbertForMaskedLM(config).train()
+
+
+def _step(model, runner, ids, labels):
+    model.zero_grad(set_to_none=True)
+    runner(input_ids=ids, labels=labels).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_no_attention_mask_passed_runs_without_one_as_eager_does():
+    model = _albert()
+    ids = torch.randint(0, 256, (4, 96))
+    labels = torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
+    plain = copy.deepcopy(model)
+    _step(plain, plain, ids, labels)
+    expected = _step(plain, plain, ids, labels)
+    _, plain_peak = allocator_peak(lambda: _step(plain, plain, ids, labels))
+
+    hc = hbp.HCModule(model, budget=1.0)
+    _step(model, hc, ids, labels)  # capture, plan; sees the logits let go
+    _step(model, hc, ids, labels)
+    _, peak = allocator_peak(lambda: _step(model, hc, ids, labels))
+    got = _step(model, hc, ids, labels)
+
+    assert hc.captured.tracer == "export"
+    masks = [n for n in hc.captured.graph.nodes if n.op.startswith("scaled_dot_product")]
+    assert masks and all(len(n.inputs) == 3 for n in masks)  # q, k, v: no mask
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+    assert peak <= plain_peak * 1.001, (peak, plain_peak)
+    assert abs(hc.plan.predicted_peak_bytes - peak) <= 0.01 * peak
+
+
+class _DataDependent(nn.Module):
+    """Blocks behind a data-dependent branch: no tracer captures it (module-level fallback)."""
+
+    def __init__(self, d=64, n=6):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        if x.sum() > 0:
+            x = x * 2
+        return x
+
+
+def test_estimate_of_a_module_level_fallback_is_what_hcmodule_reaches():
+    torch.manual_seed(0)
+    model, x = _DataDependent(), torch.randn(256, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        est = hbp.estimate(model, x, budgets=(0.75, "min"))
+        hc = hbp.HCModule(model, budget="min")
+        hc(x).square().mean().backward()
+        assert hc.captured.granularity == "module"
+        assert est.granularity == "module"
+        assert est.min_peak_bytes == hc.plan.budget_bytes
+        below = est.min_peak_bytes - 4096
+        with pytest.raises(BudgetError) as info:
+            hbp.HCModule(model, budget=below)(x)
+    assert info.value.minimum == est.min_peak_bytes
+    assert not est.fits(below) and est.fits(est.min_peak_bytes)
+    (least,) = [p for p in est.frontier if p.budget == "min"]
+    assert least.predicted_peak_bytes == est.min_peak_bytes
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Wav2Vec2ForCTC.forward checks `labels.max() >= vocab_size` (a data-dependent "
+    "branch non-strict export cannot guard on fake tensors: GuardOnDataDependentSymNode), and "
+    "fx cannot trace its `**kwargs` forward (transformers' can_return_tuple wrapper gets None "
+    "for kwargs): the capture falls back to module level (min 4.45 MiB where op level would "
+    "reach about 3 MiB on the trial's model)",
+)
+def test_wav2vec2_for_ctc_with_labels_is_captured_at_operator_level():
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2,
+        mask_time_prob=0.0,
+        layerdrop=0.0,
+        pad_token_id=0,
+    )
+    model = transformers.Wav2Vec2ForCTC(config).train()
+    hc = hbp.HCModule(model, budget="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        hc(input_values=torch.randn(2, 2000), labels=torch.randint(1, 32, (2, 10)))
+    assert hc.captured.granularity == "op"
