@@ -135,3 +135,73 @@ def test_plan_prints_and_round_trips_pins(chain):
     assert "pinned 1, 9" in str(plan)
     again = Plan.from_dict(plan.to_dict())
     assert again.segments[1].pinned == (1, 9)
+
+
+class Residual(nn.Module):
+    """Pre-norm residual MLP blocks: LayerNorm (saved extras), GELU, two Linears, a skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+            for _ in range(3)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+def random_pinned_plan(info, rng) -> list[Segment]:
+    """A random plan of a few top-level segments, some recomputed (some with two children),
+    each recomputed one pinning up to two random nodes with storage of their own."""
+    n = info.n
+    cuts = sorted(rng.sample(range(2, n - 1), 3))
+    segments = []
+    for a, b in zip([0, *cuts], [*cuts, n]):
+        if a == 0 or rng.random() < 0.3:
+            segments.append(Segment(a, b))
+            continue
+        own = [q for q in range(a, b) if info.root[q] == q and info.storage_bytes[q] > 0]
+        pins = tuple(sorted(rng.sample(own, min(len(own), rng.randint(1, 2)))))
+        mid = (a + b) // 2
+        kids = [Segment(a, mid, True), Segment(mid, b)] if b - a > 3 and rng.random() < 0.5 else []
+        segments.append(Segment(a, b, True, kids, pinned=pins))
+    return segments
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_pinned_plans_give_exact_gradients_within_their_prediction(seed):
+    import random
+
+    from hbp.analysis.liveness import GraphInfo
+
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(128, D, requires_grad=True)
+    captured = capture(model, (x,))
+    plan = Plan(random_pinned_plan(GraphInfo.of(captured.graph), random.Random(seed)))
+    assert any(s.pinned for s in plan.segments)
+    params = [x, *model.parameters()]
+    loss, grads = step(lambda: model(x), params)
+    executor = PlanExecutor(captured, plan, model)
+    loss2, grads2 = step(lambda: executor(x), params)
+    assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))
+    for p in params:
+        p.grad = None
+    _, peak = allocator_peak(lambda: executor(x).backward())
+    predicted = simulate(captured.graph, plan, check=True).peak_bytes
+    # an upper bound (+ the loss): on this module the simulator over-predicts some plans by an
+    # activation or two with or without pins (the Chain tests above match to the byte)
+    assert peak - predicted <= 8, (peak, predicted, plan)
+
+
+def test_nodes_that_draw_random_numbers_cannot_be_pinned():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5), nn.Linear(D, D))
+    captured = capture(model, (torch.randn(8, D),))
+    names = [node.name for node in captured.graph.nodes]
+    drop, n = names.index("_1"), len(names)
+    plan = Plan([Segment(0, 1), Segment(1, n - 1, True, pinned=(drop,)), Segment(n - 1, n)])
+    with pytest.raises(ValueError, match="draws random numbers"):
+        simulate(captured.graph, plan)

@@ -251,6 +251,12 @@ def check_pins(info: GraphInfo, segments: list[SegmentLike]) -> None:
                     f"plan.segments[{k}] pins node {p} ({info.names[p]!r}), a graph input or a "
                     "view/in-place result: only nodes with their own storage can be pinned"
                 )
+            if info.draws_random[p]:
+                raise ValueError(
+                    f"plan.segments[{k}] pins node {p} ({info.names[p]!r}), which draws random "
+                    "numbers: skipped in the recompute, it would not advance the generator the "
+                    "ops after it replay"
+                )
 
 
 def check_tiling(segments: list[SegmentLike], start: int, stop: int, where: str = "plan") -> None:
