@@ -205,3 +205,29 @@ def test_nodes_that_draw_random_numbers_cannot_be_pinned():
     plan = Plan([Segment(0, 1), Segment(1, n - 1, True, pinned=(drop,)), Segment(n - 1, n)])
     with pytest.raises(ValueError, match="draws random numbers"):
         simulate(captured.graph, plan)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+
+    def forward(self, x):
+        for lin in self.lin:
+            h = lin(x)
+            h.mul_(0.5)  # in place on the Linear's output
+            x = torch.tanh(h)
+        return x.square().mean()
+
+
+def test_a_pinned_value_mutated_in_place_later_is_recomputed_exactly():
+    torch.manual_seed(0)
+    model, x = InPlace(), torch.randn(32, D, requires_grad=True)
+    captured = capture(model, (x,))
+    names = [node.name for node in captured.graph.nodes]
+    n, lin = len(names), names.index("lin_1")
+    plan = Plan([Segment(0, 1), Segment(1, n - 3, True, pinned=(lin,)), Segment(n - 3, n)])
+    params = [x, *model.parameters()]
+    loss, grads = step(lambda: model(x), params)
+    loss2, grads2 = step(lambda: PlanExecutor(captured, plan, model)(x), params)
+    assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))

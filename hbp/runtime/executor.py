@@ -174,11 +174,13 @@ class PlanExecutor:
         self._holder.root = self.gm
         # NOTE [ Running pinned values ]: IR index of a pinned node -> its segment's (start, stop)
         # (compiled segments run without pins: their ops are not dispatched one by one)
+        mutated = self._mutated_roots()
         self._pins = {
             p: (seg.start, seg.stop)
             for seg in plan.segments
             if seg.recompute and compile_options is None
             for p in seg.pinned
+            if captured.graph.nodes[p].name not in mutated
         }
         self.blocks = self._compile_level(plan.segments)
 
@@ -273,6 +275,18 @@ class PlanExecutor:
             block.context_fn = self._context_fn(block, pinned)
             block.draws_random = draws_random(self.captured, a, b)
         return block
+
+    def _mutated_roots(self) -> set[str]:
+        """Names of the storage roots of every value some node mutates in place (a pin on one
+        is dropped: NOTE [ Running pinned values ])."""
+        graph = self.captured.graph
+        roots = set()
+        for names in self.captured.mutated_inputs.values():
+            for name in names:
+                while graph.node(name).alias_of:
+                    name = graph.node(name).alias_of
+                roots.add(name)
+        return roots
 
     def _mutated_inputs(
         self, nodes: list[fx.Node], inputs: list[fx.Node], a: int
@@ -420,7 +434,9 @@ class PlanExecutor:
 # input's storage, not the node's). A recompute's early stop raises inside a node, between
 # `_pin_begin` and `_pin_end`: every recompute context (and a pinning forward) restores the
 # mark on exit (`_pin_mark`), else the next forward would pin every op. The storage is made per checkpoint call (context_fn), so
-# a second backward of a retained graph finds the cache consumed (torch raises). Compiled
+# a second backward of a retained graph finds the cache consumed (torch raises). A pin on a
+# value some node later mutates in place (through any view) is dropped: torch refuses a stored
+# tensor whose version changed, and recomputing it is always exact. Compiled
 # segments (NOTE [ Compiled segments ]) run without pins: their ops reach the dispatch modes
 # as one compiled region; the plan then keeps less and recomputes more than it predicts.
 
