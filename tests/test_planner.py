@@ -2,7 +2,9 @@
 
 Brute force enumerates every plan over all cut subsets (one level: each segment plain or
 recomputed; nested: recomputed segments tiled again, recursively) and simulates each: the
-least recompute among those whose simulated peak fits is the optimum the DP must equal."""
+least recompute among those whose simulated peak fits is the optimum the DP must equal. Plans
+here pin nothing (`PIN_VALUES` off); tests/test_planner_pins.py checks the DP with pins against
+brute force over pinned plans."""
 
 import itertools
 import math
@@ -23,7 +25,13 @@ from hbp.planner import (
     uniform_plan,
     validate_plan,
 )
+from hbp.planner.dp import solver
 from hbp.planner.plan import Plan, Segment
+
+
+@pytest.fixture(autouse=True)
+def without_pins(monkeypatch):
+    monkeypatch.setattr(solver, "PIN_VALUES", False)
 
 
 def tilings(start, stop, cuts, depth):

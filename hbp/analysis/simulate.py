@@ -48,7 +48,9 @@ Scratch bytes a capture recorded (`forward_transient_bytes`,
 event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a
 dropout mask, an attention logsumexp: the op makes them, the checkpoint's pack hook drops
 them): they are scratch of that event. Checkpoints of segments that draw random numbers keep
-copies of the generator's state (NOTE [ Generator states of checkpoints ]).
+copies of the generator's state (NOTE [ Generator states of checkpoints ]). A top-level
+recomputed segment's pinned nodes keep their outputs from the forward for its recompute pass
+(NOTE [ Pinned values ]).
 
 The peak is the largest recorded live-byte count, above the level before the step.
 """
@@ -71,6 +73,7 @@ class SegmentLike(Protocol):
     stop: int
     recompute: bool
     children: list
+    pinned: tuple  # optional (read with `pins_of`)
 
 
 class PlanLike(Protocol):
@@ -112,6 +115,29 @@ FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 # order: a level's pass sees the positional bytes after its tail's backward, and the tail's
 # backward is charged where the segment's backward starts, without the pass's values.
 
+
+# NOTE [ Pinned values ]
+# A top-level recomputed segment S may pin nodes (`Segment.pinned`): its checkpoint runs with
+# `context_fn` = torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`)
+# whose policy answers MUST_SAVE for the ops of a pinned node (hbp/runtime/executor.py). What
+# torch does with them (torch/utils/checkpoint.py, `_CachingTorchDispatchMode` and
+# `_CachedTorchDispatchMode`), and so the simulator:
+# - forward: the pinned node p runs as usual (saving off); the caching mode stores a detached
+#   alias of each of its outputs (its output and the extras it makes, which would otherwise be
+#   scratch) in the checkpoint's storage: p's storage stays live past its last forward use;
+# - S's recompute pass: every op re-runs except p's, which the cached mode answers from the
+#   storage and then forgets (`_CONSUMED`): p allocates nothing, runs no FLOPs and no scratch;
+#   the stored value is the pass's value of p from then on (freed like one), its extras are
+#   what p saves if the pass saves for it, else freed at once. Autograd still records p and
+#   packs its saves, so the early stop (NOTE [ Early stop at the last pack ]) is unchanged;
+# - a pass that stops before p runs (p after S's last save event, or p the stop node that
+#   runs nothing) leaves the stored values in the storage, which the checkpoint's frame holds
+#   (through its recompute function) until the frame goes: after the backward of S's first
+#   save event, or, when S saves nothing, when S's forward ends.
+# A nested segment's checkpoint would store its pins in a frame the outer forward keeps for
+# most of the backward, and again in every outer pass: only top-level segments pin
+# (`check_pins`). The planner's DP (`hbp.planner.dp`) charges a pin as a value kept from the
+# forward through the segment's backward: an upper bound of the above.
 
 # NOTE [ Generator states of checkpoints ]
 # A recomputed segment with a node that draws random numbers runs through
@@ -186,7 +212,51 @@ def simulate(
     else:  # a Plan, or a list of Segments (duck-typed: start, stop, recompute, children)
         segments = list(getattr(plan, "segments", plan))
     check_tiling(segments, 0, info.n)
+    check_pins(info, segments)
     return _Run(info, check).step(segments)
+
+
+def pins_of(seg: SegmentLike) -> tuple[int, ...]:
+    """The nodes `seg` pins (NOTE [ Pinned values ]); () for segments without the field."""
+    return tuple(getattr(seg, "pinned", ()) or ())
+
+
+def check_pins(info: GraphInfo, segments: list[SegmentLike]) -> None:
+    """Raise ValueError unless every pin is a node with its own storage (not a graph input, not
+    an alias) inside a recomputed top-level segment (NOTE [ Pinned values ])."""
+
+    def nested(segs: list[SegmentLike], where: str) -> None:
+        for k, seg in enumerate(segs):
+            if pins_of(seg):
+                raise ValueError(
+                    f"{where}[{k}] [{seg.start}, {seg.stop}) pins nodes but is nested in a "
+                    "recomputed segment; only top-level recomputed segments pin values"
+                )
+            nested(seg.children, f"{where}[{k}].children")
+
+    for k, seg in enumerate(segments):
+        nested(seg.children, f"plan.segments[{k}].children")
+        pins = pins_of(seg)
+        if pins and not seg.recompute:
+            raise ValueError(
+                f"plan.segments[{k}] [{seg.start}, {seg.stop}) pins nodes but is not recomputed"
+            )
+        for p in pins:
+            if not seg.start <= p < seg.stop:
+                raise ValueError(
+                    f"plan.segments[{k}] [{seg.start}, {seg.stop}) pins node {p}, outside it"
+                )
+            if info.is_input[p] or info.root[p] != p:
+                raise ValueError(
+                    f"plan.segments[{k}] pins node {p} ({info.names[p]!r}), a graph input or a "
+                    "view/in-place result: only nodes with their own storage can be pinned"
+                )
+            if info.draws_random[p]:
+                raise ValueError(
+                    f"plan.segments[{k}] pins node {p} ({info.names[p]!r}), which draws random "
+                    "numbers: skipped in the recompute, it would not advance the generator the "
+                    "ops after it replay"
+                )
 
 
 def check_tiling(segments: list[SegmentLike], start: int, stop: int, where: str = "plan") -> None:
@@ -239,6 +309,11 @@ class _Run:
         # checkpoints ])
         self.frame_states: defaultdict[int, list[int]] = defaultdict(list)
         self.grad: list[int] = [-1] * info.n  # value -> gradient instance (or -1)
+        # NOTE [ Pinned values ]: pinned node -> its segment's (start, stop); the instances the
+        # checkpoint's storage holds (output, extras); node -> pins released after its backward
+        self.pin_scope: dict[int, tuple[int, int]] = {}
+        self.stored: dict[int, list[int]] = {}
+        self.frame_pins: defaultdict[int, list[int]] = defaultdict(list)
         for i in range(info.n):
             if info.is_input[i]:
                 self.current[i] = self._new(0)
@@ -282,6 +357,8 @@ class _Run:
                 if info.segment_inputs(seg.start, seg.stop):
                     last_event = len(items) - 1
                 self._inside(seg, items)
+                if pins_of(seg) and info.next_save[seg.start] >= seg.stop:
+                    items.append(("unpin", seg))  # nothing saved: the frame goes with S's end
             else:
                 for j in range(seg.start, seg.stop):
                     items.append(("node", j, True))
@@ -334,6 +411,9 @@ class _Run:
             if item[0] == "state_end":  # its checkpoint saved nothing: the frame is gone
                 self._release(states.pop(id(item[1])))
                 continue
+            if item[0] == "unpin":
+                self._unpin(pins_of(item[1]))
+                continue
             if item[0] == "enter":
                 seg = item[1]
                 if scope is not None and seg.start > trigger:
@@ -361,9 +441,19 @@ class _Run:
                             "which is neither stored nor recomputed at that point"
                         )
             alias = info.root[j] != j
-            inst = self.current[info.root[j]] if alias else self._new(info.storage_bytes[j])
-            if alias:
+            # NOTE [ Pinned values ]: the pinned node's own pass answers it from the storage
+            cached = (
+                self.stored.pop(j, None)
+                if scope is not None and self.pin_scope.get(j) == scope
+                else None
+            )
+            if cached is not None:
+                inst = cached[0]  # the storage's hold becomes the creator's
+            elif alias:
+                inst = self.current[info.root[j]]
                 self._hold(inst)  # the creator's hold, released at the end of the event
+            else:
+                inst = self._new(info.storage_bytes[j])
             self.current[j] = inst
             uses = len(info.users[j]) if scope is None else _count_in(info.users[j], scope)
             if uses:
@@ -371,6 +461,7 @@ class _Run:
                 self._hold(inst)
             if scope is None and info.is_held[j]:
                 self._hold(inst)
+            extras = cached[1:] if cached is not None else []
             if save and info.has_backward[j]:
                 held = [self.current[v] for v in info.saved[j]]
                 if info.saves_output[j]:
@@ -378,29 +469,50 @@ class _Run:
                 for h in held:
                     self._hold(h)
                 if info.extra_bytes[j]:
-                    held.append(self._new(info.extra_bytes[j]))
+                    held.append(extras.pop() if extras else self._new(info.extra_bytes[j]))
                 self.saved_holds[j] = held
+            for h in extras:  # made in the forward, not saved by this pass
+                self._release(h)
+            if cached is not None:  # nothing of the op runs
+                self._record(phase, j)
+                self._after_event(j, inst, pending)
+                continue
             if scope is not None:
                 self.recompute_flops += info.stop_flops[j] if j == stop_at else info.flops[j]
             scratch = int(info.forward_transient[j])
-            if not save:  # the op still makes what it would save; the pack hook drops it
+            if scope is None and j in self.pin_scope:  # the storage keeps it and its extras
+                self._hold(inst)
+                self.stored[j] = [inst]
+                if info.extra_bytes[j] and not save:
+                    self.stored[j].append(self._new(info.extra_bytes[j]))
+            elif not save:  # the op still makes what it would save; the pack hook drops it
                 scratch += int(info.extra_bytes[j])
             self.live += scratch
             self._record(phase, j)
             self.live -= scratch
-            for v in info.inputs[j]:
-                left = pending.get(v)
-                if left is not None:
-                    if left == 1:
-                        del pending[v]
-                        self._release(self.current[v])
-                    else:
-                        pending[v] = left - 1
-            self._release(inst)
+            self._after_event(j, inst, pending)
         for v in pending:  # early stop: the pass's remaining references go
             self._release(self.current[v])
         for inst in states.values():  # checkpoints entered in a recompute pass end with it
             self._release(inst)
+
+    def _after_event(self, j: int, inst: int, pending: dict[int, int]) -> None:
+        """Release j's inputs whose last use in the pass this was, and j's creator hold."""
+        for v in self.info.inputs[j]:
+            left = pending.get(v)
+            if left is not None:
+                if left == 1:
+                    del pending[v]
+                    self._release(self.current[v])
+                else:
+                    pending[v] = left - 1
+        self._release(inst)
+
+    def _unpin(self, pins) -> None:
+        """The checkpoint's frame goes: what its storage still holds is freed."""
+        for p in pins:
+            for inst in self.stored.pop(p, ()):
+                self._release(inst)
 
     # backward ------------------------------------------------------------------------------
     def _backward_node(self, j: int) -> None:
@@ -435,6 +547,7 @@ class _Run:
         self.saved_holds[j] = []
         for inst in self.frame_states.pop(j, ()):
             self._release(inst)
+        self._unpin(self.frame_pins.pop(j, ()))
         if self.grad[j] >= 0:
             self._release(self.grad[j])
             self.grad[j] = -1
@@ -478,6 +591,11 @@ class _Run:
 
     def step(self, segments: list[SegmentLike]) -> Simulation:
         info = self.info
+        for seg in segments:
+            for p in pins_of(seg):
+                self.pin_scope[p] = (seg.start, seg.stop)
+                if info.next_save[seg.start] < seg.stop:
+                    self.frame_pins[int(info.next_save[seg.start])].append(p)
         self._pass(segments, None)
         forward_end = self.live
         for j in range(info.n):

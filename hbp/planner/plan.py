@@ -6,6 +6,10 @@ The top level of a plan is a list of `Segment`s that tile [0, len(graph)). A seg
 backward first runs it forward again, following `children` (a tiling of the segment's own
 interval, which may itself contain recomputed segments: the interval tree). A recomputed
 segment without children recomputes its interval as plain autograd.
+
+A top-level recomputed segment may *pin* nodes (`Segment.pinned`): their outputs are kept from
+the forward instead of being recomputed (selective checkpointing's MUST_SAVE: NOTE [ Pinned
+values ] in `hbp.analysis.simulate`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ class Segment:
     """Nodes [start, stop) of the graph's topological order.
 
     `first` / `last` name the segment's first and last node (filled in by the planners, for
-    printing; empty when unknown)."""
+    printing; empty when unknown). `pinned`: indices of nodes in [start, stop) whose outputs
+    a recomputed top-level segment keeps from the forward, so its recompute pass does not run
+    them again (NOTE [ Pinned values ] in `hbp.analysis.simulate`); empty for other segments.
+    """
 
     start: int
     stop: int
@@ -29,6 +36,7 @@ class Segment:
     children: list[Segment] = field(default_factory=list)
     first: str = ""
     last: str = ""
+    pinned: tuple[int, ...] = ()
 
     def depth(self) -> int:
         return 1 + max((c.depth() for c in self.children), default=0)
@@ -38,6 +46,8 @@ class Segment:
         names = f"{self.first} .. {self.last}" if self.first else ""
         mode = "recompute" if self.recompute else "plain"
         line = f"{'  ' * indent}[{self.start:>5}, {self.stop:>5})  {mode:<9}  {names}"
+        if self.pinned:
+            line = f"{line.rstrip()}  pinned {', '.join(map(str, self.pinned))}"
         out = [line.rstrip()]
         for c in self.children:
             out.extend(c.describe(indent + 1))
@@ -123,6 +133,7 @@ class Plan:
                 [seg(c) for c in x.get("children", [])],
                 x.get("first", ""),
                 x.get("last", ""),
+                tuple(x.get("pinned", ())),
             )
 
         d = dict(d)

@@ -9,7 +9,9 @@ preserve_rng_state=..., context_fn=...)`: its forward keeps only its inputs and 
 backward first re-runs it (with its own nested plan: non-reentrant checkpoints nest), with the
 RNG state replayed (same dropout masks; only for segments that draw random numbers, NOTE
 [ Random state of recomputed segments ]) and running statistics frozen (BatchNorm updated
-once, `hbp.runtime.recompute`). Plain segments run directly.
+once, `hbp.runtime.recompute`). Plain segments run directly. A top-level recomputed segment
+that pins nodes runs with torch's selective-checkpoint contexts (NOTE [ Running pinned
+values ]).
 
 Memory discipline (otherwise Python references keep activations alive and the saving is lost):
 - a value is dropped from the executor's environment as soon as the last block that reads it
@@ -52,7 +54,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from hbp.graph.torch_capture import MODULE, CapturedGraph
 from hbp.graph.torch_modes import MODES, enter_modes, exit_modes
@@ -60,6 +66,7 @@ from hbp.planner.plan import Plan, Segment
 from hbp.runtime.recompute import ReenterableContext, checkpoint_context_fn
 
 _PASS = threading.local()
+_PINNING = threading.local()  # .segment: (start, stop) of the segment whose pin runs now
 
 
 def _pass_end() -> float:
@@ -165,6 +172,16 @@ class PlanExecutor:
         # attribute there (frozen buffers) is seen by every generated segment.
         self._holder = nn.Module()
         self._holder.root = self.gm
+        # NOTE [ Running pinned values ]: IR index of a pinned node -> its segment's (start, stop)
+        # (compiled segments run without pins: their ops are not dispatched one by one)
+        mutated = self._mutated_roots()
+        self._pins = {
+            p: (seg.start, seg.stop)
+            for seg in plan.segments
+            if seg.recompute and compile_options is None
+            for p in seg.pinned
+            if captured.graph.nodes[p].name not in mutated
+        }
         self.blocks = self._compile_level(plan.segments)
 
     # -- running ----------------------------------------------------------------------------
@@ -254,9 +271,22 @@ class PlanExecutor:
             frozen = self._frozen_attrs(nodes)
         block = _Block(a, b, seg.recompute, inputs, outputs, first_reader, call, cloned, frozen)
         if seg.recompute:
-            block.context_fn = self._context_fn(block)
+            pinned = any(self._pins.get(i) == (a, b) for i in range(a, b))
+            block.context_fn = self._context_fn(block, pinned)
             block.draws_random = draws_random(self.captured, a, b)
         return block
+
+    def _mutated_roots(self) -> set[str]:
+        """Names of the storage roots of every value some node mutates in place (a pin on one
+        is dropped: NOTE [ Running pinned values ])."""
+        graph = self.captured.graph
+        roots = set()
+        for names in self.captured.mutated_inputs.values():
+            for name in names:
+                while graph.node(name).alias_of:
+                    name = graph.node(name).alias_of
+                roots.add(name)
+        return roots
 
     def _mutated_inputs(
         self, nodes: list[fx.Node], inputs: list[fx.Node], a: int
@@ -310,14 +340,29 @@ class PlanExecutor:
                 pairs.append((owner, attr))
         return pairs
 
-    def _context_fn(self, block: _Block) -> Callable:
+    def _context_fn(self, block: _Block, pinned: bool = False) -> Callable:
         norm_context_fn = self._norm_context_fn
         frozen, stop = block.frozen_attrs, block.stop
+        policy = _pin_policy((block.start, block.stop)) if pinned else None
 
         def context_fn():
             forward_ctx, recompute_ctx = norm_context_fn()
-            return forward_ctx, ReenterableContext(
-                lambda: _stacked(recompute_ctx, _throwaway_attrs(frozen), _recompute_pass(stop))
+            if policy is None:
+                return forward_ctx, ReenterableContext(
+                    lambda: _stacked(
+                        recompute_ctx, _throwaway_attrs(frozen), _recompute_pass(stop), _pin_mark()
+                    )
+                )
+            # NOTE [ Running pinned values ]: one storage per checkpoint call
+            caching, cached = create_selective_checkpoint_contexts(policy)
+            return _stacked(forward_ctx, caching, _pin_mark()), ReenterableContext(
+                lambda: _stacked(
+                    recompute_ctx,
+                    cached,
+                    _throwaway_attrs(frozen),
+                    _recompute_pass(stop),
+                    _pin_mark(),
+                )
             )
 
         return context_fn
@@ -348,9 +393,14 @@ class PlanExecutor:
             modes = node.meta.get(MODES)  # e.g. inside a `with torch.no_grad():` of the forward
             if modes:
                 stack = graph.call_function(enter_modes, (modes,))
+            pin = self._pins.get(self._index[node])
+            if pin is not None:  # NOTE [ Running pinned values ]
+                graph.call_function(_pin_begin, (pin,))
             copy = graph.node_copy(node, lambda n: env[n])
             if copy.op == "call_module":
                 copy.target = "root." + copy.target
+            if pin is not None:
+                graph.call_function(_pin_end, ())
             if modes:
                 graph.call_function(exit_modes, (stack,))
             env[node] = copy
@@ -368,6 +418,64 @@ class PlanExecutor:
                 f"[{b.start:4d}, {b.stop:4d}) {kind:9s} in={len(b.inputs)} out={len(b.outputs)}"
             )
         return "\n".join(lines)
+
+
+# NOTE [ Running pinned values ]
+# A top-level recomputed segment that pins nodes (`Segment.pinned`, NOTE [ Pinned values ] in
+# hbp/analysis/simulate.py) runs its checkpoint with `create_selective_checkpoint_contexts`:
+# the caching mode asks a policy for every op the forward dispatches, and stores the outputs of
+# those it answers MUST_SAVE; the recompute's cached mode answers the same ops, counted per op
+# overload in dispatch order, from that storage. The generated code marks the pinned fx node
+# while it runs (`_pin_begin((start, stop))` / `_pin_end()` around it, in the forward and in
+# every recompute: plain Python, no dispatched op, so the counts match), and the segment's
+# policy (`_pin_policy`) answers MUST_SAVE only for ops dispatched under its own mark (nested
+# checkpoints and other segments' pins dispatch under the same mode stack) and whose outputs
+# share no storage with their inputs (views, in-place results: storing them would keep the
+# input's storage, not the node's). A recompute's early stop raises inside a node, between
+# `_pin_begin` and `_pin_end`: every recompute context (and a pinning forward) restores the
+# mark on exit (`_pin_mark`), else the next forward would pin every op. The storage is made per checkpoint call (context_fn), so
+# a second backward of a retained graph finds the cache consumed (torch raises). A pin on a
+# value some node later mutates in place (through any view) is dropped: torch refuses a stored
+# tensor whose version changed, and recomputing it is always exact. Compiled
+# segments (NOTE [ Compiled segments ]) run without pins: their ops reach the dispatch modes
+# as one compiled region; the plan then keeps less and recomputes more than it predicts.
+
+
+def _pin_begin(segment: tuple[int, int]) -> None:
+    _PINNING.segment = segment
+
+
+def _pin_end() -> None:
+    _PINNING.segment = None
+
+
+@contextlib.contextmanager
+def _pin_mark() -> Iterator[None]:
+    """Restore the pinning mark on exit, also when an early stop raised inside a pinned node."""
+    before = getattr(_PINNING, "segment", None)
+    try:
+        yield
+    finally:
+        _PINNING.segment = before
+
+
+def _pin_policy(segment: tuple[int, int]) -> Callable:
+    """The selective-checkpoint policy of the pinning segment `segment` (start, stop)."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if getattr(_PINNING, "segment", None) != segment:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in pytree.tree_leaves(ctx.op_output):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
 
 
 class _FlatCall:

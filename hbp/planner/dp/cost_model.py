@@ -177,6 +177,28 @@ class CostModel:
         self.runs_at_stop = info.runs_at_stop.astype(np.int64)
         self.stop_flops = info.stop_flops
         self._tail_needs: dict = {}
+        # NOTE [ Pin candidates ]
+        # A recomputed top-level child [e, f) may pin one node q (NOTE [ Pinned values ] in
+        # hbp.analysis.simulate) that its pass runs whole (q before its last save event t):
+        # the pass then skips q's FLOPs. The DP offers two candidates per (e, f) rather than
+        # every node (which would multiply the top table's rows by the interval's length):
+        # the node with the most FLOPs in [e, t) and the one with the most FLOPs per byte,
+        # from a running argmax per e (`pin_candidates`). Eligible: nodes with storage of
+        # their own and FLOPs, without forward scratch (a composite op whose intermediates
+        # the executor's MUST_SAVE would store too) and not drawing random numbers (a pinned
+        # op does not run in the pass, so the generator would not advance for the ops after
+        # it). A pin costs its output and saved extras (`pin_bytes`).
+        self.pin_bytes = (info.storage_bytes + info.extra_bytes).astype(np.int64)
+        self.pin_flops = np.where(
+            ~info.is_input
+            & (info.root == np.arange(n))
+            & (info.storage_bytes > 0)
+            & (info.forward_transient == 0)
+            & ~info.draws_random,
+            info.flops,
+            0.0,
+        )
+        self._pin_candidates: dict = {}
 
     def _crossing_sets(self) -> None:
         """F(c): groups made before c and touched at or after c, for every candidate cut c."""
@@ -367,6 +389,31 @@ class CostModel:
         return r
 
     # -- one child's needs --------------------------------------------------------------------
+    def pin_candidates(self, e: int, f: int) -> tuple[int, ...]:
+        """The nodes a recomputed top-level child [e, f) may pin (NOTE [ Pin candidates ]):
+        among the nodes before its last save event, the one with the most FLOPs and the one
+        with the most FLOPs per byte kept (one or two nodes; none without a pass)."""
+        t = int(self.last_save[f])  # the pass runs [e, t], t itself maybe in part
+        if t <= e:
+            return ()
+        by_flops, by_ratio = self._pin_candidates.get(e) or self._pin_scan(e)
+        out = (int(by_flops[t - 1 - e]), int(by_ratio[t - 1 - e]))
+        out = tuple(q for q in dict.fromkeys(out) if self.pin_flops[q] > 0)
+        return out
+
+    def _pin_scan(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Running argmax of FLOPs and of FLOPs per byte over [e, t], for t from e on."""
+        stop = self.stop_of(e)
+        flops = self.pin_flops[e:stop]
+        ratio = flops / np.maximum(self.pin_bytes[e:stop], 1)
+        idx = np.arange(e, stop)
+        out = []
+        for v in (flops, ratio):
+            best = np.maximum.accumulate(v) if len(v) else v
+            out.append(np.maximum.accumulate(np.where(v >= best, idx, e)) if len(v) else idx)
+        self._pin_candidates[e] = r = (out[0], out[1])
+        return r
+
     def profile(self, e: int, H: frozenset[int], mode: ChildMode, top: bool) -> ChildProfile:
         """The needs of a child starting at e with held set H (memoised)."""
         key = (e, H, mode, top)

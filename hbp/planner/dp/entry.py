@@ -47,7 +47,7 @@ def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
 
     def extend(seg: Segment) -> Segment:
         kids = [extend(seg.children[0]), *seg.children[1:]] if seg.children else []
-        return Segment(first.start, seg.stop, seg.recompute, kids)
+        return Segment(first.start, seg.stop, seg.recompute, kids, pinned=seg.pinned)
 
     return [extend(segments[1]), *segments[2:]]
 

@@ -54,6 +54,8 @@ class Choice(NamedTuple):
     extent: PassExtent
     H: frozenset  # the held set at f
     rest: RestSaves | None
+    pinned: tuple[int, ...] = ()  # nodes a recomputed top-level child pins (NOTE [ Pinned
+    # values ] in hbp.analysis.simulate; `Solver._pin_rows`)
 
 
 class Recursion:
@@ -131,7 +133,7 @@ class Recursion:
         segments: list[Segment] = []
         while e < d:
             choice, kept = self._choose(d, e, H, flag, top, budget, row)
-            seg = Segment(e, choice.f, choice.mode == REC)
+            seg = Segment(e, choice.f, choice.mode == REC, pinned=choice.pinned)
             if choice.mode == REC:
                 seg.children = self.rec_plan(e, choice.f, budget - kept)
             segments.append(seg)
@@ -152,7 +154,7 @@ def simplify(segments: list[Segment]) -> list[Segment]:
     out: list[Segment] = []
     for s in segments:
         if s.recompute and len(s.children) == 1 and not s.children[0].recompute:
-            s = Segment(s.start, s.stop, True)
+            s = Segment(s.start, s.stop, True, pinned=s.pinned)
         if out and not s.recompute and not out[-1].recompute:
             out[-1] = Segment(out[-1].start, s.stop, False)
         else:

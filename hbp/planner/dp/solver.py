@@ -9,6 +9,9 @@ cost of recomputing [e, f) (its recompute pass plus its children) within the slo
 Memory is discretised into slots (`slot_bytes`); needs are rounded up, so a plan the DP
 accepts always fits. An option's value (`_option_rows`, top level `_top_rows`) is computed
 by one function that both the table fill and the plan rebuild call.
+
+A recomputed top-level child may also pin one node (NOTE [ Pin candidates ] in
+`hbp.planner.dp.cost_model`): the rows of `_pin_rows`, beside the child's unpinned rows.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from hbp.planner.dp.modes import FULL, INF, NOT_RUN, PLAIN, REC, UNTIL_SAVE, Res
 from hbp.planner.dp.profile import ChildArrays
 from hbp.planner.dp.recursion import Choice, Option, Recursion
 
-__all__ = ["SlotArrays", "Solver"]
+__all__ = ["PIN_VALUES", "SlotArrays", "Solver"]
+
+#: Whether `Solver`s let recomputed top-level children pin a node by default (`_pin_rows`).
+#: The brute-force tests of the plan space without pins turn it off.
+PIN_VALUES = True
 
 
 class SlotArrays(NamedTuple):
@@ -36,6 +43,19 @@ class SlotArrays(NamedTuple):
     kept_slots: np.ndarray  # kept slots (int)
     low: tuple  # max(kept, need) by PassExtent, int lists: below it the child does not fit
     kept_list: list  # kept slots as an int list
+
+
+class _TopRows(NamedTuple):
+    """The values of a top-level option, one row per (end f, pin): `idx` the f indices,
+    `states` the held sets at f, `cost` and `kept` (bytes kept across the forward) each
+    (row, end requirement, m), `kept_slots` the child's kept slots, `pinned` its pins."""
+
+    idx: np.ndarray
+    states: list[frozenset]
+    cost: np.ndarray
+    kept: np.ndarray
+    kept_slots: list[int]
+    pinned: list[tuple[int, ...]]
 
 
 class _Rows(NamedTuple):
@@ -59,8 +79,11 @@ class Solver(Recursion):
         *,
         end: int | None = None,
         need_offset: float = 0.0,
+        pins: bool | None = None,
     ):
         super().__init__(model, nested, end)
+        # recomputed top-level children may pin a node (`_pin_rows`)
+        self.pins = PIN_VALUES if pins is None else pins
         self.n_slots = slots
         self.slot = slot_bytes
         # needs are counted in slots above `need_offset` bytes (a stage's own memory axis)
@@ -259,7 +282,7 @@ class Solver(Recursion):
             rows = self._top_rows(e, option)
             if rows is None:
                 continue
-            _, _, cost, kept = rows
+            cost, kept = rows.cost, rows.kept
             c_min = cost.min(axis=0)
             k_min = np.where(cost == c_min, kept, INF).min(axis=0)
             better = (c_min < best) | ((c_min == best) & (k_min < best_kept))
@@ -268,31 +291,66 @@ class Solver(Recursion):
         self._top_kept[e, H] = best_kept
         return best
 
-    def _top_rows(self, e, option: Option):
-        """The values of a top-level option: (f indices, next states, cost and kept bytes,
-        each (option, end requirement, m)), or None. The one place the top level's option
-        values are computed (table fill and plan rebuild).
+    def _top_rows(self, e, option: Option) -> _TopRows | None:
+        """The values of a top-level option (`_TopRows`), or None. The one place the top
+        level's option values are computed (table fill and plan rebuild).
 
         Value at m: T(e, f)[m - kept] (recomputed child) + the rest's value at m - kept, if
-        m >= the child's own need and m >= kept; else infinite."""
+        m >= the child's own need and m >= kept; else infinite. A pinned row (`_pin_rows`)
+        keeps the pin's bytes too (in its kept bytes and its forward need) and runs the pin's
+        FLOPs once fewer in T(e, f)'s pass."""
         M = self.n_slots
         rows = self._feasible_rows(self.model.n, True, option)
         if not rows.keep:
             return None
         p = option.arrays
-        shape = (len(rows.keep), len(self.end_slots), M + 1)
-        cost, kept = np.full(shape, INF), np.zeros(shape)
         lows, kept_list = rows.slots.low[option.extent], rows.slots.kept_list
-        for j, (i, sub, H2) in enumerate(zip(rows.keep, rows.rest, rows.states)):
-            k, lo = kept_list[i], lows[i]  # below max(kept, need) the child does not fit
+        items = [
+            (i, sub, H2, (), kept_list[i], lows[i], p.kept[i], 0.0)
+            for i, sub, H2 in zip(rows.keep, rows.rest, rows.states)
+        ]
+        if option.mode == REC and self.pins:
+            items += self._pin_rows(e, option, rows)
+        shape = (len(items), len(self.end_slots), M + 1)
+        cost, kept = np.full(shape, INF), np.zeros(shape)
+        for j, (i, sub, H2, _, k, lo, kept_bytes, saved) in enumerate(items):
+            # below max(kept, need) the child does not fit
             cost[j, :, lo:] = sub[:, lo - k : M + 1 - k]
             if option.mode == REC:  # asked from the smallest m at which the rest is feasible
                 first = int(np.argmax(sub[0] < INF))
                 rec = self.rec(e, p.f_list[i], max(lo, k + first) - k)
-                cost[j, :, lo:] += rec[lo - k : M + 1 - k]
+                cost[j, :, lo:] += rec[lo - k : M + 1 - k] - saved
             kept[j, :, lo:] = self._top_kept[p.f_list[i], H2][:, lo - k : M + 1 - k]
-            kept[j, :, lo:] += p.kept[i]
-        return np.array(rows.keep), rows.states, cost, kept
+            kept[j, :, lo:] += kept_bytes
+        idx = np.array([item[0] for item in items])
+        return _TopRows(
+            idx,
+            [item[2] for item in items],
+            cost,
+            kept,
+            [item[4] for item in items],
+            [item[3] for item in items],
+        )
+
+    def _pin_rows(self, e, option: Option, rows: _Rows) -> list[tuple]:
+        """The pinned rows of a recomputed top-level child [e, f) (NOTE [ Pin candidates ]):
+        per pin candidate q, (f index, rest table, held set at f, (q,), kept slots, lo, kept
+        bytes, q's FLOPs). The pin is charged as kept from the child's forward through its
+        backward and in the child's whole forward (an upper bound of NOTE [ Pinned values ]
+        in hbp.analysis.simulate: the DP's plans fit by simulation)."""
+        M, model, p = self.n_slots, self.model, option.arrays
+        need = p.need[option.extent]
+        out = []
+        for i, sub, H2 in zip(rows.keep, rows.rest, rows.states):
+            for q in model.pin_candidates(e, p.f_list[i]):
+                pin = int(model.pin_bytes[q])
+                kept_bytes = p.kept[i] + pin
+                k = int(self.sl(kept_bytes))
+                lo = max(k, int(self.sl(max(need[i] + pin - self.offset, 0.0))))
+                if lo > M or sub.item(M - k) == INF:
+                    continue
+                out.append((i, sub, H2, (q,), k, lo, kept_bytes, float(model.pin_flops[q])))
+        return out
 
     def _feasible_rows(self, d, top, option: Option) -> _Rows:
         """The selected ends f whose rest can be feasible, with the rest's tables."""
@@ -379,14 +437,15 @@ class Solver(Recursion):
             rows = self._top_rows(e, option)
             if rows is None:
                 continue
-            idx, states, cost, kept = rows
+            cost, kept = rows.cost, rows.kept
             fits = (cost[:, row, slots] <= target + 1e-9 * max(1.0, abs(target))) & (
                 kept[:, row, slots] <= target_kept
             )
             for k in np.flatnonzero(fits).tolist():
-                p, i = option.arrays, idx[k]
-                choice = Choice(int(p.f[i]), option.mode, option.extent, states[k], option.rest)
-                return choice, int(p.slots.kept_slots[i])
+                p, i = option.arrays, rows.idx[k]
+                f, pins = int(p.f[i]), rows.pinned[k]
+                choice = Choice(f, option.mode, option.extent, rows.states[k], option.rest, pins)
+                return choice, int(rows.kept_slots[k])
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
     def _nested_level(self, e, f, slots) -> tuple[RestSaves, int] | None:

@@ -1,0 +1,233 @@
+"""Pinned values (NOTE [ Pinned values ] in hbp/analysis/simulate.py): a recomputed segment
+that keeps some nodes' outputs from the forward runs through torch's selective-checkpoint
+contexts with the gradients of plain autograd, runs those nodes' FLOPs once fewer, and holds
+what the simulator predicts, measured with the allocator."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from hbp.analysis.simulate import simulate
+from hbp.graph.torch_capture import capture
+from hbp.planner.plan import Plan, Segment
+from hbp.runtime.executor import PlanExecutor
+from hbp.runtime.tracker import allocator_peak
+
+D = 64
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.ModuleList(nn.Linear(D, D) for _ in range(6))
+
+    def forward(self, x):
+        for lin in self.lin:
+            x = torch.tanh(lin(x))
+        return x.square().mean()
+
+
+@pytest.fixture(scope="module")
+def chain():
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(256, D, requires_grad=True)
+    captured = capture(model, (x,))
+    names = [node.name for node in captured.graph.nodes]
+    assert names[1:13:2] == ["lin_0", "lin_1", "lin_2", "lin_3", "lin_4", "lin_5"]
+    return model, x, captured
+
+
+def plans(n: int) -> dict[str, list[Segment]]:
+    """Top-level recomputed segments with pins: before the pass's stop, inside a nested
+    recomputed child, the pass's stop node (lin_5 saves only its input: the pass stops before
+    it runs, its pin stays in the checkpoint's storage until the frame goes)."""
+    nested = [Segment(1, 7, True), Segment(7, n - 3)]
+    return {
+        "none": [Segment(0, 1), Segment(1, n - 3, True), Segment(n - 3, n)],
+        "one": [Segment(0, 1), Segment(1, n - 3, True, pinned=(3,)), Segment(n - 3, n)],
+        "two": [Segment(0, 1), Segment(1, n - 3, True, pinned=(1, 9)), Segment(n - 3, n)],
+        "stop_node": [Segment(0, 1), Segment(1, n - 3, True, pinned=(11,)), Segment(n - 3, n)],
+        "in_nested": [
+            Segment(0, 1),
+            Segment(1, n - 3, True, nested, pinned=(3, 5)),
+            Segment(n - 3, n),
+        ],
+        "two_segments": [
+            Segment(0, 1),
+            Segment(1, 7, True, pinned=(5,)),
+            Segment(7, n - 3, True, pinned=(9,)),
+            Segment(n - 3, n),
+        ],
+    }
+
+
+def step(fn, params) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    for p in params:
+        p.grad = None
+    loss = fn()
+    loss.backward()
+    return loss.detach(), [p.grad for p in params]
+
+
+@pytest.mark.parametrize("name", ["none", "one", "two", "stop_node", "in_nested", "two_segments"])
+def test_pinned_plans_give_exact_gradients_the_predicted_peak_and_flops(chain, name):
+    model, x, captured = chain
+    graph, n = captured.graph, len(captured.graph)
+    params = [x, *model.parameters()]
+    loss, grads = step(lambda: model(x), params)
+    plan = Plan(plans(n)[name])
+    executor = PlanExecutor(captured, plan, model)
+    loss2, grads2 = step(lambda: executor(x), params)
+    assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))
+
+    for p in params:
+        p.grad = None
+    _, peak = allocator_peak(lambda: executor(x).backward())
+    predicted = simulate(graph, plan)
+    assert 0 <= peak - predicted.peak_bytes <= 8, (peak, predicted.peak_bytes)  # + the loss
+
+    unpinned = simulate(graph, Plan([replace(s, pinned=()) for s in plan.segments]))
+    pinned_flops = sum(graph.nodes[p].flops for s in plan.segments for p in s.pinned)
+    if name == "stop_node":  # the pass stops before lin_5 runs: its pin saves nothing
+        assert predicted.recompute_flops == unpinned.recompute_flops
+        assert predicted.peak_bytes > unpinned.peak_bytes  # and is held until the frame goes
+    else:
+        assert predicted.recompute_flops == unpinned.recompute_flops - pinned_flops
+
+    def counted(fn) -> int:
+        for p in params:
+            p.grad = None
+        with FlopCounterMode(display=False) as counter:
+            fn().backward()
+        return counter.get_total_flops()
+
+    naive = counted(lambda: model(x))
+    # the FLOP counter counts matmuls (the graph's FLOPs: Linear nodes); no matmul runs in
+    # the segments' pass beyond what the simulator says
+    assert counted(lambda: executor(x)) - naive == predicted.recompute_flops
+
+
+def test_pins_only_on_top_level_recomputed_segments(chain):
+    _, _, captured = chain
+    graph, n = captured.graph, len(captured.graph)
+    bad = {
+        "not recomputed": [Segment(0, 3, pinned=(1,)), Segment(3, n)],
+        "outside it": [Segment(0, 1), Segment(1, 5, True, pinned=(7,)), Segment(5, n)],
+        "a graph input": [Segment(0, 5, True, pinned=(0,)), Segment(5, n)],
+        "nested in a recomputed": [
+            Segment(0, 1),
+            Segment(1, 7, True, [Segment(1, 3, True, pinned=(1,)), Segment(3, 7)]),
+            Segment(7, n),
+        ],
+    }
+    for message, segments in bad.items():
+        with pytest.raises(ValueError, match=message):
+            simulate(graph, Plan(segments))
+
+
+def test_plan_prints_and_round_trips_pins(chain):
+    _, _, captured = chain
+    n = len(captured.graph)
+    plan = Plan(plans(n)["two"])
+    assert "pinned 1, 9" in str(plan)
+    again = Plan.from_dict(plan.to_dict())
+    assert again.segments[1].pinned == (1, 9)
+
+
+class Residual(nn.Module):
+    """Pre-norm residual MLP blocks: LayerNorm (saved extras), GELU, two Linears, a skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+            for _ in range(3)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+def random_pinned_plan(info, rng) -> list[Segment]:
+    """A random plan of a few top-level segments, some recomputed (some with two children),
+    each recomputed one pinning up to two random nodes with storage of their own."""
+    n = info.n
+    cuts = sorted(rng.sample(range(2, n - 1), 3))
+    segments = []
+    for a, b in zip([0, *cuts], [*cuts, n]):
+        if a == 0 or rng.random() < 0.3:
+            segments.append(Segment(a, b))
+            continue
+        own = [q for q in range(a, b) if info.root[q] == q and info.storage_bytes[q] > 0]
+        pins = tuple(sorted(rng.sample(own, min(len(own), rng.randint(1, 2)))))
+        mid = (a + b) // 2
+        kids = [Segment(a, mid, True), Segment(mid, b)] if b - a > 3 and rng.random() < 0.5 else []
+        segments.append(Segment(a, b, True, kids, pinned=pins))
+    return segments
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_pinned_plans_give_exact_gradients_within_their_prediction(seed):
+    import random
+
+    from hbp.analysis.liveness import GraphInfo
+
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(128, D, requires_grad=True)
+    captured = capture(model, (x,))
+    plan = Plan(random_pinned_plan(GraphInfo.of(captured.graph), random.Random(seed)))
+    assert any(s.pinned for s in plan.segments)
+    params = [x, *model.parameters()]
+    loss, grads = step(lambda: model(x), params)
+    executor = PlanExecutor(captured, plan, model)
+    loss2, grads2 = step(lambda: executor(x), params)
+    assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))
+    for p in params:
+        p.grad = None
+    _, peak = allocator_peak(lambda: executor(x).backward())
+    predicted = simulate(captured.graph, plan, check=True).peak_bytes
+    # an upper bound (+ the loss): on this module the simulator over-predicts some plans by an
+    # activation or two with or without pins (the Chain tests above match to the byte)
+    assert peak - predicted <= 8, (peak, predicted, plan)
+
+
+def test_nodes_that_draw_random_numbers_cannot_be_pinned():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5), nn.Linear(D, D))
+    captured = capture(model, (torch.randn(8, D),))
+    names = [node.name for node in captured.graph.nodes]
+    drop, n = names.index("_1"), len(names)
+    plan = Plan([Segment(0, 1), Segment(1, n - 1, True, pinned=(drop,)), Segment(n - 1, n)])
+    with pytest.raises(ValueError, match="draws random numbers"):
+        simulate(captured.graph, plan)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+
+    def forward(self, x):
+        for lin in self.lin:
+            h = lin(x)
+            h.mul_(0.5)  # in place on the Linear's output
+            x = torch.tanh(h)
+        return x.square().mean()
+
+
+def test_a_pinned_value_mutated_in_place_later_is_recomputed_exactly():
+    torch.manual_seed(0)
+    model, x = InPlace(), torch.randn(32, D, requires_grad=True)
+    captured = capture(model, (x,))
+    names = [node.name for node in captured.graph.nodes]
+    n, lin = len(names), names.index("lin_1")
+    plan = Plan([Segment(0, 1), Segment(1, n - 3, True, pinned=(lin,)), Segment(n - 3, n)])
+    params = [x, *model.parameters()]
+    loss, grads = step(lambda: model(x), params)
+    loss2, grads2 = step(lambda: PlanExecutor(captured, plan, model)(x), params)
+    assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))

@@ -1,0 +1,125 @@
+"""The DP with pinned values (NOTE [ Pin candidates ] in hbp/planner/dp/cost_model.py) against
+brute force over plans with pins: every plan of one level (or two) over all cut subsets, each
+recomputed top-level segment pinning no node or any one node with storage of its own,
+simulated. The DP charges a pin as kept through the segment's backward (an upper bound), so
+its plans lie between the optimum with pins and the optimum without: never more recompute
+than without pins, never over the budget, and strictly less where a pin pays."""
+
+import itertools
+
+import pytest
+
+from hbp.analysis import simulate
+from hbp.analysis.liveness import GraphInfo
+from hbp.errors import BudgetError
+from hbp.graph import synthetic
+from hbp.planner import candidate_cuts, optimal_plan, validate_plan
+from hbp.planner.dp import solver
+from hbp.planner.plan import Segment
+
+
+def pinned_tilings(info: GraphInfo, cuts: list[int], depth: int):
+    """Every plan over `cuts` up to `depth` levels, with every choice of one pin (or none) per
+    recomputed top-level segment."""
+
+    def tilings(start, stop, depth):
+        inner = [c for c in cuts if start < c < stop]
+        for r in range(len(inner) + 1):
+            for chosen in itertools.combinations(inner, r):
+                bounds = [start, *chosen, stop]
+                choices = []
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    options = [Segment(a, b), Segment(a, b, True)]
+                    if depth > 1:
+                        options += [
+                            Segment(a, b, True, kids)
+                            for kids in tilings(a, b, depth - 1)
+                            if len(kids) > 1
+                        ]
+                    choices.append(options)
+                yield from itertools.product(*choices)
+
+    def pins(seg):
+        if not seg.recompute:
+            return [()]
+        own = [
+            q
+            for q in range(seg.start, seg.stop)
+            if not info.is_input[q] and info.root[q] == q and info.storage_bytes[q] > 0
+        ]
+        return [(), *((q,) for q in own)]
+
+    for tiling in tilings(0, info.n, depth):
+        for chosen in itertools.product(*(pins(s) for s in tiling)):
+            yield [
+                Segment(s.start, s.stop, s.recompute, s.children, pinned=q)
+                for s, q in zip(tiling, chosen)
+            ]
+
+
+def brute_force(graph, depth):
+    """(peak, recompute, pins anywhere) of every plan."""
+    info = GraphInfo.of(graph)
+    cuts = candidate_cuts(info, 1, max_cuts=10**6)
+    out = []
+    for plan in pinned_tilings(info, cuts, depth):
+        sim = simulate(graph, plan, info=info)
+        out.append((sim.peak_bytes, sim.recompute_flops, any(s.pinned for s in plan)))
+    return out
+
+
+def least(results, budget, pins: bool):
+    fits = [r for p, r, pinned in results if p <= budget and (pins or not pinned)]
+    return min(fits) if fits else None
+
+
+# (graph, depth, whether a pin pays at some budget: the check is not vacuous)
+CASES = [
+    (synthetic.random_dag(6, seed=15, alias_prob=0.0), 1, True),
+    (synthetic.random_dag(6, seed=18, alias_prob=0.0), 1, True),
+    (synthetic.random_dag(6, seed=3, refinements=True), 1, False),
+    (synthetic.chain(6, seed=2, refinements=True), 1, False),
+    (synthetic.random_dag(4, seed=15, alias_prob=0.0), 2, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("graph", "depth", "pays"), CASES, ids=["dag15", "dag18", "dag3", "chain2", "nested-dag15"]
+)
+def test_dp_with_pins_lies_between_the_optima_with_and_without_pins(graph, depth, pays):
+    results = brute_force(graph, depth)
+    peaks = sorted({p for p, _, _ in results})
+    gained = 0
+    for budget in peaks[:: max(1, len(peaks) // 16)] + [peaks[-1]]:
+        with_pins, without = least(results, budget, True), least(results, budget, False)
+        try:
+            plan = optimal_plan(graph, budget, nested=depth > 1, max_cuts=10**6)
+        except BudgetError:  # pins never lower the least peak: only below it
+            assert without is None
+            continue
+        validate_plan(graph, plan)  # fits by simulation, every value read is live
+        assert plan.predicted_peak_bytes <= budget
+        recompute = plan.predicted_recompute_flops
+        assert with_pins - 1e-9 <= recompute <= without + 1e-9, (budget, plan)
+        gained += recompute < without - 1e-9
+        assert recompute < without - 1e-9 or not any(s.pinned for s in plan.segments)
+    assert (gained > 0) == pays
+
+
+def test_pins_can_be_turned_off(monkeypatch):
+    graph = synthetic.random_dag(7, seed=15, alias_prob=0.0)
+    budget = 0
+    with_pins = None
+    for budget in range(int(graph.nodes[1].output_bytes), 10**6):
+        try:
+            with_pins = optimal_plan(graph, budget)
+        except BudgetError as err:
+            budget = err.minimum
+            continue
+        if any(s.pinned for s in with_pins.segments):
+            break
+    assert with_pins is not None and any(s.pinned for s in with_pins.segments)
+    monkeypatch.setattr(solver, "PIN_VALUES", False)
+    without = optimal_plan(graph, budget)
+    assert not any(s.pinned for s in without.segments)
+    assert without.predicted_recompute_flops > with_pins.predicted_recompute_flops
