@@ -250,6 +250,7 @@ def _shifted(segment: Segment, delta: int) -> Segment:
         start=segment.start + delta,
         stop=segment.stop + delta,
         children=[_shifted(c, delta) for c in segment.children],
+        pinned=tuple(q + delta for q in segment.pinned),
         first="",
         last="",
     )
