@@ -69,7 +69,13 @@ def graphs() -> dict[str, Graph]:
 
 
 def segments_text(segments) -> list:
-    return [[s.start, s.stop, bool(s.recompute), segments_text(s.children)] for s in segments]
+    """[start, stop, recompute, children], and the pinned nodes when there are any (records made
+    before pins compare equal on plans without them)."""
+    return [
+        [s.start, s.stop, bool(s.recompute), segments_text(s.children)]
+        + ([list(s.pinned)] if s.pinned else [])
+        for s in segments
+    ]
 
 
 def record() -> dict:

@@ -20,8 +20,12 @@ Model (the simulator's accounting as far as a schedule allows):
   the simulator charges ops run with saving off) and forward scratch. Graph outputs live for
   the whole step; a recomputed output (done only for its saved extras) is a copy freed at once.
 Simplification against the simulator: aliases (views, in-place) are folded into their
-storage root (their FLOPs are dropped). Everything else a plan does is a schedule here, so
-on graphs without aliases the optimum is at most the planner's recompute. Objective: FLOPs
+storage root (their FLOPs are dropped). Everything else a plan without pinned values does is
+a schedule here, so on graphs without aliases the optimum is at most the recompute of the
+planner's plans without pins. A pinned value (NOTE [ Pinned values ] in
+hbp.analysis.simulate) is not: its node re-runs in the recompute pass at no cost (the cached
+output) and packs what its backward saves, while here a backward's saved values are packed
+only by a computation that costs the node's FLOPs. Objective: FLOPs
 of all computations minus one forward: the recompute FLOPs.
 """
 
