@@ -8,7 +8,10 @@ than without pins, never over the budget, and strictly less where a pin pays."""
 import itertools
 
 import pytest
+import torch
 
+import hbp
+import hbp.planner
 from hbp.analysis import simulate
 from hbp.analysis.liveness import GraphInfo
 from hbp.errors import BudgetError
@@ -123,3 +126,33 @@ def test_pins_can_be_turned_off(monkeypatch):
     without = optimal_plan(graph, budget)
     assert not any(s.pinned for s in without.segments)
     assert without.predicted_recompute_flops > with_pins.predicted_recompute_flops
+
+
+def test_plans_without_pins_for_executors_that_cannot_run_them(monkeypatch):
+    """`plan(..., pins=False)` (compiled segments, JAX) never pins and recomputes at least as
+    much as the plan with pins; HCModule(compile=True) and hbp.jax plan that way."""
+    from hbp.integrations.jax.planning import make_plan
+
+    graph = synthetic.residual_net(4)
+    with_pins = hbp.planner.plan(graph, 0.5)
+    without = hbp.planner.plan(graph, 0.5, pins=False)
+    assert any(s.pinned for s in with_pins.segments)
+    assert not any(s.pinned for s in without.segments)
+    assert without.predicted_recompute_flops > with_pins.predicted_recompute_flops
+    assert without.predicted_peak_bytes <= without.budget_bytes
+    assert not any(s.pinned for s in make_plan(graph, 0.5).segments)
+
+    asked = []
+    real_plan = hbp.planner.plan
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("pins"))
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(hbp.planner, "plan", recording)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    x = torch.randn(128, 16)
+    for compile_, expected in ((False, True), ({"backend": "eager"}, False)):
+        hc = hbp.HCModule(model, budget=1.0, compile=compile_)
+        hc(x).sum().backward()
+        assert asked[-1] is expected

@@ -177,6 +177,7 @@ class HCModule(nn.Module):
             raise ConfigError("keeps_outputs", keeps_outputs, "None, True or False")
         self.keeps_outputs = keeps_outputs
         self._compiled: dict[tuple, Compiled] = {}
+        self._under_compile = False  # planning for torch.compile(hc)
         self._current: Compiled | None = None
         self._warned: set[str] = set()
         self.register_load_state_dict_pre_hook(_accept_unwrapped_keys)
@@ -230,7 +231,12 @@ class HCModule(nn.Module):
     def _forward_with_compiled_segments(self, *args, **kwargs):
         if not self._plans_for(args, kwargs):
             return self.module(*args, **kwargs)
-        return self._segments_compiled(self._prepare(args, kwargs))(*args, **kwargs)
+        self._under_compile = True  # a plan made now runs compiled: without pins
+        try:
+            compiled = self._prepare(args, kwargs)
+        finally:
+            self._under_compile = False
+        return self._segments_compiled(compiled)(*args, **kwargs)
 
     def _executor(self, compiled: Compiled):
         """The executor a call runs: with compiled segments if `compile` is set."""
@@ -376,8 +382,14 @@ class HCModule(nn.Module):
             plan = self._module_level_plan(captured, naive)
         else:
             try:
+                # compiled segments run without pins (NOTE [ Running pinned values ])
+                compiled_segments = self.compile is not False or self._under_compile
                 plan = make_plan(
-                    graph, self._budget_for(naive), block_size=self.block_size, planner=self.planner
+                    graph,
+                    self._budget_for(naive),
+                    block_size=self.block_size,
+                    planner=self.planner,
+                    pins=not compiled_segments,
                 )
             except BudgetError as err:
                 if self.budget == 1 and isinstance(self.budget, int):  # not 1.0 (nor True)

@@ -36,7 +36,15 @@ __all__ = [
 ]
 
 
-def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal", **options) -> Plan:
+def plan(
+    graph: Graph,
+    budget,
+    *,
+    block_size: int = 1,
+    planner: str = "optimal",
+    pins: bool | None = None,
+    **options,
+) -> Plan:
     """Plan one training step of `graph` within `budget`.
 
     Args:
@@ -46,6 +54,9 @@ def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal",
         block_size: leaf granularity: at most one cut per `block_size` consecutive nodes,
             at the cheapest position (see `candidate_cuts`).
         planner: "optimal", "one_level" or "uniform".
+        pins: whether recomputed segments may keep nodes from the forward (optimal planners;
+            None: `hbp.planner.dp.solver.PIN_VALUES`, on). Off for executors that cannot run
+            them (compiled segments, JAX).
         options: passed to the planner (optimal: max_cuts, mem_slots; uniform: segments, by).
 
     Raises:
@@ -74,5 +85,6 @@ def plan(graph: Graph, budget, *, block_size: int = 1, planner: str = "optimal",
         nested=planner == "optimal",
         info=info,
         naive=naive,
+        pins=pins,
         **options,
     )

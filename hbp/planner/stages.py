@@ -89,10 +89,12 @@ def staged_plan(
     nested: bool = True,
     levels: int = 4,
     reuse: bool = True,
+    pins: bool | None = None,
 ) -> list[Segment] | None:
     """Top-level segments of a staged plan within `budget_bytes` (by the cost model), or
     None when no combination of stage options fits. `reuse`: solve identical stages once
-    (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests)."""
+    (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests); `pins`:
+    whether recomputed segments may pin nodes (None: `PIN_VALUES`)."""
     model = _staged_model(info, stage_nodes, per_region, region)
     cuts, bounds = model.cuts, model.bounds
     stages = list(zip(bounds[:-1], bounds[1:]))
@@ -103,7 +105,7 @@ def staged_plan(
             # NOTE [ Identical stages are solved once ]
             key = stage_signature(model, a, b) if reuse else (a,)
             if key not in solved:
-                solver = _stage_solver(model, a, b, stage_slots, nested, levels)
+                solver = _stage_solver(model, a, b, stage_slots, nested, levels, pins)
                 solved[key] = (a, solver, _stage_options(solver, a))
             first, solver, opts = solved[key]
             reps.append((first, solver))
@@ -257,7 +259,7 @@ def _shifted(segment: Segment, delta: int) -> Segment:
 
 
 def _stage_solver(
-    model: CostModel, a: int, b: int, slots: int, nested: bool, levels: int
+    model: CostModel, a: int, b: int, slots: int, nested: bool, levels: int, pins: bool | None
 ) -> Solver:
     """A Solver whose top level is the stage [a, b), on the stage's own memory axis, with
     `levels + 1` end requirements from 0 to the bytes the stage could keep at most."""
@@ -276,7 +278,7 @@ def _stage_solver(
         top = max(top, float(model.pos_after[model.n]))
     span = float(own) + top - base + float(model.out_total if b == model.n else 0)
     slot = 2 * max(span, 1.0) / slots  # room for needs and for the free space left at the end
-    solver = Solver(model, slots, slot, nested, end=b, need_offset=base)
+    solver = Solver(model, slots, slot, nested, end=b, need_offset=base, pins=pins)
     most = float(info.storage_bytes[a:b].sum() + info.extra_bytes[a:b].sum())
     solver.end_slots = np.unique(np.round(np.linspace(0, most / slot, levels + 1))).astype(int)
     return solver

@@ -37,7 +37,8 @@ def make_plan(graph, budget, *, block_size: int = 1, planner: str = "optimal") -
     """Plan `graph` under `budget` with hbp's planner (raises BudgetError / ConfigError)."""
     from hbp.planner import plan as hbp_plan
 
-    return hbp_plan(graph, budget, block_size=block_size, planner=planner)
+    # hbp.jax runs plans without pins (NOTE [ Pin candidates ]): plan without them
+    return hbp_plan(graph, budget, block_size=block_size, planner=planner, pins=False)
 
 
 def check_options(budget, block_size, strategy, plan) -> None:

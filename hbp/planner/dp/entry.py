@@ -83,13 +83,19 @@ class _Solved(NamedTuple):
 
 
 def _solve(
-    info: GraphInfo, cuts: list[int], budget_bytes: int, mem_slots: int, nested: bool
+    info: GraphInfo,
+    cuts: list[int],
+    budget_bytes: int,
+    mem_slots: int,
+    nested: bool,
+    pins: bool | None = None,
 ) -> _Solved:
-    """Run the DP over `cuts`."""
+    """Run the DP over `cuts` (`pins`: whether recomputed segments may pin nodes; None: the
+    default, `hbp.planner.dp.solver.PIN_VALUES`)."""
     model = CostModel(info, cuts)
     with planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
-        solver = Solver(model, slots, slot_bytes, nested)
+        solver = Solver(model, slots, slot_bytes, nested, pins=pins)
         recompute = float(solver.top(0, frozenset())[0, slots])
         if recompute < INF:
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
@@ -129,6 +135,7 @@ def optimal_plan(
     info: GraphInfo | None = None,
     staged: str | None = None,
     naive: Simulation | None = None,
+    pins: bool | None = None,
 ) -> Plan:
     """The plan with the least recompute FLOPs whose simulated peak fits `budget_bytes`.
 
@@ -140,6 +147,9 @@ def optimal_plan(
     On large graphs (`staged`: "auto", the default `STAGED`) the graph is also planned in
     stages (`hbp.planner.stages`: per-stage tables over fine cuts, one allocation across
     stages) and that plan is taken when it fits and recomputes less.
+
+    `pins`: whether recomputed top-level segments may pin nodes (NOTE [ Pin candidates ]);
+    off for executors that cannot run pins (compiled segments, JAX). None: `PIN_VALUES`.
 
     Raises:
         BudgetError: no plan over the candidate cuts fits; `.minimum` is the smallest peak
@@ -167,7 +177,17 @@ def optimal_plan(
 
     def whole_graph(cuts: list[int]) -> tuple[Plan, str]:
         return _whole_graph_plan(
-            graph, info, cuts, budget_bytes, naive, meta, mem_slots, nested, max_cuts, block_size
+            graph,
+            info,
+            cuts,
+            budget_bytes,
+            naive,
+            meta,
+            mem_slots,
+            nested,
+            max_cuts,
+            block_size,
+            pins,
         )
 
     candidate = None
@@ -176,11 +196,11 @@ def optimal_plan(
         # value over fewer cuts (its plan is not needed: not simulated)
         fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
         try:
-            solved = _solve(info, fewer, budget_bytes, mem_slots, nested)
+            solved = _solve(info, fewer, budget_bytes, mem_slots, nested, pins)
         except BudgetError:  # below what the fewer cuts reach
             solved = None
         if solved is not None and solved.how == "dp":
-            candidate = _staged_candidate(graph, info, budget_bytes)
+            candidate = _staged_candidate(graph, info, budget_bytes, pins)
             if candidate is not None and candidate[1].recompute_flops < solved.recompute * (
                 1 - 1e-9
             ):
@@ -193,7 +213,7 @@ def optimal_plan(
                 return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
     plan, how = whole_graph(cuts)
     if how == "dp" and stages:
-        candidate = candidate or _staged_candidate(graph, info, budget_bytes)
+        candidate = candidate or _staged_candidate(graph, info, budget_bytes, pins)
         if _takes(candidate, plan, staged == "always"):
             meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
             return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
@@ -202,17 +222,17 @@ def optimal_plan(
 
 
 def _whole_graph_plan(
-    graph, info, cuts, budget_bytes, naive, meta, mem_slots, nested, max_cuts, block_size
+    graph, info, cuts, budget_bytes, naive, meta, mem_slots, nested, max_cuts, block_size, pins
 ) -> tuple[Plan, str]:
     """The whole-graph DP's plan over `cuts`, and how the DP solved it ("dp": the tables;
     "min-peak": the least-peak plan, where slot rounding rejected a feasible budget)."""
-    segments, slots, slot_bytes, how, _ = _solve(info, cuts, budget_bytes, mem_slots, nested)
+    segments, slots, slot_bytes, how, _ = _solve(info, cuts, budget_bytes, mem_slots, nested, pins)
     segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
     meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
     meta["solved_by"] = how
     plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
     if plan.predicted_peak_bytes > budget_bytes and info.rng_state_bytes and how == "dp":
-        plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive)
+        plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins)
     if plan.predicted_peak_bytes > budget_bytes:  # a model mismatch: never hand it out
         peak, fallback = min_feasible_peak(
             graph, block_size=block_size, max_cuts=max_cuts, nested=nested, info=info
@@ -229,7 +249,7 @@ def _whole_graph_plan(
     return plan, how
 
 
-def _replanned(graph, info, plan, cuts, mem_slots, nested, naive) -> Plan:
+def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:
     """The DP's plan for the budget less the excess of `plan` (twice at most): the DP does not
     see the generator states that segments nested in a recomputed one keep from the forward
     (NOTE [ Generator states of checkpoints ] in hbp.analysis.simulate). `plan` itself
@@ -238,7 +258,7 @@ def _replanned(graph, info, plan, cuts, mem_slots, nested, naive) -> Plan:
     for _ in range(2):
         target -= plan.predicted_peak_bytes - budget
         try:
-            segments, _, _, how, _ = _solve(info, cuts, target, mem_slots, nested)
+            segments, _, _, how, _ = _solve(info, cuts, target, mem_slots, nested, pins)
         except BudgetError:
             break
         segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
@@ -271,13 +291,13 @@ def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
     return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
 
 
-def _staged_candidate(graph, info, budget: int):
+def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
     """The staged plan (`hbp.planner.stages`) within `budget`: (segments, their simulation),
     or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
     budget and the stages planned again (twice at most)."""
     target = budget
     for _ in range(3):
-        segments = staged_plan(info, target, nested=False)
+        segments = staged_plan(info, target, nested=False, pins=pins)
         if segments is None:
             return None
         segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
