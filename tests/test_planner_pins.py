@@ -19,28 +19,12 @@ from hbp.graph import synthetic
 from hbp.planner import candidate_cuts, optimal_plan, validate_plan
 from hbp.planner.dp import solver
 from hbp.planner.plan import Segment
+from tests.test_planner import tilings
 
 
 def pinned_tilings(info: GraphInfo, cuts: list[int], depth: int):
     """Every plan over `cuts` up to `depth` levels, with every choice of one pin (or none) per
     recomputed top-level segment."""
-
-    def tilings(start, stop, depth):
-        inner = [c for c in cuts if start < c < stop]
-        for r in range(len(inner) + 1):
-            for chosen in itertools.combinations(inner, r):
-                bounds = [start, *chosen, stop]
-                choices = []
-                for a, b in zip(bounds[:-1], bounds[1:]):
-                    options = [Segment(a, b), Segment(a, b, True)]
-                    if depth > 1:
-                        options += [
-                            Segment(a, b, True, kids)
-                            for kids in tilings(a, b, depth - 1)
-                            if len(kids) > 1
-                        ]
-                    choices.append(options)
-                yield from itertools.product(*choices)
 
     def pins(seg):
         if not seg.recompute:
@@ -52,7 +36,7 @@ def pinned_tilings(info: GraphInfo, cuts: list[int], depth: int):
         ]
         return [(), *((q,) for q in own)]
 
-    for tiling in tilings(0, info.n, depth):
+    for tiling in tilings(0, info.n, cuts, depth):  # tests/test_planner.py's enumeration
         for chosen in itertools.product(*(pins(s) for s in tiling)):
             yield [
                 Segment(s.start, s.stop, s.recompute, s.children, pinned=q)

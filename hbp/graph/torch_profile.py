@@ -25,7 +25,7 @@ import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -206,14 +206,7 @@ def _profile_call_once(
     run, args, kwargs, inputs, persistent_keys, owners, name, params, gradient_view_of
 ) -> _Profile:
     """`_profile_call` without the cache."""
-    input_keys: dict[int, str] = {}
-    versions = []
-    for input_name, value in inputs:
-        for t in _tensors(value):
-            key = _storage_key(t)
-            if key is not None:
-                input_keys.setdefault(key, input_name)
-            versions.append((input_name, t, t._version))
+    input_keys, versions = _input_storages(inputs)
     leaves = tree_map(_leaf, (args, kwargs))
     saved: list[torch.Tensor] = []
 
@@ -292,6 +285,20 @@ def _profile_call_once(
     return profile
 
 
+def _input_storages(inputs) -> tuple[dict[int, str], list[tuple[str, torch.Tensor, int]]]:
+    """Of a call's inputs ((IR name, value)): storage key -> the first input's name on it, and
+    (name, tensor, version) of every input tensor (to tell which ones the call mutates)."""
+    input_keys: dict[int, str] = {}
+    versions = []
+    for input_name, value in inputs:
+        for t in _tensors(value):
+            key = _storage_key(t)
+            if key is not None:
+                input_keys.setdefault(key, input_name)
+            versions.append((input_name, t, t._version))
+    return input_keys, versions
+
+
 def _classify_output(output, input_keys: dict[int, str], persistent_keys, owners, sizes):
     """(new bytes, the input it aliases, its storage keys, the keys of its new storages) of an
     op's output (`sizes`: real sizes where fake kernels allocate others)."""
@@ -326,11 +333,20 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 PROFILE_CACHE = True  # off: every node profiled in full (tests compare the two)
 
 
+class _Cached(NamedTuple):
+    """A profiled call, its input references as positions among the call's inputs."""
+
+    profile: _Profile
+    alias_of: int  # -1: none
+    saved_inputs: list[int]
+    grad_passthrough: list[int]
+
+
 class _ProfileCache:
     """Profiles of fx-node calls by signature (NOTE [ Identical nodes are profiled once ])."""
 
     def __init__(self):
-        self.entries: dict[tuple, dict] = {}
+        self.entries: dict[tuple, _Cached] = {}
         self.hits = 0
 
     def key(self, op, args, kwargs, inputs, persistent_keys, owners, params, gradient_view_of):
@@ -384,11 +400,11 @@ class _ProfileCache:
         if profile.mutated_inputs:
             return
         names = [n for n, _ in inputs]
-        self.entries[key] = dict(
-            profile=profile,
-            alias_of=names.index(profile.alias_of) if profile.alias_of is not None else -1,
-            saved_inputs=[names.index(n) for n in profile.saved_inputs],
-            grad_passthrough=[names.index(n) for n in profile.grad_passthrough],
+        self.entries[key] = _Cached(
+            profile,
+            names.index(profile.alias_of) if profile.alias_of is not None else -1,
+            [names.index(n) for n in profile.saved_inputs],
+            [names.index(n) for n in profile.grad_passthrough],
         )
 
     def replay(self, key, run, args, kwargs, inputs, persistent_keys, owners, name):
@@ -396,16 +412,9 @@ class _ProfileCache:
         entry = self.entries.get(key)
         if entry is None:
             return None
-        first: _Profile = entry["profile"]
+        first = entry.profile
         names = [n for n, _ in inputs]
-        input_keys: dict[int, str] = {}
-        versions = []
-        for input_name, value in inputs:
-            for t in _tensors(value):
-                k = _storage_key(t)
-                if k is not None:
-                    input_keys.setdefault(k, input_name)
-                versions.append(t._version)
+        input_keys, versions = _input_storages(inputs)
         call_args, call_kwargs = tree_map(_leaf, (args, kwargs))
         try:
             with _RealStorageSizes() as real:
@@ -416,11 +425,11 @@ class _ProfileCache:
             output, input_keys, persistent_keys, owners, real.sizes
         )
         alias = names.index(alias_of) if alias_of is not None else -1
-        unchanged = versions == [t._version for _, v in inputs for t in _tensors(v)]
+        unchanged = all(t._version == v for _, t, v in versions)
         if not (
             unchanged
             and output_bytes == first.output_bytes
-            and alias == entry["alias_of"]
+            and alias == entry.alias_of
             and _requires_grad(output) == first.requires_grad
         ):
             return None
@@ -430,8 +439,8 @@ class _ProfileCache:
             first,
             output=output,
             alias_of=alias_of,
-            saved_inputs=tuple(names[i] for i in entry["saved_inputs"]),
-            grad_passthrough=[names[i] for i in entry["grad_passthrough"]],
+            saved_inputs=tuple(names[i] for i in entry.saved_inputs),
+            grad_passthrough=[names[i] for i in entry.grad_passthrough],
             value_bytes=sum(t.numel() * t.element_size() for t in _tensors(output)),
         )
 

@@ -177,7 +177,6 @@ class HCModule(nn.Module):
             raise ConfigError("keeps_outputs", keeps_outputs, "None, True or False")
         self.keeps_outputs = keeps_outputs
         self._compiled: dict[tuple, Compiled] = {}
-        self._under_compile = False  # planning for torch.compile(hc)
         self._current: Compiled | None = None
         self._warned: set[str] = set()
         self.register_load_state_dict_pre_hook(_accept_unwrapped_keys)
@@ -231,11 +230,7 @@ class HCModule(nn.Module):
     def _forward_with_compiled_segments(self, *args, **kwargs):
         if not self._plans_for(args, kwargs):
             return self.module(*args, **kwargs)
-        self._under_compile = True  # a plan made now runs compiled: without pins
-        try:
-            compiled = self._prepare(args, kwargs)
-        finally:
-            self._under_compile = False
+        compiled = self._prepare(args, kwargs, compiled_segments=True)
         return self._segments_compiled(compiled)(*args, **kwargs)
 
     def _executor(self, compiled: Compiled):
@@ -313,7 +308,16 @@ class HCModule(nn.Module):
             return False
         return differentiable
 
-    def _prepare(self, args, kwargs, root: nn.Module | None = None, tag: Any = None) -> Compiled:
+    def _prepare(
+        self,
+        args,
+        kwargs,
+        root: nn.Module | None = None,
+        tag: Any = None,
+        compiled_segments: bool = False,
+    ) -> Compiled:
+        """The capture, plan and executor of this call's signature (made on first use);
+        `compiled_segments`: the call runs its segments compiled (torch.compile(hc))."""
         key = (tag, self._signature(args, kwargs))
         compiled = self._compiled.get(key)
         if (
@@ -323,7 +327,7 @@ class HCModule(nn.Module):
         ):
             compiled = None  # NOTE [ Captured under a profiler ]
         if compiled is None:
-            compiled = self._compile(args, kwargs, root)
+            compiled = self._compile(args, kwargs, root, compiled_segments)
             self._compiled[key] = compiled
             if len(self._compiled) == MANY_SIGNATURES + 1:
                 self._warn_once(
@@ -355,7 +359,9 @@ class HCModule(nn.Module):
         parts.append(tuple(m.training for m in self.module.modules()))
         return tuple(parts)
 
-    def _compile(self, args, kwargs, root: nn.Module | None = None) -> Compiled:
+    def _compile(
+        self, args, kwargs, root: nn.Module | None = None, compiled_segments: bool = False
+    ) -> Compiled:
         from hbp.planner import plan as make_plan  # the planner is pure: import on use
 
         root = self.module if root is None else root
@@ -383,13 +389,12 @@ class HCModule(nn.Module):
         else:
             try:
                 # compiled segments run without pins (NOTE [ Running pinned values ])
-                compiled_segments = self.compile is not False or self._under_compile
                 plan = make_plan(
                     graph,
                     self._budget_for(naive),
                     block_size=self.block_size,
                     planner=self.planner,
-                    pins=not compiled_segments,
+                    pins=not (compiled_segments or self.compile is not False),
                 )
             except BudgetError as err:
                 if self.budget == 1 and isinstance(self.budget, int):  # not 1.0 (nor True)
