@@ -108,6 +108,9 @@ class _FakeLiveBytes(TorchDispatchMode):
             if entry[1] == 0:
                 del self._tensors[key]
                 self.live -= entry[0]
+                # the key is the storage's address, which a later storage may reuse: that one
+                # is created when it is, not when this one was
+                self.created.pop(key, None)
 
 
 def _draws_random(func, args: tuple, kwargs: dict) -> bool:
