@@ -16,6 +16,7 @@ from hbp.errors import ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.budget import parse_budget
 from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
+from hbp.planner.dp.recursion import planning
 from hbp.planner.plan import Plan, Segment
 from hbp.planner.tree import validate_plan
 from hbp.planner.uniform import uniform_plan
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 
+@planning(64)
 def plan(
     graph: Graph,
     budget,

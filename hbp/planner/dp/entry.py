@@ -124,6 +124,7 @@ def _least_peak(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, l
     return peak, segments
 
 
+@planning(64)
 def optimal_plan(
     graph: Graph,
     budget_bytes: int,
@@ -325,6 +326,7 @@ def _as_staged(graph, info, meta: dict, budget: int, candidate, naive, t0: float
     return plan
 
 
+@planning(64)
 def min_feasible_peak(
     graph: Graph,
     *,
