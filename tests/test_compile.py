@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import hbp
 from hbp.runtime.tracker import allocator_peak
@@ -107,6 +108,28 @@ def test_a_compiled_loss_function_calling_hc_breaks_the_graph_there():
     loss_fn(x).backward()
     assert compiled_segments(hc) >= 2
     assert_same_step(model, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_of_hcmodule_whose_forward_dynamo_skips():
+    """A call under a dispatch mode makes Dynamo skip HCModule.forward for good, in every
+    HCModule of the process; forward then runs as plain Python under Dynamo's frame callback
+    (NOTE [ torch.compile of an HCModule ]). The plan still runs outside Dynamo with its
+    segments compiled: before, Dynamo traced hbp's capture and planner frame by frame and
+    failed in the planner's numpy code on the next model."""
+    torch._dynamo.reset()  # the skip outlives the test otherwise
+    try:
+        model, x, _ = reference(mlp)
+        compiled = torch.compile(hbp.HCModule(model, budget=0.5), backend="aot_eager")
+        step(compiled, model, x)  # traced, planned
+        with FlopCounterMode(display=False):  # forward is skipped from here on
+            step(compiled, model, x)
+        model, x, plain = reference(cnn)  # captured and planned under the callback
+        hc = hbp.HCModule(model, budget=BUDGET[cnn], compile=AOT_EAGER)
+        step(torch.compile(hc, backend="aot_eager"), model, x)
+        assert compiled_segments(hc) >= 2
+        assert_same_step(model, plain, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_torch_compile_fullgraph_says_why_and_what_to_use():

@@ -203,7 +203,8 @@ class HCModule(nn.Module):
         return self._current
 
     def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # NOTE [ torch.compile of an HCModule ]
+        # NOTE [ torch.compile of an HCModule ]
+        if torch.compiler.is_compiling() or _dynamo_callback_set():
             return self._forward_with_compiled_segments(*args, **kwargs)
         if self.loss_fn is not None and "targets" in kwargs:
             return self._forward_with_loss(args, kwargs)
@@ -222,6 +223,14 @@ class HCModule(nn.Module):
     # segment compiled on its own (`hbp.runtime.executor`, NOTE [ Compiled segments ]), as
     # HCModule(..., compile=True) does. Code around the call (a compiled function that calls
     # hc and computes the loss) is compiled as usual.
+    # Dynamo does not always trace forward: a frame entered under a dispatch mode (a FLOP
+    # counter, a memory tracker, the profiler) is skipped, and Dynamo then skips that code
+    # object for good, in every HCModule of the process. Such a forward runs as plain Python
+    # (`is_compiling()` is False) while Dynamo's frame callback stays set for the frames it
+    # calls, which would have Dynamo trace hbp's capture and planner one frame at a time
+    # (slow, and failing on numpy's stride tricks). So forward also takes the compiled path
+    # when that callback is set (`_dynamo_callback_set`): the plan runs outside Dynamo with
+    # its segments compiled, as if forward had been traced.
 
     @torch.compiler.disable(
         reason="HCModule runs its plan outside Dynamo and compiles each segment itself "
@@ -799,6 +808,13 @@ class HCModule(nn.Module):
 #: Libraries whose own forward hooks are part of their models (transformers collects
 #: hidden states and attentions with them): no warning is about them.
 _LIBRARY_HOOKS = ("transformers.", "diffusers.", "timm.", "torchvision.")
+
+
+def _dynamo_callback_set() -> bool:
+    """Whether this frame runs under a torch.compile'd caller that Dynamo does not trace it for
+    (NOTE [ torch.compile of an HCModule ]): Dynamo's frame callback is set."""
+    get = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    return get is not None and get() not in (None, False)
 
 
 def _grad_leaves(executor, output) -> list[torch.Tensor]:
