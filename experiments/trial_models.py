@@ -248,9 +248,186 @@ def unet2d_cl_bf16():
     return model, step
 
 
+def llama_rope_scaled():
+    """Llama with grouped-query attention and linearly scaled rotary positions."""
+    import transformers as t
+
+    config = t.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    model = t.LlamaForCausalLM(config)
+    ids = _tokens(4, 96, vocab=1024)
+    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+
+def mixtral():
+    """Mixtral: sparse mixture of experts (top-2 of 4 routed per token, data-dependent expert
+    batches), grouped-query attention."""
+    import transformers as t
+
+    config = t.MixtralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    model = t.MixtralForCausalLM(config)
+    ids = _tokens(2, 64)
+    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+
+def mamba():
+    """Mamba: selective state-space layers (transformers' sequential scan without CUDA
+    kernels), depthwise causal convolution."""
+    import transformers as t
+
+    config = t.MambaConfig(
+        vocab_size=512, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4
+    )
+    model = t.MambaForCausalLM(config)
+    ids = _tokens(2, 32)
+    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+
+def deberta_v2():
+    """DeBERTa-v2 sequence classification: disentangled relative-position attention (c2p,
+    p2c, log buckets); its loss selects the labelled rows with `nonzero`."""
+    import transformers as t
+
+    config = t.DebertaV2Config(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        relative_attention=True,
+        position_buckets=32,
+        pos_att_type=["p2c", "c2p"],
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = t.DebertaV2ForSequenceClassification(config)
+    ids = _tokens(4, 64)
+    labels = torch.randint(0, 3, (4,))
+    return model, lambda m: m(input_ids=ids, labels=labels).loss.backward()
+
+
+def vit_mae():
+    """ViT-MAE pre-training: random patch masking (noise, argsort, gather) drawn in the
+    forward, encoder on the kept patches, decoder on all; the step seeds the generator."""
+    import transformers as t
+
+    config = t.ViTMAEConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=4,
+        decoder_hidden_size=32,
+        decoder_num_hidden_layers=1,
+        decoder_num_attention_heads=4,
+        decoder_intermediate_size=64,
+        mask_ratio=0.75,
+    )
+    model = t.ViTMAEForPreTraining(config)
+    x = torch.randn(4, 3, 32, 32)
+
+    def step(m):
+        torch.manual_seed(1)  # the same masks for the plain step and HCModule's
+        m(pixel_values=x).loss.backward()
+
+    return model, step
+
+
+def clip():
+    """CLIP: text and vision towers, projections, contrastive loss over the batch."""
+    import transformers as t
+
+    config = t.CLIPConfig(
+        text_config=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+        ),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=4,
+        ),
+        projection_dim=32,
+    )
+    model = t.CLIPModel(config)
+    ids = _tokens(4, 16)
+    x = torch.randn(4, 3, 32, 32)
+    return model, lambda m: m(input_ids=ids, pixel_values=x, return_loss=True).loss.backward()
+
+
+def sd_unet():
+    """diffusers UNet2DConditionModel (Stable Diffusion's): cross-attention to text
+    embeddings, timestep embedding, MSE on the predicted noise."""
+    import diffusers
+
+    model = diffusers.UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=16,
+    )
+    x = torch.randn(2, 4, 16, 16)
+    timesteps = torch.tensor([10, 500])
+    text = torch.randn(2, 8, 32)
+    noise = torch.randn(2, 4, 16, 16)
+    return model, lambda m: F.mse_loss(
+        m(x, timesteps, encoder_hidden_states=text).sample, noise
+    ).backward()
+
+
 MODELS = {
     f.__name__: f
-    for f in (gemma2, mistral_sdpa, albert, bart, wav2vec2, swin, pixart, unet2d_cl_bf16)
+    for f in (
+        gemma2,
+        mistral_sdpa,
+        albert,
+        bart,
+        wav2vec2,
+        swin,
+        pixart,
+        unet2d_cl_bf16,
+        llama_rope_scaled,
+        mixtral,
+        mamba,
+        deberta_v2,
+        vit_mae,
+        clip,
+        sd_unet,
+    )
 }
 
 
