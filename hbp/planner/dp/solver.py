@@ -31,8 +31,10 @@ __all__ = ["NESTED_PINS", "PIN_VALUES", "PinCharge", "SlotArrays", "Solver"]
 #: Whether `Solver`s let recomputed children pin a node by default (`_pin_rows`).
 #: The brute-force tests of the plan space without pins turn it off.
 PIN_VALUES = True
-#: Whether children of nested levels pin too (`_pin_rows`), beside top-level children.
+#: Whether children of nested levels pin too (`_pin_rows`), beside top-level children, on
+#: cost models of at most NESTED_PINS_MAX_CUTS candidate cuts (NOTE [ Pin candidates ]).
 NESTED_PINS = True
+NESTED_PINS_MAX_CUTS = 16
 
 
 class PinCharge(str, Enum):
@@ -119,7 +121,9 @@ class Solver(Recursion):
         super().__init__(model, nested, end)
         # recomputed children may pin a node (`_pin_rows`)
         self.pins = PIN_VALUES if pins is None else pins
-        self.nested_pins = self.pins and (NESTED_PINS if nested_pins is None else nested_pins)
+        if nested_pins is None:
+            nested_pins = NESTED_PINS and len(model.cuts) <= NESTED_PINS_MAX_CUTS
+        self.nested_pins = self.pins and nested_pins
         self.pin_charge = PinCharge(pin_charge)
         self.n_slots = slots
         self.slot = slot_bytes
