@@ -149,7 +149,7 @@ def optimal_plan(
     stages (`hbp.planner.stages`: per-stage tables over fine cuts, one allocation across
     stages) and that plan is taken when it fits and recomputes less.
 
-    `pins`: whether recomputed top-level segments may pin nodes (NOTE [ Pin candidates ]);
+    `pins`: whether recomputed segments may pin nodes (NOTE [ Pin candidates ]);
     off for executors that cannot run pins (compiled segments, JAX). None: `PIN_VALUES`.
 
     Raises:
