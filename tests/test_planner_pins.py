@@ -157,3 +157,25 @@ def test_plans_without_pins_for_executors_that_cannot_run_them(monkeypatch):
         hc = hbp.HCModule(model, budget=1.0, compile=compile_)
         hc(x).sum().backward()
         assert asked[-1] is expected
+
+
+def test_a_pin_its_childs_pass_never_reaches_is_planned_again():
+    """Charged until the child's pass (PinCharge.PASS), a pin whose child's nested plan stops
+    its pass before it saves nothing: the tables promise less than the plan recomputes, and
+    `optimal_plan` takes the plan made with the pin charged through the backward instead."""
+    from hbp.planner.dp import entry
+
+    graph = synthetic.random_dag(5, seed=15, alias_prob=0.0)
+    info = GraphInfo.of(graph)
+    cuts = candidate_cuts(info, 1, 64)
+    by_charge = {}
+    for charge in solver.PinCharge:
+        solved = entry._solve(info, cuts, 25, 256, True, None, charge)
+        sim = simulate(graph, solved.segments, info=info)
+        by_charge[charge] = (solved.recompute, sim.recompute_flops, sim.peak_bytes)
+    promised, recomputes, _ = by_charge[solver.PinCharge.PASS]
+    assert promised < recomputes  # the pin goes unanswered
+    plan = optimal_plan(graph, 25)
+    assert plan.predicted_peak_bytes <= 25
+    assert plan.predicted_recompute_flops == by_charge[solver.PinCharge.BACKWARD][1] < recomputes
+    assert "charged through the backward" in plan.meta["solved_by"]
