@@ -90,13 +90,23 @@ def _solve(
     nested: bool,
     pins: bool | None = None,
     pin_charge: PinCharge = PinCharge.PASS,
+    nested_pins: bool | None = None,
 ) -> _Solved:
     """Run the DP over `cuts` (`pins`: whether recomputed segments may pin nodes; None: the
-    default, `hbp.planner.dp.solver.PIN_VALUES`; `pin_charge`: how a pin is charged)."""
+    default, `hbp.planner.dp.solver.PIN_VALUES`; `pin_charge`: how a pin is charged;
+    `nested_pins`: whether children of nested levels pin too, None: the solver's default)."""
     model = CostModel(info, cuts)
     with planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
-        solver = Solver(model, slots, slot_bytes, nested, pins=pins, pin_charge=pin_charge)
+        solver = Solver(
+            model,
+            slots,
+            slot_bytes,
+            nested,
+            pins=pins,
+            pin_charge=pin_charge,
+            nested_pins=nested_pins,
+        )
         recompute = float(solver.top(0, frozenset())[0, slots])
         if recompute < INF:
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
@@ -259,22 +269,31 @@ def _any_pins(segments: list[Segment]) -> bool:
 
 
 def _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins) -> Plan:
-    """`plan` (made with `PinCharge.PASS`, whose tables' value was `value`), or the plan made
-    with `PinCharge.BACKWARD` where `plan` is over the budget or recomputes more than the
-    tables said and that one does better: a pin that the child's nested plan stops its pass
-    before is held longer and saves nothing (NOTE [ Pin candidates ])."""
+    """`plan` (made with `PinCharge.PASS`, whose tables' value was `value`), or, where `plan`
+    is over the budget or recomputes more than the tables said (a pin that the child's nested
+    plan stops its pass before is held longer and saves nothing: NOTE [ Pin candidates ]),
+    the best that fits of: `plan`, the plan with pins charged through the backward
+    (`PinCharge.BACKWARD`) and the plan without pins in nested levels."""
     budget = plan.budget_bytes
-    over = plan.predicted_peak_bytes > budget
-    if not over and plan.predicted_recompute_flops <= value * (1 + 1e-9) + 1e-9:
+    if plan.predicted_peak_bytes <= budget and (
+        plan.predicted_recompute_flops <= value * (1 + 1e-9) + 1e-9
+    ):
         return plan
-    segments, _, _, how, _ = _solve(info, cuts, budget, mem_slots, nested, pins, PinCharge.BACKWARD)
-    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
-    meta = dict(plan.meta, solved_by=f"{how} (pins charged through the backward)")
-    other = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
-    fits = other.predicted_peak_bytes <= budget
-    if over or (fits and other.predicted_recompute_flops < plan.predicted_recompute_flops):
-        return other
-    return plan
+    options = [plan]
+    for charge, nested_pins, label in (
+        (PinCharge.BACKWARD, None, "pins charged through the backward"),
+        (PinCharge.PASS, False, "no pins in nested levels"),
+    ):
+        segments, _, _, how, _ = _solve(
+            info, cuts, budget, mem_slots, nested, pins, charge, nested_pins
+        )
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        meta = dict(plan.meta, solved_by=f"{how} ({label})")
+        options.append(finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta))
+    fitting = [p for p in options if p.predicted_peak_bytes <= budget]
+    if not fitting:
+        return options[1]  # the upper-bound charge: as without PinCharge.PASS
+    return min(fitting, key=lambda p: p.predicted_recompute_flops)
 
 
 def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:
