@@ -1,9 +1,10 @@
 """The DP with pinned values (NOTE [ Pin candidates ] in hbp/planner/dp/cost_model.py) against
 brute force over plans with pins: every plan of one level (or two) over all cut subsets, each
-recomputed top-level segment pinning no node or any one node with storage of its own,
-simulated. The DP charges a pin as kept through the segment's backward (an upper bound), so
-its plans lie between the optimum with pins and the optimum without: never more recompute
-than without pins, never over the budget, and strictly less where a pin pays."""
+recomputed segment (at any level) pinning no node or any one node with storage of its own,
+simulated. The DP's plans lie between the optimum with pins and the optimum without: never
+more recompute than without pins, never over the budget (a pin charged until its child's pass
+where that fits by simulation, else through its backward), and strictly less where a pin
+pays."""
 
 import itertools
 
@@ -24,7 +25,7 @@ from tests.test_planner import tilings
 
 def pinned_tilings(info: GraphInfo, cuts: list[int], depth: int):
     """Every plan over `cuts` up to `depth` levels, with every choice of one pin (or none) per
-    recomputed top-level segment."""
+    recomputed segment at any level (a node pinned once)."""
 
     def pins(seg):
         if not seg.recompute:
@@ -36,12 +37,25 @@ def pinned_tilings(info: GraphInfo, cuts: list[int], depth: int):
         ]
         return [(), *((q,) for q in own)]
 
+    def variants(segments):
+        """Every pinned version of `segments` (children first)."""
+        per_segment = []
+        for s in segments:
+            options = []
+            for kids in variants(s.children) if s.children else [[]]:
+                taken = {q for k in kids for q in all_pins(k)}
+                for q in pins(s):
+                    if not set(q) & taken:
+                        options.append(Segment(s.start, s.stop, s.recompute, kids, pinned=q))
+            per_segment.append(options)
+        return [list(combo) for combo in itertools.product(*per_segment)]
+
     for tiling in tilings(0, info.n, cuts, depth):  # tests/test_planner.py's enumeration
-        for chosen in itertools.product(*(pins(s) for s in tiling)):
-            yield [
-                Segment(s.start, s.stop, s.recompute, s.children, pinned=q)
-                for s, q in zip(tiling, chosen)
-            ]
+        yield from variants(tiling)
+
+
+def all_pins(seg: Segment) -> list[int]:
+    return [*seg.pinned, *(q for c in seg.children for q in all_pins(c))]
 
 
 def brute_force(graph, depth):
@@ -51,7 +65,7 @@ def brute_force(graph, depth):
     out = []
     for plan in pinned_tilings(info, cuts, depth):
         sim = simulate(graph, plan, info=info)
-        out.append((sim.peak_bytes, sim.recompute_flops, any(s.pinned for s in plan)))
+        out.append((sim.peak_bytes, sim.recompute_flops, any(all_pins(s) for s in plan)))
     return out
 
 
@@ -67,11 +81,14 @@ CASES = [
     (synthetic.random_dag(6, seed=3, refinements=True), 1, False),
     (synthetic.chain(6, seed=2, refinements=True), 1, False),
     (synthetic.random_dag(4, seed=15, alias_prob=0.0), 2, False),
+    (synthetic.random_dag(4, seed=8, alias_prob=0.0), 2, True),
 ]
 
 
 @pytest.mark.parametrize(
-    ("graph", "depth", "pays"), CASES, ids=["dag15", "dag18", "dag3", "chain2", "nested-dag15"]
+    ("graph", "depth", "pays"),
+    CASES,
+    ids=["dag15", "dag18", "dag3", "chain2", "nested-dag15", "nested-dag8"],
 )
 def test_dp_with_pins_lies_between_the_optima_with_and_without_pins(graph, depth, pays):
     results = brute_force(graph, depth)
@@ -89,7 +106,7 @@ def test_dp_with_pins_lies_between_the_optima_with_and_without_pins(graph, depth
         recompute = plan.predicted_recompute_flops
         assert with_pins - 1e-9 <= recompute <= without + 1e-9, (budget, plan)
         gained += recompute < without - 1e-9
-        assert recompute < without - 1e-9 or not any(s.pinned for s in plan.segments)
+        assert recompute < without - 1e-9 or not any(all_pins(s) for s in plan.segments)
     assert (gained > 0) == pays
 
 
@@ -140,3 +157,25 @@ def test_plans_without_pins_for_executors_that_cannot_run_them(monkeypatch):
         hc = hbp.HCModule(model, budget=1.0, compile=compile_)
         hc(x).sum().backward()
         assert asked[-1] is expected
+
+
+def test_a_pin_its_childs_pass_never_reaches_is_planned_again():
+    """Charged until the child's pass (PinCharge.PASS), a pin whose child's nested plan stops
+    its pass before it saves nothing: the tables promise less than the plan recomputes, and
+    `optimal_plan` takes the plan made with the pin charged through the backward instead."""
+    from hbp.planner.dp import entry
+
+    graph = synthetic.random_dag(5, seed=15, alias_prob=0.0)
+    info = GraphInfo.of(graph)
+    cuts = candidate_cuts(info, 1, 64)
+    by_charge = {}
+    for charge in solver.PinCharge:
+        solved = entry._solve(info, cuts, 25, 256, True, None, charge)
+        sim = simulate(graph, solved.segments, info=info)
+        by_charge[charge] = (solved.recompute, sim.recompute_flops, sim.peak_bytes)
+    promised, recomputes, _ = by_charge[solver.PinCharge.PASS]
+    assert promised < recomputes  # the pin goes unanswered
+    plan = optimal_plan(graph, 25)
+    assert plan.predicted_peak_bytes <= 25
+    assert plan.predicted_recompute_flops == by_charge[solver.PinCharge.BACKWARD][1] < recomputes
+    assert "charged through the backward" in plan.meta["solved_by"]

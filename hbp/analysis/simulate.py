@@ -48,9 +48,10 @@ Scratch bytes a capture recorded (`forward_transient_bytes`,
 event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a
 dropout mask, an attention logsumexp: the op makes them, the checkpoint's pack hook drops
 them): they are scratch of that event. Checkpoints of segments that draw random numbers keep
-copies of the generator's state (NOTE [ Generator states of checkpoints ]). A top-level
-recomputed segment's pinned nodes keep their outputs from the forward for its recompute pass
-(NOTE [ Pinned values ]).
+copies of the generator's state (NOTE [ Generator states of checkpoints ]). A recomputed
+segment's pinned nodes keep their outputs from the pass that last ran its forward (the
+original forward, or its parent's recompute pass) for its own recompute pass (NOTE [ Pinned
+values ]).
 
 The peak is the largest recorded live-byte count, above the level before the step.
 """
@@ -117,27 +118,35 @@ FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 
 
 # NOTE [ Pinned values ]
-# A top-level recomputed segment S may pin nodes (`Segment.pinned`): its checkpoint runs with
-# `context_fn` = torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`)
-# whose policy answers MUST_SAVE for the ops of a pinned node (hbp/runtime/executor.py). What
-# torch does with them (torch/utils/checkpoint.py, `_CachingTorchDispatchMode` and
-# `_CachedTorchDispatchMode`), and so the simulator:
-# - forward: the pinned node p runs as usual (saving off); the caching mode stores a detached
-#   alias of each of its outputs (its output and the extras it makes, which would otherwise be
-#   scratch) in the checkpoint's storage: p's storage stays live past its last forward use;
+# A recomputed segment S, at any depth, may pin nodes (`Segment.pinned`): its checkpoint runs
+# with `context_fn` = torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`)
+# whose policy answers MUST_SAVE for the ops of a pinned node (NOTE [ Running pinned values ]
+# in hbp/runtime/executor.py). A pin is stored by the pass that runs S's forward last before
+# S's own recompute pass: the original forward for a top-level S, the recompute pass of S's
+# parent for a nested one (the *storing pass*). What torch does with them
+# (torch/utils/checkpoint.py, `_CachingTorchDispatchMode` and `_CachedTorchDispatchMode`),
+# and so the simulator:
+# - storing pass: the pinned node p runs as usual (saving off); the caching mode stores a
+#   detached alias of each of its outputs (its output and the extras it makes, which would
+#   otherwise be scratch) in the storage of S's checkpoint (of its frame made in the original
+#   forward, which the one S's parent's pass makes writes into): p's storage stays live past
+#   its last use in that pass. A storing pass that stops before S's forward runs (its last
+#   save event is before S, or is entering S) stores nothing;
 # - S's recompute pass: every op re-runs except p's, which the cached mode answers from the
 #   storage and then forgets (`_CONSUMED`): p allocates nothing, runs no FLOPs and no scratch;
 #   the stored value is the pass's value of p from then on (freed like one), its extras are
 #   what p saves if the pass saves for it, else freed at once. Autograd still records p and
-#   packs its saves, so the early stop (NOTE [ Early stop at the last pack ]) is unchanged;
+#   packs its saves, so the early stop (NOTE [ Early stop at the last pack ]) is unchanged.
+#   Nothing stored: p runs as without the pin;
 # - a pass that stops before p runs (p after S's last save event, or p the stop node that
-#   runs nothing) leaves the stored values in the storage, which the checkpoint's frame holds
-#   (through its recompute function) until the frame goes: after the backward of S's first
-#   save event, or, when S saves nothing, when S's forward ends.
-# A nested segment's checkpoint would store its pins in a frame the outer forward keeps for
-# most of the backward, and again in every outer pass: only top-level segments pin
-# (`check_pins`). The planner's DP (`hbp.planner.dp`) charges a pin as a value kept from the
-# forward through the segment's backward: an upper bound of the above.
+#   runs nothing) leaves the stored values in the storage, which S's frame holds (through its
+#   recompute function) until the frame goes: after the backward of S's first save event, or,
+#   when S saves nothing, when S's forward ends (top level; a nested S that saves nothing has
+#   no frame left when its parent's pass runs, and stores nothing).
+# Pins of different segments are independent: each segment's policy answers only for its own
+# pins, and a node is pinned by one segment at most (`check_pins`). The planner's DP
+# (`hbp.planner.dp`) charges a pin as a value kept from the child's forward in the storing
+# pass through the child's backward: an upper bound of the above.
 
 # NOTE [ Generator states of checkpoints ]
 # A recomputed segment with a node that draws random numbers runs through
@@ -223,40 +232,39 @@ def pins_of(seg: SegmentLike) -> tuple[int, ...]:
 
 def check_pins(info: GraphInfo, segments: list[SegmentLike]) -> None:
     """Raise ValueError unless every pin is a node with its own storage (not a graph input, not
-    an alias) inside a recomputed top-level segment (NOTE [ Pinned values ])."""
+    an alias, not drawing random numbers) inside the recomputed segment that pins it, at any
+    depth, and no node is pinned twice (NOTE [ Pinned values ])."""
+    seen: dict[int, str] = {}
 
-    def nested(segs: list[SegmentLike], where: str) -> None:
+    def visit(segs: list[SegmentLike], where: str) -> None:
         for k, seg in enumerate(segs):
-            if pins_of(seg):
-                raise ValueError(
-                    f"{where}[{k}] [{seg.start}, {seg.stop}) pins nodes but is nested in a "
-                    "recomputed segment; only top-level recomputed segments pin values"
-                )
-            nested(seg.children, f"{where}[{k}].children")
+            at = f"{where}[{k}]"
+            visit(seg.children, f"{at}.children")
+            pins = pins_of(seg)
+            if pins and not seg.recompute:
+                raise ValueError(f"{at} [{seg.start}, {seg.stop}) pins nodes but is not recomputed")
+            for p in pins:
+                if not seg.start <= p < seg.stop:
+                    raise ValueError(f"{at} [{seg.start}, {seg.stop}) pins node {p}, outside it")
+                if info.is_input[p] or info.root[p] != p:
+                    raise ValueError(
+                        f"{at} pins node {p} ({info.names[p]!r}), a graph input or a "
+                        "view/in-place result: only nodes with their own storage can be pinned"
+                    )
+                if info.draws_random[p]:
+                    raise ValueError(
+                        f"{at} pins node {p} ({info.names[p]!r}), which draws random "
+                        "numbers: skipped in the recompute, it would not advance the generator "
+                        "the ops after it replay"
+                    )
+                if p in seen:
+                    raise ValueError(
+                        f"{at} pins node {p} ({info.names[p]!r}), which {seen[p]} pins too: "
+                        "a node is pinned by one segment at most"
+                    )
+                seen[p] = at
 
-    for k, seg in enumerate(segments):
-        nested(seg.children, f"plan.segments[{k}].children")
-        pins = pins_of(seg)
-        if pins and not seg.recompute:
-            raise ValueError(
-                f"plan.segments[{k}] [{seg.start}, {seg.stop}) pins nodes but is not recomputed"
-            )
-        for p in pins:
-            if not seg.start <= p < seg.stop:
-                raise ValueError(
-                    f"plan.segments[{k}] [{seg.start}, {seg.stop}) pins node {p}, outside it"
-                )
-            if info.is_input[p] or info.root[p] != p:
-                raise ValueError(
-                    f"plan.segments[{k}] pins node {p} ({info.names[p]!r}), a graph input or a "
-                    "view/in-place result: only nodes with their own storage can be pinned"
-                )
-            if info.draws_random[p]:
-                raise ValueError(
-                    f"plan.segments[{k}] pins node {p} ({info.names[p]!r}), which draws random "
-                    "numbers: skipped in the recompute, it would not advance the generator the "
-                    "ops after it replay"
-                )
+    visit(segments, "plan.segments")
 
 
 def check_tiling(segments: list[SegmentLike], start: int, stop: int, where: str = "plan") -> None:
@@ -309,9 +317,11 @@ class _Run:
         # checkpoints ])
         self.frame_states: defaultdict[int, list[int]] = defaultdict(list)
         self.grad: list[int] = [-1] * info.n  # value -> gradient instance (or -1)
-        # NOTE [ Pinned values ]: pinned node -> its segment's (start, stop); the instances the
+        # NOTE [ Pinned values ]: pinned node -> id of its segment (whose pass answers it) and
+        # of its storing pass (id of the parent segment; None: the forward); the instances the
         # checkpoint's storage holds (output, extras); node -> pins released after its backward
-        self.pin_scope: dict[int, tuple[int, int]] = {}
+        self.pin_owner: dict[int, int] = {}
+        self.pin_store: dict[int, int | None] = {}
         self.stored: dict[int, list[int]] = {}
         self.frame_pins: defaultdict[int, list[int]] = defaultdict(list)
         for i in range(info.n):
@@ -387,12 +397,16 @@ class _Run:
             items.append(("state_end", seg))
 
     def _pass(
-        self, children: list[SegmentLike], scope: tuple[int, int] | None, trigger: int = -1
+        self,
+        children: list[SegmentLike],
+        scope: tuple[int, int] | None,
+        trigger: int = -1,
+        owner: int | None = None,
     ) -> None:
         """Run a forward pass over `children`. scope=None: the original pass (all users
         count, outputs are held for the step); else a recompute pass of [start, stop) that
         runs at the backward of node `trigger` (children after it have had their backward:
-        entering them holds nothing)."""
+        entering them holds nothing), of the segment whose id is `owner`."""
         info = self.info
         phase = FORWARD if scope is None else RECOMPUTE
         items = self._items(children, early_stop=scope is not None)
@@ -444,7 +458,7 @@ class _Run:
             # NOTE [ Pinned values ]: the pinned node's own pass answers it from the storage
             cached = (
                 self.stored.pop(j, None)
-                if scope is not None and self.pin_scope.get(j) == scope
+                if owner is not None and self.pin_owner.get(j) == owner
                 else None
             )
             if cached is not None:
@@ -480,7 +494,8 @@ class _Run:
             if scope is not None:
                 self.recompute_flops += info.stop_flops[j] if j == stop_at else info.flops[j]
             scratch = int(info.forward_transient[j])
-            if scope is None and j in self.pin_scope:  # the storage keeps it and its extras
+            if j in self.pin_store and self.pin_store[j] == owner:  # its storing pass: the
+                # storage keeps it and its extras
                 self._hold(inst)
                 self.stored[j] = [inst]
                 if info.extra_bytes[j] and not save:
@@ -573,12 +588,26 @@ class _Run:
                 forked = self.info.keeps_rng_state(seg.start, seg.stop)
                 if forked:
                     fork = self._new(self.info.rng_state_bytes)
-                self._pass(children, (seg.start, seg.stop), trigger)
+                self._pass(children, (seg.start, seg.stop), trigger, id(seg))
                 if forked:
                     self._release(fork)
                 self._backward(children, trigger)
             for inst in self.segment_holds.pop(id(seg), []):
                 self._release(inst)
+
+    def _register_pins(self, segments: list[SegmentLike], parent: SegmentLike | None) -> None:
+        """Record every pin's segment, storing pass and frame (NOTE [ Pinned values ])."""
+        info = self.info
+        for seg in segments:
+            self._register_pins(seg.children, seg)
+            saves = info.next_save[seg.start] < seg.stop
+            if parent is not None and not saves:
+                continue  # no frame left when the parent's pass runs: nothing is stored
+            for p in pins_of(seg):
+                self.pin_owner[p] = id(seg)
+                self.pin_store[p] = None if parent is None else id(parent)
+                if saves:
+                    self.frame_pins[int(info.next_save[seg.start])].append(p)
 
     def _trigger(self, seg: SegmentLike) -> int:
         """The last save event in `seg` (seg.start - 1 if it has none): the node whose backward
@@ -591,11 +620,7 @@ class _Run:
 
     def step(self, segments: list[SegmentLike]) -> Simulation:
         info = self.info
-        for seg in segments:
-            for p in pins_of(seg):
-                self.pin_scope[p] = (seg.start, seg.stop)
-                if info.next_save[seg.start] < seg.stop:
-                    self.frame_pins[int(info.next_save[seg.start])].append(p)
+        self._register_pins(segments, None)
         self._pass(segments, None)
         forward_end = self.live
         for j in range(info.n):

@@ -7,8 +7,9 @@ backward first runs it forward again, following `children` (a tiling of the segm
 interval, which may itself contain recomputed segments: the interval tree). A recomputed
 segment without children recomputes its interval as plain autograd.
 
-A top-level recomputed segment may *pin* nodes (`Segment.pinned`): their outputs are kept from
-the forward instead of being recomputed (selective checkpointing's MUST_SAVE: NOTE [ Pinned
+A recomputed segment may *pin* nodes (`Segment.pinned`): their outputs are kept from the pass
+that last ran its forward (the forward at the top level, the parent's recompute pass for a
+nested segment) instead of being recomputed (selective checkpointing's MUST_SAVE: NOTE [ Pinned
 values ] in `hbp.analysis.simulate`).
 """
 
@@ -26,8 +27,8 @@ class Segment:
 
     `first` / `last` name the segment's first and last node (filled in by the planners, for
     printing; empty when unknown). `pinned`: indices of nodes in [start, stop) whose outputs
-    a recomputed top-level segment keeps from the forward, so its recompute pass does not run
-    them again (NOTE [ Pinned values ] in `hbp.analysis.simulate`); empty for other segments.
+    a recomputed segment keeps from the pass that last ran its forward, so its recompute pass
+    does not run them again (NOTE [ Pinned values ] in `hbp.analysis.simulate`); empty for other segments.
     """
 
     start: int

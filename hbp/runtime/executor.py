@@ -9,8 +9,8 @@ preserve_rng_state=..., context_fn=...)`: its forward keeps only its inputs and 
 backward first re-runs it (with its own nested plan: non-reentrant checkpoints nest), with the
 RNG state replayed (same dropout masks; only for segments that draw random numbers, NOTE
 [ Random state of recomputed segments ]) and running statistics frozen (BatchNorm updated
-once, `hbp.runtime.recompute`). Plain segments run directly. A top-level recomputed segment
-that pins nodes runs with torch's selective-checkpoint contexts (NOTE [ Running pinned
+once, `hbp.runtime.recompute`). Plain segments run directly. A recomputed segment (at any
+depth) that pins nodes runs with torch's selective-checkpoint contexts (NOTE [ Running pinned
 values ]).
 
 Memory discipline (otherwise Python references keep activations alive and the saving is lost):
@@ -66,7 +66,8 @@ from hbp.planner.plan import Plan, Segment
 from hbp.runtime.recompute import ReenterableContext, checkpoint_context_fn
 
 _PASS = threading.local()
-_PINNING = threading.local()  # .segment: (start, stop) of the segment whose pin runs now
+_PINNING = threading.local()  # .segment: the key of the segment whose pin runs now
+_PARENTS = threading.local()  # .stack: the _PinParent frames running now, innermost last
 
 
 def _pass_end() -> float:
@@ -118,6 +119,8 @@ class _Block:
     frozen_attrs: list[tuple[nn.Module, str]] = field(default_factory=list)
     release: list[fx.Node] = field(default_factory=list)
     context_fn: Callable | None = None
+    pin_key: tuple[int, int, int] | None = None  # its key, if it pins (NOTE [ Running pinned
+    # values ])
     draws_random: bool = False  # a node in [start, stop) does: its recompute replays the RNG
 
     def outputs_before(self, end: float) -> tuple[fx.Node, ...]:
@@ -172,16 +175,12 @@ class PlanExecutor:
         # attribute there (frozen buffers) is seen by every generated segment.
         self._holder = nn.Module()
         self._holder.root = self.gm
-        # NOTE [ Running pinned values ]: IR index of a pinned node -> its segment's (start, stop)
-        # (compiled segments run without pins: their ops are not dispatched one by one)
-        mutated = self._mutated_roots()
-        self._pins = {
-            p: (seg.start, seg.stop)
-            for seg in plan.segments
-            if seg.recompute and compile_options is None
-            for p in seg.pinned
-            if captured.graph.nodes[p].name not in mutated
-        }
+        # NOTE [ Running pinned values ]: IR index of a pinned node -> its segment's key
+        # (start, stop, depth) (compiled segments run without pins: their ops are not
+        # dispatched one by one)
+        self._pins: dict[int, tuple[int, int, int]] = {}
+        if compile_options is None:
+            self._collect_pins(plan.segments, 0, self._mutated_roots())
         self.blocks = self._compile_level(plan.segments)
 
     # -- running ----------------------------------------------------------------------------
@@ -237,15 +236,23 @@ class PlanExecutor:
 
     # -- compiling --------------------------------------------------------------------------
 
-    def _compile_level(self, segments: list[Segment]) -> list[_Block]:
-        blocks = [b for b in (self._compile_segment(s) for s in segments) if b is not None]
+    def _collect_pins(self, segments: list[Segment], depth: int, mutated: set[str]) -> None:
+        for seg in segments:
+            if seg.recompute:
+                for p in seg.pinned:
+                    if self.captured.graph.nodes[p].name not in mutated:
+                        self._pins[p] = (seg.start, seg.stop, depth)
+            self._collect_pins(seg.children, depth + 1, mutated)
+
+    def _compile_level(self, segments: list[Segment], depth: int = 0) -> list[_Block]:
+        blocks = [b for b in (self._compile_segment(s, depth) for s in segments) if b is not None]
         later_reads: set[fx.Node] = set()
         for block in reversed(blocks):
             block.release = [n for n in block.inputs if n not in later_reads]
             later_reads.update(block.inputs)
         return blocks
 
-    def _compile_segment(self, seg: Segment) -> _Block | None:
+    def _compile_segment(self, seg: Segment, depth: int) -> _Block | None:
         a, b = seg.start, seg.stop
         nodes = [n for n in self.captured.fx_nodes[a:b] if n.op != "placeholder"]
         if not nodes:
@@ -263,7 +270,7 @@ class PlanExecutor:
                 first_reader[n] = min(later)
         outputs = list(first_reader)
         if seg.children:
-            children = self._compile_level(seg.children)
+            children = self._compile_level(seg.children, depth + 1)
             call = _NestedCall(self, children, inputs)
             frozen = [pair for c in children for pair in c.frozen_attrs]
         else:
@@ -271,8 +278,13 @@ class PlanExecutor:
             frozen = self._frozen_attrs(nodes)
         block = _Block(a, b, seg.recompute, inputs, outputs, first_reader, call, cloned, frozen)
         if seg.recompute:
-            pinned = any(self._pins.get(i) == (a, b) for i in range(a, b))
-            block.context_fn = self._context_fn(block, pinned)
+            key = (a, b, depth)
+            pinned = any(self._pins.get(i) == key for i in range(a, b))
+            # a parent of pinning children marks its frames for them (NOTE [ Running pinned
+            # values ])
+            parent = any(c.pin_key is not None for c in children) if seg.children else False
+            block.pin_key = key if pinned else None
+            block.context_fn = self._context_fn(block, depth, pinned, parent)
             block.draws_random = draws_random(self.captured, a, b)
         return block
 
@@ -340,28 +352,31 @@ class PlanExecutor:
                 pairs.append((owner, attr))
         return pairs
 
-    def _context_fn(self, block: _Block, pinned: bool = False) -> Callable:
+    def _context_fn(
+        self, block: _Block, depth: int, pinned: bool = False, parent: bool = False
+    ) -> Callable:
         norm_context_fn = self._norm_context_fn
-        frozen, stop = block.frozen_attrs, block.stop
-        policy = _pin_policy((block.start, block.stop)) if pinned else None
+        frozen, stop, key = block.frozen_attrs, block.stop, block.pin_key
 
         def context_fn():
             forward_ctx, recompute_ctx = norm_context_fn()
-            if policy is None:
-                return forward_ctx, ReenterableContext(
-                    lambda: _stacked(
-                        recompute_ctx, _throwaway_attrs(frozen), _recompute_pass(stop), _pin_mark()
-                    )
-                )
             # NOTE [ Running pinned values ]: one storage per checkpoint call
-            caching, cached = create_selective_checkpoint_contexts(policy)
-            return _stacked(forward_ctx, caching, _pin_mark()), ReenterableContext(
+            caching = cached = contextlib.nullcontext()
+            if pinned and depth == 0:
+                caching, cached = create_selective_checkpoint_contexts(_pin_policy(key))
+            elif pinned:
+                caching, cached = _nested_pin_contexts(key)
+            frame = _PinParent() if parent else None
+            return _stacked(
+                forward_ctx, caching, _pin_mark(), _parent_frame(frame, False)
+            ), ReenterableContext(
                 lambda: _stacked(
                     recompute_ctx,
                     cached,
                     _throwaway_attrs(frozen),
                     _recompute_pass(stop),
                     _pin_mark(),
+                    _parent_frame(frame, True),
                 )
             )
 
@@ -421,24 +436,37 @@ class PlanExecutor:
 
 
 # NOTE [ Running pinned values ]
-# A top-level recomputed segment that pins nodes (`Segment.pinned`, NOTE [ Pinned values ] in
+# A recomputed segment that pins nodes (`Segment.pinned`, NOTE [ Pinned values ] in
 # hbp/analysis/simulate.py) runs its checkpoint with `create_selective_checkpoint_contexts`:
 # the caching mode asks a policy for every op the forward dispatches, and stores the outputs of
 # those it answers MUST_SAVE; the recompute's cached mode answers the same ops, counted per op
 # overload in dispatch order, from that storage. The generated code marks the pinned fx node
-# while it runs (`_pin_begin((start, stop))` / `_pin_end()` around it, in the forward and in
-# every recompute: plain Python, no dispatched op, so the counts match), and the segment's
-# policy (`_pin_policy`) answers MUST_SAVE only for ops dispatched under its own mark (nested
-# checkpoints and other segments' pins dispatch under the same mode stack) and whose outputs
-# share no storage with their inputs (views, in-place results: storing them would keep the
-# input's storage, not the node's). A recompute's early stop raises inside a node, between
-# `_pin_begin` and `_pin_end`: every recompute context (and a pinning forward) restores the
-# mark on exit (`_pin_mark`), else the next forward would pin every op. The storage is made per checkpoint call (context_fn), so
-# a second backward of a retained graph finds the cache consumed (torch raises). A pin on a
-# value some node later mutates in place (through any view) is dropped: torch refuses a stored
-# tensor whose version changed, and recomputing it is always exact. Compiled
-# segments (NOTE [ Compiled segments ]) run without pins: their ops reach the dispatch modes
-# as one compiled region; the plan then keeps less and recomputes more than it predicts.
+# while it runs (`_pin_begin(key)` / `_pin_end()` around it, key = (start, stop, depth) of the
+# pinning segment, in the forward and in every recompute: plain Python, no dispatched op, so
+# the counts match), and the segment's policy (`_pin_policy`) answers MUST_SAVE only for ops
+# dispatched under its own mark (nested checkpoints and other segments' pins dispatch under the
+# same mode stack) and whose outputs share no storage with their inputs (views, in-place
+# results: storing them would keep the input's storage, not the node's). A recompute's early
+# stop raises inside a node, between `_pin_begin` and `_pin_end`: every recompute context (and
+# a pinning forward) restores the mark on exit (`_pin_mark`), else the next forward would pin
+# every op. The storage is made per checkpoint call (context_fn), so a second backward of a
+# retained graph finds the cache consumed (torch raises). A pin on a value some node later
+# mutates in place (through any view) is dropped: torch refuses a stored tensor whose version
+# changed, and recomputing it is always exact. Compiled segments (NOTE [ Compiled segments ])
+# run without pins: their ops reach the dispatch modes as one compiled region; the plan then
+# keeps less and recomputes more than it predicts.
+# Nested pinning segments. Torch recomputes a nested segment C with the frame its checkpoint
+# made in the original forward (its saved tensors are packed there), while its parent P's
+# recompute pass calls C's checkpoint again, making a new frame whose saves nobody reads. So
+# a top-level segment stores its pins in the forward, but a nested one must store them in the
+# parent's pass and have them answered by the original frame: the parent's checkpoint calls
+# push a `_PinParent` frame while their forward and their recompute run (`_parent_frame`);
+# C's call in P's forward stores nothing (policy `_save_nothing`: every op is marked
+# "recompute") and registers its cached mode with P's frame; C's call in P's recompute pass
+# finds it and its caching mode writes into that same storage (`_nested_pin_contexts`),
+# overwriting the pinned ops' entries with their values. Calls of C in an ancestor's pass
+# (under a P frame made there) store nothing. A pass of P that stops before C runs leaves the
+# storage as the forward made it: C's pass recomputes everything.
 
 
 def _pin_begin(segment: tuple[int, int]) -> None:
@@ -459,8 +487,8 @@ def _pin_mark() -> Iterator[None]:
         _PINNING.segment = before
 
 
-def _pin_policy(segment: tuple[int, int]) -> Callable:
-    """The selective-checkpoint policy of the pinning segment `segment` (start, stop)."""
+def _pin_policy(segment: tuple[int, int, int]) -> Callable:
+    """The selective-checkpoint policy of the pinning segment with key `segment`."""
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if getattr(_PINNING, "segment", None) != segment:
@@ -476,6 +504,61 @@ def _pin_policy(segment: tuple[int, int]) -> Callable:
         return CheckpointPolicy.MUST_SAVE
 
     return policy
+
+
+def _save_nothing(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _PinParent:
+    """One checkpoint call of a segment with pinning children: their key -> (a weak reference
+    to) the cached mode of the child's checkpoint made in this call's forward."""
+
+    def __init__(self):
+        self.children: dict[tuple[int, int, int], weakref.ref] = {}
+
+
+@contextlib.contextmanager
+def _parent_frame(frame: _PinParent | None, recompute: bool) -> Iterator[None]:
+    """While a pinning child's parent runs (its forward, or its recompute pass: `recompute`),
+    the child's checkpoint calls find the parent's frame here."""
+    if frame is None:
+        yield
+        return
+    if not hasattr(_PARENTS, "stack"):
+        _PARENTS.stack = []
+    _PARENTS.stack.append((frame, recompute))
+    try:
+        yield
+    finally:
+        _PARENTS.stack.pop()
+
+
+def _nested_pin_contexts(key: tuple[int, int, int]) -> tuple:
+    """The selective-checkpoint contexts of a nested pinning segment's checkpoint call.
+
+    Called in its parent's forward (the original one, or inside a recompute pass of an
+    ancestor): stores nothing, and registers its cached mode with the parent's frame. Called in
+    its parent's recompute pass: stores the pins into the storage of the call made in that
+    parent frame's forward, whose cached mode answers them in the segment's own recompute pass
+    (if that call's frame is gone, the segment saves nothing: nothing is stored)."""
+    frame, recompute = _PARENTS.stack[-1]
+    if not recompute:
+        caching, cached = create_selective_checkpoint_contexts(_save_nothing)
+        frame.children[key] = weakref.ref(cached)
+        return caching, cached
+    ref = frame.children.get(key)
+    target = ref() if ref is not None else None
+    if target is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    caching, _ = create_selective_checkpoint_contexts(_pin_policy(key))
+    if not hasattr(caching, "storage") or not hasattr(target, "storage"):
+        raise RuntimeError(  # pragma: no cover - torch internals changed
+            "hbp: torch's selective-checkpoint modes no longer keep a `storage` attribute; "
+            "nested pinned segments cannot run (plan with pins only at the top level)"
+        )
+    caching.storage = target.storage  # this pass's values go to the frame that answers them
+    return caching, contextlib.nullcontext()
 
 
 class _FlatCall:

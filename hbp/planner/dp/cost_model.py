@@ -178,16 +178,27 @@ class CostModel:
         self.stop_flops = info.stop_flops
         self._tail_needs: dict = {}
         # NOTE [ Pin candidates ]
-        # A recomputed top-level child [e, f) may pin one node q (NOTE [ Pinned values ] in
+        # A recomputed child [e, f) may pin one node q (NOTE [ Pinned values ] in
         # hbp.analysis.simulate) that its pass runs whole (q before its last save event t):
-        # the pass then skips q's FLOPs. The DP offers two candidates per (e, f) rather than
-        # every node (which would multiply the top table's rows by the interval's length):
-        # the node with the most FLOPs in [e, t) and the one with the most FLOPs per byte,
-        # from a running argmax per e (`pin_candidates`). Eligible: nodes with storage of
-        # their own and FLOPs, without forward scratch (a composite op whose intermediates
+        # the pass then skips q's FLOPs. At the top level the pin is stored in the forward;
+        # in a nested level only where the level's pass runs the child whole (extent FULL),
+        # and only on cost models of at most `NESTED_PINS_MAX_CUTS` cuts (their rows cost
+        # planning time in proportion: +50% at 64 cuts). The DP offers two candidates per
+        # (e, f) rather than every node (which would multiply the rows by the interval's
+        # length): the node with the most FLOPs in [e, t) and the one with the most FLOPs per
+        # byte, from a running argmax per e (`pin_candidates`). Eligible: nodes with storage
+        # of their own and FLOPs, without forward scratch (a composite op whose intermediates
         # the executor's MUST_SAVE would store too) and not drawing random numbers (a pinned
         # op does not run in the pass, so the generator would not advance for the ops after
-        # it). A pin costs its output and saved extras (`pin_bytes`).
+        # it). A pin costs its output and saved extras (`pin_bytes`), charged in the child's
+        # whole forward and kept across the rest of the level (where the rest reads q, q's
+        # group joins the held set at f instead of being counted twice), then
+        # (`Solver.pin_charge`): PinCharge.PASS, until the child's pass (its tail's backward
+        # sees it; in the pass it is q's value, which the pass's accounting counts), or
+        # PinCharge.BACKWARD, through the child's whole backward (an upper bound).
+        # `optimal_plan` plans with PASS; where the child's nested plan stops its pass before
+        # q (q then is held on and saves nothing) the plan may overshoot or recompute more
+        # than the tables say, and it plans again with BACKWARD (`_pins_checked`).
         self.pin_bytes = (info.storage_bytes + info.extra_bytes).astype(np.int64)
         self.pin_flops = np.where(
             ~info.is_input
@@ -390,7 +401,7 @@ class CostModel:
 
     # -- one child's needs --------------------------------------------------------------------
     def pin_candidates(self, e: int, f: int) -> tuple[int, ...]:
-        """The nodes a recomputed top-level child [e, f) may pin (NOTE [ Pin candidates ]):
+        """The nodes a recomputed child [e, f) may pin (NOTE [ Pin candidates ]):
         among the nodes before its last save event, the one with the most FLOPs and the one
         with the most FLOPs per byte kept (one or two nodes; none without a pass)."""
         t = int(self.last_save[f])  # the pass runs [e, t], t itself maybe in part

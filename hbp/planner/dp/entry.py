@@ -23,7 +23,7 @@ from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.peak import PeakSolver
 from hbp.planner.dp.recursion import planning, simplify
-from hbp.planner.dp.solver import Solver
+from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.plan import Plan, Segment
 from hbp.planner.stages import staged_plan
 from hbp.planner.tree import name_segments
@@ -89,13 +89,24 @@ def _solve(
     mem_slots: int,
     nested: bool,
     pins: bool | None = None,
+    pin_charge: PinCharge = PinCharge.PASS,
+    nested_pins: bool | None = None,
 ) -> _Solved:
     """Run the DP over `cuts` (`pins`: whether recomputed segments may pin nodes; None: the
-    default, `hbp.planner.dp.solver.PIN_VALUES`)."""
+    default, `hbp.planner.dp.solver.PIN_VALUES`; `pin_charge`: how a pin is charged;
+    `nested_pins`: whether children of nested levels pin too, None: the solver's default)."""
     model = CostModel(info, cuts)
     with planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
-        solver = Solver(model, slots, slot_bytes, nested, pins=pins)
+        solver = Solver(
+            model,
+            slots,
+            slot_bytes,
+            nested,
+            pins=pins,
+            pin_charge=pin_charge,
+            nested_pins=nested_pins,
+        )
         recompute = float(solver.top(0, frozenset())[0, slots])
         if recompute < INF:
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
@@ -149,7 +160,7 @@ def optimal_plan(
     stages (`hbp.planner.stages`: per-stage tables over fine cuts, one allocation across
     stages) and that plan is taken when it fits and recomputes less.
 
-    `pins`: whether recomputed top-level segments may pin nodes (NOTE [ Pin candidates ]);
+    `pins`: whether recomputed segments may pin nodes (NOTE [ Pin candidates ]);
     off for executors that cannot run pins (compiled segments, JAX). None: `PIN_VALUES`.
 
     Raises:
@@ -227,11 +238,15 @@ def _whole_graph_plan(
 ) -> tuple[Plan, str]:
     """The whole-graph DP's plan over `cuts`, and how the DP solved it ("dp": the tables;
     "min-peak": the least-peak plan, where slot rounding rejected a feasible budget)."""
-    segments, slots, slot_bytes, how, _ = _solve(info, cuts, budget_bytes, mem_slots, nested, pins)
+    segments, slots, slot_bytes, how, value = _solve(
+        info, cuts, budget_bytes, mem_slots, nested, pins
+    )
     segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
     meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
     meta["solved_by"] = how
     plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
+    if how == "dp" and _any_pins(segments):
+        plan = _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins)
     if plan.predicted_peak_bytes > budget_bytes and info.rng_state_bytes and how == "dp":
         plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins)
     if plan.predicted_peak_bytes > budget_bytes:  # a model mismatch: never hand it out
@@ -248,6 +263,38 @@ def _whole_graph_plan(
         plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
         plan.meta["solved_by"] = "min-peak (dp over budget)"
     return plan, how
+
+
+def _any_pins(segments: list[Segment]) -> bool:
+    return any(s.pinned or _any_pins(s.children) for s in segments)
+
+
+def _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins) -> Plan:
+    """`plan` (made with `PinCharge.PASS`, whose tables' value was `value`), or, where `plan`
+    is over the budget or recomputes more than the tables said (a pin that the child's nested
+    plan stops its pass before is held longer and saves nothing: NOTE [ Pin candidates ]),
+    the best that fits of: `plan`, the plan with pins charged through the backward
+    (`PinCharge.BACKWARD`) and the plan without pins in nested levels."""
+    budget = plan.budget_bytes
+    if plan.predicted_peak_bytes <= budget and (
+        plan.predicted_recompute_flops <= value * (1 + 1e-9) + 1e-9
+    ):
+        return plan
+    options = [plan]
+    for charge, nested_pins, label in (
+        (PinCharge.BACKWARD, None, "pins charged through the backward"),
+        (PinCharge.PASS, False, "no pins in nested levels"),
+    ):
+        segments, _, _, how, _ = _solve(
+            info, cuts, budget, mem_slots, nested, pins, charge, nested_pins
+        )
+        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        meta = dict(plan.meta, solved_by=f"{how} ({label})")
+        options.append(finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta))
+    fitting = [p for p in options if p.predicted_peak_bytes <= budget]
+    if not fitting:
+        return options[1]  # the upper-bound charge: as without PinCharge.PASS
+    return min(fitting, key=lambda p: p.predicted_recompute_flops)
 
 
 def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:

@@ -54,8 +54,9 @@ class Choice(NamedTuple):
     extent: PassExtent
     H: frozenset  # the held set at f
     rest: RestSaves | None
-    pinned: tuple[int, ...] = ()  # nodes a recomputed top-level child pins (NOTE [ Pinned
-    # values ] in hbp.analysis.simulate; `Solver._pin_rows`)
+    pinned: tuple[int, ...] = ()  # nodes a recomputed child pins (NOTE [ Pinned values ] in
+    # hbp.analysis.simulate; `Solver._pin_rows`)
+    pin_slots: int = 0  # slots of the pins the child's backward gets back (`PinCharge.PASS`)
 
 
 class Recursion:
@@ -117,25 +118,28 @@ class Recursion:
     def top_plan(self, budget: int = 0, start: int = 0, row: int = 0) -> list[Segment]:
         """The top-level segments from `start` (0 or a stage bound) to `self.end`; `budget`
         and `row`: the table entry to rebuild (Solver: slots and end requirement)."""
-        return self._walk(start, self.end, frozenset(), None, True, budget, row)
+        return self._walk(start, self.end, frozenset(), None, True, budget, row, ())
 
-    def rec_plan(self, e: int, f: int, budget: int = 0) -> list[Segment]:
+    def rec_plan(self, e: int, f: int, budget: int = 0, taken: tuple = ()) -> list[Segment]:
         """Children of the recomputed segment [e, f) (none: it recomputes as plain
-        autograd) given `budget` for its backward."""
+        autograd) given `budget` for its backward; `taken`: nodes its ancestors pin (a
+        child's pin of one of them is dropped: a node is pinned once)."""
         level = self._nested_level(e, f, budget)
         if level is None:
             return []
         flag, budget = level
         H = self.model.crossing_in(e, f, False)
-        return simplify(self._walk(e, f, H, flag, False, budget, 0))
+        return simplify(self._walk(e, f, H, flag, False, budget, 0, taken))
 
-    def _walk(self, e, d, H, flag, top, budget, row) -> list[Segment]:
+    def _walk(self, e, d, H, flag, top, budget, row, taken) -> list[Segment]:
         segments: list[Segment] = []
         while e < d:
             choice, kept = self._choose(d, e, H, flag, top, budget, row)
-            seg = Segment(e, choice.f, choice.mode == REC, pinned=choice.pinned)
+            pins = tuple(q for q in choice.pinned if q not in taken)
+            seg = Segment(e, choice.f, choice.mode == REC, pinned=pins)
             if choice.mode == REC:
-                seg.children = self.rec_plan(e, choice.f, budget - kept)
+                back = choice.pin_slots
+                seg.children = self.rec_plan(e, choice.f, budget - kept + back, taken + pins)
             segments.append(seg)
             budget -= kept
             e, H, flag = choice.f, choice.H, choice.rest

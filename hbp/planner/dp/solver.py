@@ -10,12 +10,13 @@ Memory is discretised into slots (`slot_bytes`); needs are rounded up, so a plan
 accepts always fits. An option's value (`_option_rows`, top level `_top_rows`) is computed
 by one function that both the table fill and the plan rebuild call.
 
-A recomputed top-level child may also pin one node (NOTE [ Pin candidates ] in
+A recomputed child, at any level, may also pin one node (NOTE [ Pin candidates ] in
 `hbp.planner.dp.cost_model`): the rows of `_pin_rows`, beside the child's unpinned rows.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
@@ -25,11 +26,28 @@ from hbp.planner.dp.modes import FULL, INF, NOT_RUN, PLAIN, REC, UNTIL_SAVE, Res
 from hbp.planner.dp.profile import ChildArrays
 from hbp.planner.dp.recursion import Choice, Option, Recursion
 
-__all__ = ["PIN_VALUES", "SlotArrays", "Solver"]
+__all__ = ["NESTED_PINS", "PIN_VALUES", "PinCharge", "SlotArrays", "Solver"]
 
-#: Whether `Solver`s let recomputed top-level children pin a node by default (`_pin_rows`).
+#: Whether `Solver`s let recomputed children pin a node by default (`_pin_rows`).
 #: The brute-force tests of the plan space without pins turn it off.
 PIN_VALUES = True
+#: Whether children of nested levels pin too (`_pin_rows`), beside top-level children, on
+#: cost models of at most NESTED_PINS_MAX_CUTS candidate cuts (NOTE [ Pin candidates ]).
+NESTED_PINS = True
+NESTED_PINS_MAX_CUTS = 16
+
+
+class PinCharge(str, Enum):
+    """How the DP charges a pin (NOTE [ Pin candidates ] in hbp.planner.dp.cost_model).
+
+    BACKWARD: kept from the child's forward through its whole backward (an upper bound: the
+    plans fit by simulation). PASS: kept until the child's recompute pass, which it replaces
+    q's value in (exact when the pass runs q; where the child's nested plan stops its pass
+    before q, the pin is held longer and the plan may overshoot: `optimal_plan` then plans
+    again with BACKWARD)."""
+
+    BACKWARD = "backward"
+    PASS = "pass"
 
 
 class SlotArrays(NamedTuple):
@@ -48,7 +66,8 @@ class SlotArrays(NamedTuple):
 class _TopRows(NamedTuple):
     """The values of a top-level option, one row per (end f, pin): `idx` the f indices,
     `states` the held sets at f, `cost` and `kept` (bytes kept across the forward) each
-    (row, end requirement, m), `kept_slots` the child's kept slots, `pinned` its pins."""
+    (row, end requirement, m), `kept_slots` the child's kept slots, `pinned` its pins and
+    `pin_slots` the slots of them its backward gets back (`PinCharge.PASS`)."""
 
     idx: np.ndarray
     states: list[frozenset]
@@ -56,6 +75,22 @@ class _TopRows(NamedTuple):
     kept: np.ndarray
     kept_slots: list[int]
     pinned: list[tuple[int, ...]]
+    pin_slots: list[int]
+
+
+class _PinRow(NamedTuple):
+    """One pinned row of a recomputed child [e, f) (`_pin_rows`)."""
+
+    i: int  # the f index
+    sub: np.ndarray  # the rest's table
+    H2: frozenset  # the held set at f
+    pinned: tuple[int, ...]
+    kept: int  # kept slots, the pin's included
+    lo: int  # the least slots at which it can fit
+    kept_bytes: float
+    saved: float  # the FLOPs the pin saves in the child's pass
+    back: int  # slots of the pin that the child's backward gets back (PinCharge.PASS)
+    tail_low: int  # slots the child's tail needs beside the pin (PinCharge.PASS; else 0)
 
 
 class _Rows(NamedTuple):
@@ -80,10 +115,16 @@ class Solver(Recursion):
         end: int | None = None,
         need_offset: float = 0.0,
         pins: bool | None = None,
+        pin_charge: PinCharge = PinCharge.BACKWARD,
+        nested_pins: bool | None = None,
     ):
         super().__init__(model, nested, end)
-        # recomputed top-level children may pin a node (`_pin_rows`)
+        # recomputed children may pin a node (`_pin_rows`)
         self.pins = PIN_VALUES if pins is None else pins
+        if nested_pins is None:
+            nested_pins = NESTED_PINS and len(model.cuts) <= NESTED_PINS_MAX_CUTS
+        self.nested_pins = self.pins and nested_pins
+        self.pin_charge = PinCharge(pin_charge)
         self.n_slots = slots
         self.slot = slot_bytes
         # needs are counted in slots above `need_offset` bytes (a stage's own memory axis)
@@ -232,15 +273,18 @@ class Solver(Recursion):
         if flag == RestSaves.NO and not self.model.save_free_tiling(e, d):
             return best
         for option in self.options(d, e, H, flag, False):
-            for _, _, lo, value in self._option_rows(d, e, option):
+            for row in self._option_rows(d, e, option):
+                lo, value = row[2], row[3]
                 low_best = best[lo:]
                 np.minimum(low_best, value, out=low_best)
         return best
 
     def _option_rows(self, d, e, option: Option):
         """The value of `option` (a nested level's first child) for each of its ends f that
-        can be feasible: yields (index of f, held set at f, lo, value) where value[m - lo]
-        is its least recompute at m >= lo (infeasible below lo = max(kept, need)).
+        can be feasible: yields (index of f, held set at f, lo, value, pins, kept slots,
+        pin slots back) where value[m - lo] is its least recompute at m >= lo (infeasible
+        below lo = max(kept, need)); a recomputed child also yields its pinned rows
+        (`_pin_rows`).
 
         Value at m: pass FLOPs + T(e, f)[m - kept] (recomputed child) + the rest's value at
         m - kept. The one place a nested option's value is computed: the table fill and the
@@ -270,7 +314,25 @@ class Solver(Recursion):
                 lowest = max(lo, kept + first) - kept
                 table = self.rec(e, p.f_list[i], lowest, self.rec_tail(d, p.f_list[i]))
                 value = value + table[lo - kept : M + 1 - kept]
-            yield i, H2, lo, value
+            yield i, H2, lo, value, (), kept, 0
+        if option.mode == REC and option.extent == FULL and self.nested_pins:
+            for row in self._pin_rows(d, e, option, rows):
+                value = row.sub[row.lo - row.kept : M + 1 - row.kept] + (flops[row.i] - row.saved)
+                value = value + self._pinned_rec(e, p.f_list[row.i], row)
+                yield row.i, row.H2, row.lo, value, row.pinned, row.kept, row.back
+
+    def _pinned_rec(self, e: int, f: int, row: _PinRow) -> np.ndarray:
+        """T(e, f) at m - kept for m in [row.lo, M] for a pinned row: with the pin's slots
+        given back to it (`back`) and its tail's need checked beside the pin (`tail_low`)."""
+        M = self.n_slots
+        first = int(np.argmax(row.sub < INF)) if row.sub.ndim == 1 else 0
+        k = row.kept - row.back
+        lowest = max(row.lo, row.kept + first) - k
+        table = self.rec(e, f, lowest, tail=not row.back)[row.lo - k : M + 1 - k]
+        if row.tail_low > row.lo:
+            table = table.copy()
+            table[: row.tail_low - row.lo] = INF
+        return table
 
     def _fill_top(self, e: int, H: frozenset) -> np.ndarray:
         """top(e, H), one row per end requirement: the least recompute at every m and, among
@@ -306,50 +368,81 @@ class Solver(Recursion):
         p = option.arrays
         lows, kept_list = rows.slots.low[option.extent], rows.slots.kept_list
         items = [
-            (i, sub, H2, (), kept_list[i], lows[i], p.kept[i], 0.0)
+            _PinRow(i, sub, H2, (), kept_list[i], lows[i], p.kept[i], 0.0, 0, 0)
             for i, sub, H2 in zip(rows.keep, rows.rest, rows.states)
         ]
         if option.mode == REC and self.pins:
-            items += self._pin_rows(e, option, rows)
+            items += self._pin_rows(None, e, option, rows)
         shape = (len(items), len(self.end_slots), M + 1)
         cost, kept = np.full(shape, INF), np.zeros(shape)
-        for j, (i, sub, H2, _, k, lo, kept_bytes, saved) in enumerate(items):
+        for j, row in enumerate(items):
+            i, sub, H2, k, lo = row.i, row.sub, row.H2, row.kept, row.lo
             # below max(kept, need) the child does not fit
             cost[j, :, lo:] = sub[:, lo - k : M + 1 - k]
-            if option.mode == REC:  # asked from the smallest m at which the rest is feasible
+            if option.mode == REC and row.pinned:
+                first = int(np.argmax(sub[0] < INF))
+                cost[j, :, lo:] += self._pinned_rec(e, p.f_list[i], row._replace(sub=sub[0]))
+                cost[j, :, lo:] -= row.saved
+            elif option.mode == REC:  # asked from the smallest m at which the rest is feasible
                 first = int(np.argmax(sub[0] < INF))
                 rec = self.rec(e, p.f_list[i], max(lo, k + first) - k)
-                cost[j, :, lo:] += rec[lo - k : M + 1 - k] - saved
+                cost[j, :, lo:] += rec[lo - k : M + 1 - k]
             kept[j, :, lo:] = self._top_kept[p.f_list[i], H2][:, lo - k : M + 1 - k]
-            kept[j, :, lo:] += kept_bytes
-        idx = np.array([item[0] for item in items])
+            kept[j, :, lo:] += row.kept_bytes
+        idx = np.array([row.i for row in items])
         return _TopRows(
             idx,
-            [item[2] for item in items],
+            [row.H2 for row in items],
             cost,
             kept,
-            [item[4] for item in items],
-            [item[3] for item in items],
+            [row.kept for row in items],
+            [row.pinned for row in items],
+            [row.back for row in items],
         )
 
-    def _pin_rows(self, e, option: Option, rows: _Rows) -> list[tuple]:
-        """The pinned rows of a recomputed top-level child [e, f) (NOTE [ Pin candidates ]):
-        per pin candidate q, (f index, rest table, held set at f, (q,), kept slots, lo, kept
-        bytes, q's FLOPs). The pin is charged as kept from the child's forward through its
-        backward and in the child's whole forward (an upper bound of NOTE [ Pinned values ]
-        in hbp.analysis.simulate: the DP's plans fit by simulation)."""
+    def _pin_rows(self, d, e, option: Option, rows: _Rows) -> list[_PinRow]:
+        """The pinned rows of a recomputed child [e, f) (NOTE [ Pin candidates ]): at the top
+        level, and in a nested level whose pass runs the child whole (`FULL`: the pin is
+        stored in that pass). Per pin candidate q, the pin is kept and charged in the child's
+        whole forward and kept across the rest of the level; then through the child's
+        backward (`PinCharge.BACKWARD`, an upper bound of NOTE [ Pinned values ] in
+        hbp.analysis.simulate: the DP's plans fit by simulation) or until its pass
+        (`PinCharge.PASS`: its tail's backward sees it). A pin whose value the rest of the
+        level reads is held by the child for the rest (its group joins the held set at f), not
+        counted twice. `d`: the level's end (None: the top level)."""
         M, model, p = self.n_slots, self.model, option.arrays
         need = p.need[option.extent]
+        passing = self.pin_charge == PinCharge.PASS
         out = []
-        for i, sub, H2 in zip(rows.keep, rows.rest, rows.states):
-            for q in model.pin_candidates(e, p.f_list[i]):
+        top = d is None
+        for i, sub0, H0 in zip(rows.keep, rows.rest, rows.states):
+            f = p.f_list[i]
+            candidates = model.pin_candidates(e, f)
+            if not candidates:
+                continue
+            crossing = model.crossing_in(f, model.stop_of(e) if top else d, top)
+            k0 = rows.slots.kept_list[i]
+            tail = model.tail_need(e, f) if passing else -INF
+            for q in candidates:
+                sub, H2 = sub0, H0
+                g = int(model.node_group[q])
+                if g in crossing and g not in H2:  # the rest reads it: the pin holds it
+                    H2 = H2 | {g}
+                    sub = self.top(f, H2) if top else self.tail(d, f, H2, option.rest)
                 pin = int(model.pin_bytes[q])
                 kept_bytes = p.kept[i] + pin
                 k = int(self.sl(kept_bytes))
                 lo = max(k, int(self.sl(max(need[i] + pin - self.offset, 0.0))))
                 if lo > M or sub.item(M - k) == INF:
                     continue
-                out.append((i, sub, H2, (q,), k, lo, kept_bytes, float(model.pin_flops[q])))
+                back = k - k0 if passing else 0
+                tail_low = 0
+                if passing and tail > -INF:
+                    tail_low = k + int(self.sl(max(tail - self.offset, 0.0)))
+                    if tail_low > M:
+                        continue
+                saved = float(model.pin_flops[q])
+                out.append(_PinRow(i, sub, H2, (q,), k, lo, kept_bytes, saved, back, tail_low))
         return out
 
     def _feasible_rows(self, d, top, option: Option) -> _Rows:
@@ -419,15 +512,16 @@ class Solver(Recursion):
         target = self.tail(d, e, H, flag)[slots]
         for option in self.options(d, e, H, flag, False):
             best_value, best = INF, None
-            for i, H2, lo, value in self._option_rows(d, e, option):
+            for i, H2, lo, value, pins, kept, back in self._option_rows(d, e, option):
                 v = value[slots - lo] if slots >= lo else INF
                 if v < best_value or best is None:
-                    best_value, best = v, (i, H2)
+                    best_value, best = v, (i, H2, pins, kept, back)
             if best is not None and best_value <= target + 1e-9 * max(1.0, abs(target)):
-                i, H2 = best
+                i, H2, pins, kept, back = best
                 p = option.arrays
-                choice = Choice(int(p.f[i]), option.mode, option.extent, H2, option.rest)
-                return choice, int(p.slots.kept_slots[i])
+                f = int(p.f[i])
+                choice = Choice(f, option.mode, option.extent, H2, option.rest, pins, back)
+                return choice, kept
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
     def _choose_top(self, e, H, slots, row) -> tuple[Choice, int]:
@@ -443,8 +537,10 @@ class Solver(Recursion):
             )
             for k in np.flatnonzero(fits).tolist():
                 p, i = option.arrays, rows.idx[k]
-                f, pins = int(p.f[i]), rows.pinned[k]
-                choice = Choice(f, option.mode, option.extent, rows.states[k], option.rest, pins)
+                f, pins, back = int(p.f[i]), rows.pinned[k], rows.pin_slots[k]
+                choice = Choice(
+                    f, option.mode, option.extent, rows.states[k], option.rest, pins, back
+                )
                 return choice, int(rows.kept_slots[k])
         raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
