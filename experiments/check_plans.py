@@ -31,12 +31,12 @@ OUT = Path(__file__).resolve().parents[1] / "outputs" / "plan_check"
 BUDGETS = (1.0, 0.5, 0.25, "min")
 
 
-def workload_graph(name: str, profile: str) -> Graph:
+def workload_graph(name: str, profile: str, **overrides) -> Graph:
     from hbp.graph.torch_capture import capture
     from hbp.integrations.torch import _WithLoss
     from hbp.workloads import build
 
-    wl = build(name, profile, seed=0)
+    wl = build(name, profile, seed=0, **overrides)
     batch = wl.make_batch(0)
     root = _WithLoss(wl.model, lambda output: wl.loss_fn(output, batch), len(batch.args))
     with torch.enable_grad():
