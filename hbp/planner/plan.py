@@ -28,7 +28,8 @@ class Segment:
     `first` / `last` name the segment's first and last node (filled in by the planners, for
     printing; empty when unknown). `pinned`: indices of nodes in [start, stop) whose outputs
     a recomputed segment keeps from the pass that last ran its forward, so its recompute pass
-    does not run them again (NOTE [ Pinned values ] in `hbp.analysis.simulate`); empty for other segments.
+    does not run them again (NOTE [ Pinned values ] in `hbp.analysis.simulate`); empty for
+    other segments.
     """
 
     start: int

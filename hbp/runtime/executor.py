@@ -469,7 +469,7 @@ class PlanExecutor:
 # storage as the forward made it: C's pass recomputes everything.
 
 
-def _pin_begin(segment: tuple[int, int]) -> None:
+def _pin_begin(segment: tuple[int, int, int]) -> None:
     _PINNING.segment = segment
 
 

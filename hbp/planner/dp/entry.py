@@ -52,6 +52,12 @@ def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
     return [extend(segments[1]), *segments[2:]]
 
 
+def _top_level(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
+    """A solver's top-level segments as a plan hands them out: simplified (`simplify`; the
+    whole graph as one plain segment when nothing is left), leading graph inputs absorbed."""
+    return absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+
+
 def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
     sizes = [
         int(x)
@@ -130,7 +136,7 @@ def _least_peak(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, l
     peak = int(solver.top(0, frozenset()).peak)
     segments = solver.top_plan()
     if info.rng_state_bytes:
-        plan = absorb_inputs(info, simplify(list(segments)) or [Segment(0, info.n)])
+        plan = _top_level(info, segments)
         peak = max(peak, simulate(None, plan, info=info).peak_bytes)
     return peak, segments
 
@@ -241,7 +247,7 @@ def _whole_graph_plan(
     segments, slots, slot_bytes, how, value = _solve(
         info, cuts, budget_bytes, mem_slots, nested, pins
     )
-    segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+    segments = _top_level(info, segments)
     meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
     meta["solved_by"] = how
     plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
@@ -288,7 +294,7 @@ def _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins
         segments, _, _, how, _ = _solve(
             info, cuts, budget, mem_slots, nested, pins, charge, nested_pins
         )
-        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        segments = _top_level(info, segments)
         meta = dict(plan.meta, solved_by=f"{how} ({label})")
         options.append(finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta))
     fitting = [p for p in options if p.predicted_peak_bytes <= budget]
@@ -309,7 +315,7 @@ def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:
             segments, _, _, how, _ = _solve(info, cuts, target, mem_slots, nested, pins)
         except BudgetError:
             break
-        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        segments = _top_level(info, segments)
         meta = dict(plan.meta, solved_by=f"{how} (below the budget: random states)")
         plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
         if plan.predicted_peak_bytes <= budget:
@@ -348,7 +354,7 @@ def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
         segments = staged_plan(info, target, nested=False, pins=pins)
         if segments is None:
             return None
-        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        segments = _top_level(info, segments)
         sim = simulate(graph, segments, info=info)
         if sim.peak_bytes <= budget:
             return segments, sim
@@ -387,7 +393,7 @@ def min_feasible_peak(
     model = CostModel(info, candidate_cuts(info, block_size, max_cuts))
     with planning(len(model.cuts)):
         peak, segments = _least_peak(info, model, nested)
-        segments = absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+        segments = _top_level(info, segments)
     return peak, segments
 
 

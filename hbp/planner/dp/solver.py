@@ -273,8 +273,7 @@ class Solver(Recursion):
         if flag == RestSaves.NO and not self.model.save_free_tiling(e, d):
             return best
         for option in self.options(d, e, H, flag, False):
-            for row in self._option_rows(d, e, option):
-                lo, value = row[2], row[3]
+            for _, _, lo, value, _, _, _ in self._option_rows(d, e, option):
                 low_best = best[lo:]
                 np.minimum(low_best, value, out=low_best)
         return best
@@ -325,7 +324,7 @@ class Solver(Recursion):
         """T(e, f) at m - kept for m in [row.lo, M] for a pinned row: with the pin's slots
         given back to it (`back`) and its tail's need checked beside the pin (`tail_low`)."""
         M = self.n_slots
-        first = int(np.argmax(row.sub < INF)) if row.sub.ndim == 1 else 0
+        first = int(np.argmax(row.sub < INF))
         k = row.kept - row.back
         lowest = max(row.lo, row.kept + first) - k
         table = self.rec(e, f, lowest, tail=not row.back)[row.lo - k : M + 1 - k]
@@ -380,7 +379,6 @@ class Solver(Recursion):
             # below max(kept, need) the child does not fit
             cost[j, :, lo:] = sub[:, lo - k : M + 1 - k]
             if option.mode == REC and row.pinned:
-                first = int(np.argmax(sub[0] < INF))
                 cost[j, :, lo:] += self._pinned_rec(e, p.f_list[i], row._replace(sub=sub[0]))
                 cost[j, :, lo:] -= row.saved
             elif option.mode == REC:  # asked from the smallest m at which the rest is feasible
