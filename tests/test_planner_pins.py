@@ -179,3 +179,27 @@ def test_a_pin_its_childs_pass_never_reaches_is_planned_again():
     assert plan.predicted_peak_bytes <= 25
     assert plan.predicted_recompute_flops == by_charge[solver.PinCharge.BACKWARD][1] < recomputes
     assert "charged through the backward" in plan.meta["solved_by"]
+
+
+def test_small_cost_models_offer_every_node_as_a_pin(monkeypatch):
+    """On small cost models a recomputed child may pin any node its pass runs, not only the two
+    best by FLOPs and by FLOPs per byte (NOTE [ Pin candidates ]). In this 7-op DAG at its
+    least peak the MILP optimum keeps op1 (neither candidate: op2 has more FLOPs and more
+    FLOPs per byte) from the forward; the DP reaches it with op1 pinned and not otherwise."""
+    from hbp.analysis import naive_peak
+    from hbp.planner import min_feasible_peak
+    from hbp.planner.dp import cost_model
+    from hbp.planner.optimum import Schedule
+
+    graph = synthetic.random_dag(7, seed=32, alias_prob=0.0)
+    budget = min_feasible_peak(graph)[0]
+    assert budget < naive_peak(graph)
+    optimum = Schedule(graph).solve(budget, relax=False).recompute_flops
+    plan = optimal_plan(graph, budget)
+    validate_plan(graph, plan)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_recompute_flops == pytest.approx(optimum)
+    assert [q for s in plan.segments for q in all_pins(s)] == [1]  # op1
+    monkeypatch.setattr(cost_model, "EVERY_PIN_MAX_CUTS", 0)  # the two candidates only
+    two = optimal_plan(graph, budget)
+    assert two.predicted_recompute_flops > optimum + 1

@@ -42,7 +42,13 @@ from hbp.analysis.positional import positional_bytes
 from hbp.planner.dp.modes import INF, PLAIN, REC, ChildMode
 from hbp.planner.dp.profile import ChildProfile
 
-__all__ = ["CostModel", "Interval"]
+__all__ = ["EVERY_PIN_MAX_CUTS", "EVERY_PIN_MAX_NODES", "CostModel", "Interval"]
+
+#: On cost models of at most EVERY_PIN_MAX_CUTS cuts, a recomputed child whose pass runs at most
+#: EVERY_PIN_MAX_NODES nodes may pin any of them, not only the two best by FLOPs and by FLOPs
+#: per byte (NOTE [ Pin candidates ]).
+EVERY_PIN_MAX_CUTS = 16
+EVERY_PIN_MAX_NODES = 16
 
 
 @dataclass(eq=False)
@@ -186,11 +192,14 @@ class CostModel:
         # planning time in proportion: +50% at 64 cuts). The DP offers two candidates per
         # (e, f) rather than every node (which would multiply the rows by the interval's
         # length): the node with the most FLOPs in [e, t) and the one with the most FLOPs per
-        # byte, from a running argmax per e (`pin_candidates`). Eligible: nodes with storage
-        # of their own and FLOPs, without forward scratch (a composite op whose intermediates
-        # the executor's MUST_SAVE would store too) and not drawing random numbers (a pinned
-        # op does not run in the pass, so the generator would not advance for the ops after
-        # it). A pin costs its output and saved extras (`pin_bytes`), charged in the child's
+        # byte, from a running argmax per e (`pin_candidates`). On small cost models (at most
+        # EVERY_PIN_MAX_CUTS cuts, a pass of at most EVERY_PIN_MAX_NODES nodes) it offers
+        # every eligible node: the value worth keeping is often a cheap one that a later
+        # recompute reads (the random DAGs of the planner bench; README "Pinned values").
+        # Eligible: nodes with storage of their own and FLOPs, without forward scratch (a
+        # composite op whose intermediates the executor's MUST_SAVE would store too) and not
+        # drawing random numbers (a pinned op does not run in the pass, so the generator
+        # would not advance for the ops after it). A pin costs its output and saved extras (`pin_bytes`), charged in the child's
         # whole forward and kept across the rest of the level (where the rest reads q, q's
         # group joins the held set at f instead of being counted twice), then
         # (`Solver.pin_charge`): PinCharge.PASS, until the child's pass (its tail's backward
@@ -407,6 +416,8 @@ class CostModel:
         t = int(self.last_save[f])  # the pass runs [e, t], t itself maybe in part
         if t <= e:
             return ()
+        if len(self.cuts) <= EVERY_PIN_MAX_CUTS and t - e <= EVERY_PIN_MAX_NODES:
+            return tuple(q for q in range(e, t) if self.pin_flops[q] > 0)
         by_flops, by_ratio = self._pin_candidates.get(e) or self._pin_scan(e)
         out = (int(by_flops[t - 1 - e]), int(by_ratio[t - 1 - e]))
         out = tuple(q for q in dict.fromkeys(out) if self.pin_flops[q] > 0)
