@@ -25,7 +25,7 @@ signature's is measured by the allocator at capture (`hbp.runtime.calibrate_scra
 The step around the module (NOTE [ The step around the module ]): with `loss_fn`, `hc(x,
 targets=y)` returns `loss_fn(module(x), y)` and the plan covers the whole step; without it,
 the first step of a signature is measured by the allocator (CUDA always; CPU with
-`calibrate=True`) and planned again, with a warning, if the caller's loss took it above the
+`calibrate=True`, and by default where segments run compiled) and planned again, with a warning, if the caller's loss took it above the
 budget (`hc.measured_peak_bytes`).
 
 Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
@@ -93,6 +93,7 @@ class Compiled:
     outputs_watched: bool = False  # a step showed which outputs the caller keeps
     outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
     scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
+    pins: bool = True  # plans may pin values (False: its segments run compiled)
 
 
 class HCModule(nn.Module):
@@ -114,7 +115,9 @@ class HCModule(nn.Module):
             (see NOTE [ The step around the module ]). `hc(*inputs)` still returns the output.
         calibrate: on CPU, measure the first training step of each signature with the
             allocator (profiler memory events: slower, once) and plan again if it is above
-            the budget. On CUDA the first step is always measured (it costs nothing).
+            the budget. None (default): only where the segments run compiled (`compile`,
+            `torch.compile(hc)`), whose kernels allocate otherwise than the plan's eager
+            cost model. On CUDA the first step is always measured (it costs nothing).
         compile: run each segment of the plan through `torch.compile`: True, or a dict of
             `torch.compile` keyword arguments (`{"backend": "aot_eager"}`, `{"mode": ...}`).
             `torch.compile(hc)` does the same with the default options (NOTE [ torch.compile
@@ -145,7 +148,7 @@ class HCModule(nn.Module):
         verbose: bool = False,
         plan_in_eval: bool = False,
         loss_fn=None,
-        calibrate: bool = False,
+        calibrate: bool | None = None,
         compile: bool | dict = False,
         keeps_outputs: bool | None = None,
     ):
@@ -167,7 +170,9 @@ class HCModule(nn.Module):
         if loss_fn is not None and not callable(loss_fn):
             raise ConfigError("loss_fn", loss_fn, "a callable loss_fn(output, *targets) or None")
         self.loss_fn = loss_fn
-        self.calibrate = bool(calibrate)
+        if calibrate not in (None, True, False):
+            raise ConfigError("calibrate", calibrate, "None, True or False")
+        self.calibrate = calibrate
         self._measured_peak_bytes: int | None = None
         self._probe: tuple[_StepPeakProbe, Compiled] | None = None
         if not isinstance(compile, (bool, dict)):
@@ -206,11 +211,17 @@ class HCModule(nn.Module):
         # NOTE [ torch.compile of an HCModule ]
         if torch.compiler.is_compiling() or _dynamo_callback_set():
             return self._forward_with_compiled_segments(*args, **kwargs)
+        return self._step(args, kwargs, compiled_segments=False)
+
+    def _step(self, args, kwargs, compiled_segments: bool):
+        """The call as a training step: captured, planned (once per signature) and run by the
+        executor (`compiled_segments`: a torch.compile(hc) call, its segments compiled)."""
         if self.loss_fn is not None and "targets" in kwargs:
-            return self._forward_with_loss(args, kwargs)
+            return self._forward_with_loss(args, kwargs, compiled_segments)
         if not self._plans_for(args, kwargs):
             return self.module(*args, **kwargs)
-        return self._run(self._prepare(args, kwargs), args, kwargs)
+        compiled = self._prepare(args, kwargs, compiled_segments=compiled_segments)
+        return self._run(compiled, args, kwargs, compiled_segments)
 
     # NOTE [ torch.compile of an HCModule ]
     # Dynamo cannot trace the plan as one graph and keep its memory: the executor's nested
@@ -237,14 +248,14 @@ class HCModule(nn.Module):
         "(torch.compile(hc) cannot use fullgraph=True; use HCModule(model, compile=True))"
     )
     def _forward_with_compiled_segments(self, *args, **kwargs):
-        if not self._plans_for(args, kwargs):
-            return self.module(*args, **kwargs)
-        compiled = self._prepare(args, kwargs, compiled_segments=True)
-        return self._segments_compiled(compiled)(*args, **kwargs)
+        return self._step(args, kwargs, compiled_segments=True)
 
-    def _executor(self, compiled: Compiled):
-        """The executor a call runs: with compiled segments if `compile` is set."""
-        return compiled.executor if self.compile is False else self._segments_compiled(compiled)
+    def _executor(self, compiled: Compiled, compiled_segments: bool = False):
+        """The executor a call runs: with compiled segments if `compile` is set or the call
+        is a torch.compile(hc) one (`compiled_segments`)."""
+        if self.compile is False and not compiled_segments:
+            return compiled.executor
+        return self._segments_compiled(compiled)
 
     def _segments_compiled(self, compiled: Compiled):
         """The executor of `compiled` with every segment run through torch.compile."""
@@ -393,17 +404,18 @@ class HCModule(nn.Module):
             graph.held_outputs = []  # the outputs backward starts from are held regardless
         naive = simulate(graph).peak_bytes
         start = time.perf_counter()
+        # compiled segments run without pins (NOTE [ Running pinned values ])
+        pins = not (compiled_segments or self.compile is not False)
         if captured.granularity == MODULE:
             plan = self._module_level_plan(captured, naive)
         else:
             try:
-                # compiled segments run without pins (NOTE [ Running pinned values ])
                 plan = make_plan(
                     graph,
                     self._budget_for(naive),
                     block_size=self.block_size,
                     planner=self.planner,
-                    pins=not (compiled_segments or self.compile is not False),
+                    pins=pins,
                 )
             except BudgetError as err:
                 if self.budget == 1 and isinstance(self.budget, int):  # not 1.0 (nor True)
@@ -419,7 +431,7 @@ class HCModule(nn.Module):
         self._warn_about(captured, executor)
         compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
         compiled.root, compiled.budget_bytes = root, plan.budget_bytes
-        compiled.scratch_measured = scratch_measured
+        compiled.scratch_measured, compiled.pins = scratch_measured, pins
         if not scratch_measured:
             warnings.warn(
                 "HCModule: planned under a running profiler, which the measurement of kernel "
@@ -611,28 +623,55 @@ class HCModule(nn.Module):
         root = _WithLoss(self.module, self.loss_fn, len(args))
         return (*args, *targets), kwargs, root, ("loss", len(args), id(self.loss_fn))
 
-    def _forward_with_loss(self, args, kwargs):
+    def _forward_with_loss(self, args, kwargs, compiled_segments: bool = False):
         step_args, step_kwargs, root, tag = self._with_loss(args, kwargs)
         if not self._plans_for(args, step_kwargs):
             return root(*step_args, **step_kwargs)
-        return self._run(self._prepare(step_args, step_kwargs, root, tag), step_args, step_kwargs)
+        compiled = self._prepare(step_args, step_kwargs, root, tag, compiled_segments)
+        return self._run(compiled, step_args, step_kwargs, compiled_segments)
 
-    def _run(self, compiled: Compiled, args, kwargs):
-        """Run the executor; measure the step with the allocator while the closed loop is
-        open (NOTE [ The step around the module ]); see which outputs the caller keeps
-        (NOTE [ Outputs the caller lets go ])."""
+    def _run(self, compiled: Compiled, args, kwargs, compiled_segments: bool = False):
+        """Run the executor (`compiled_segments`: a torch.compile(hc) call); measure the step
+        with the allocator while the closed loop is open (NOTE [ The step around the
+        module ]); see which outputs the caller keeps (NOTE [ Outputs the caller lets go ])."""
         self._finish_probe()
         self._outputs_observed(compiled)
-        output = self._run_measured(compiled, args, kwargs)
-        self._watch_outputs(compiled, output)
+        if compiled_segments and compiled.pins:
+            self._plan_without_pins(compiled)
+        executor = self._executor(compiled, compiled_segments)
+        output = self._run_measured(compiled, executor, args, kwargs)
+        self._watch_outputs(compiled, executor, output)
         return output
 
-    def _run_measured(self, compiled: Compiled, args, kwargs):
-        executor = self._executor(compiled)
+    def _plan_without_pins(self, compiled: Compiled) -> None:
+        """A signature planned for the eager executor, now called through torch.compile(hc):
+        compiled segments run without pins (NOTE [ Running pinned values ]), so a plan with
+        pins is made again without them."""
+        compiled.pins = False
+        if compiled.captured.granularity == MODULE or not _pins_in(compiled.plan.segments):
+            return
+        budget = "min" if self.budget == "min" else compiled.plan.budget_bytes
+        try:
+            self._replan(compiled, budget)
+        except BudgetError as err:  # only pins reached it
+            self._replan(compiled, "min")
+            warnings.warn(
+                f"HCModule: compiled segments run without pinned values, and without them no "
+                f"plan fits {budget / MIB:.2f} MiB (the least is {err.minimum / MIB:.2f} MiB): "
+                "planned for the least instead.",
+                UserWarning,
+                stacklevel=5,
+            )
+        compiled.settled, compiled.measurements = False, 0
+
+    def _run_measured(self, compiled: Compiled, executor, args, kwargs):
         device = _step_device(compiled.root, args, kwargs)
-        if compiled.settled or not (device.type == "cuda" or self.calibrate):
+        calibrate = self.calibrate
+        if calibrate is None:  # measure where the segments run compiled
+            calibrate = executor is not compiled.executor
+        if compiled.settled or not (device.type == "cuda" or calibrate):
             return executor(*args, **kwargs)
-        if device.type == "cpu" and torch.autograd._profiler_enabled():
+        if device.type == "cpu" and foreign_profiler_running():
             return executor(*args, **kwargs)  # a profiler is running: cannot nest
         probe = _StepPeakProbe(device)
         try:
@@ -680,8 +719,8 @@ class HCModule(nn.Module):
         message = (
             f"HCModule: the measured step peaked at {peak / MIB:.2f} MiB (allocator), "
             f"{excess / MIB:.2f} MiB above the budget of {compiled.budget_bytes / MIB:.2f} MiB: "
-            "memory outside the module (the caller's loss and its backward) or kernel "
-            "workspace the plan did not see. "
+            "memory outside the module (the caller's loss and its backward), kernel "
+            "workspace or compiled kernels' buffers the plan did not see. "
         )
         try:
             self._replan(compiled, target)
@@ -720,10 +759,10 @@ class HCModule(nn.Module):
     # outputs backward starts from too, counted until backward has started: with loss_fn, or when
     # the caller's loss is small).
 
-    def _watch_outputs(self, compiled: Compiled, output) -> None:
-        """After this step's backward, note which outputs are still alive."""
+    def _watch_outputs(self, compiled: Compiled, executor, output) -> None:
+        """After this step's backward (run by `executor`), note which outputs are still
+        alive."""
         graph = compiled.captured.graph
-        executor = self._executor(compiled)
         returned = getattr(executor, "returned", None)
         if self.keeps_outputs is not None or not returned:
             return
@@ -793,7 +832,11 @@ class HCModule(nn.Module):
         else:
             target = target_bytes if target_bytes == "min" else int(target_bytes)
             plan = make_plan(
-                captured.graph, target, block_size=self.block_size, planner=self.planner
+                captured.graph,
+                target,
+                block_size=self.block_size,
+                planner=self.planner,
+                pins=compiled.pins,
             )
         compiled.plan = plan
         compiled.executor = make_executor(captured, plan, compiled.root or self.module)
@@ -851,6 +894,10 @@ _MAX_REPLANS = 3
 #   backward (an autograd engine callback queued by a hook on the outputs). If that peak is
 #   above the budget, the signature is planned again for the budget minus the excess, with a
 #   warning, and the next step is measured again (at most `_MAX_REPLANS` times).
+# - Compiled segments (`compile=`, `torch.compile(hc)`): the plan's cost model is eager
+#   autograd's, and Inductor's kernels save and allocate otherwise (a compiled region frees
+#   its saved tensors when its whole backward ends), so the closed loop is on by default
+#   there on CPU too (`calibrate=None`).
 
 
 class _WithLoss(nn.Module):
@@ -925,6 +972,10 @@ class _StepPeakProbe:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             profiler.stop()
+
+
+def _pins_in(segments) -> bool:
+    return any(s.pinned or _pins_in(s.children) for s in segments)
 
 
 def _step_device(root: nn.Module | None, args, kwargs) -> torch.device:

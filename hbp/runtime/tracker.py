@@ -294,8 +294,10 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
 
 #: CPU profiler windows a measurement left open because it ends inside the autograd engine,
 #: where a profiler cannot be stopped (HCModule's closed loop, `_StepPeakProbe`): CPU profilers
-#: do not nest, so each is closed (its result kept) before another profiler starts.
-_OPEN_WINDOWS: weakref.WeakSet = weakref.WeakSet()
+#: do not nest, so each is closed (its result kept) before another profiler starts. Held
+#: strongly: a window whose module was dropped before its next call would otherwise leave its
+#: profiler running for the rest of the process.
+_OPEN_WINDOWS: set = set()
 
 
 def hold_open(window) -> None:
