@@ -227,3 +227,25 @@ def test_a_signature_planned_eagerly_then_compiled_is_planned_without_pins():
         assert hc.measured_peak_bytes is not None  # the compiled step was measured
     finally:
         torch._dynamo.reset()
+
+
+def test_torch_compile_of_hcmodule_with_loss_fn_plans_the_whole_step():
+    """`torch.compile(hc)(x, targets=y)` with `loss_fn` returns the loss of the planned whole
+    step (before, the compiled path passed `targets` to the module: TypeError)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh())
+    model.append(nn.Linear(128, 10))
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(256, 32), torch.randint(0, 10, (256,))
+    nn.functional.cross_entropy(plain(x), y).backward()
+    hc = hbp.HCModule(model, budget=0.9, loss_fn=nn.functional.cross_entropy)
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(hc, backend="aot_eager")(x, targets=y)
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert loss.ndim == 0
+    assert compiled_segments(hc) >= 1
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
