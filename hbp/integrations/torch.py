@@ -25,7 +25,7 @@ signature's is measured by the allocator at capture (`hbp.runtime.calibrate_scra
 The step around the module (NOTE [ The step around the module ]): with `loss_fn`, `hc(x,
 targets=y)` returns `loss_fn(module(x), y)` and the plan covers the whole step; without it,
 the first step of a signature is measured by the allocator (CUDA always; CPU with
-`calibrate=True`, and by default where segments run compiled) and planned again, with a warning, if the caller's loss took it above the
+`calibrate=True`, and by default with `compile=`) and planned again, with a warning, if the caller's loss took it above the
 budget (`hc.measured_peak_bytes`).
 
 Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,6 +94,7 @@ class Compiled:
     outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
     scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
     pins: bool = True  # plans may pin values (False: its segments run compiled)
+    retired: list = field(default_factory=list)  # executors with compiled segments replaced
 
 
 class HCModule(nn.Module):
@@ -115,9 +116,10 @@ class HCModule(nn.Module):
             (see NOTE [ The step around the module ]). `hc(*inputs)` still returns the output.
         calibrate: on CPU, measure the first training step of each signature with the
             allocator (profiler memory events: slower, once) and plan again if it is above
-            the budget. None (default): only where the segments run compiled (`compile`,
-            `torch.compile(hc)`), whose kernels allocate otherwise than the plan's eager
-            cost model. On CUDA the first step is always measured (it costs nothing).
+            the budget. None (default): only where `compile` is set, whose compiled kernels
+            allocate otherwise than the plan's eager cost model (never on CPU inside
+            torch.compile(hc): NOTE [ No CPU measurement inside torch.compile(hc) ]). On
+            CUDA the first step is always measured (it costs nothing).
         compile: run each segment of the plan through `torch.compile`: True, or a dict of
             `torch.compile` keyword arguments (`{"backend": "aot_eager"}`, `{"mode": ...}`).
             `torch.compile(hc)` does the same with the default options (NOTE [ torch.compile
@@ -639,7 +641,7 @@ class HCModule(nn.Module):
         if compiled_segments and compiled.pins:
             self._plan_without_pins(compiled)
         executor = self._executor(compiled, compiled_segments)
-        output = self._run_measured(compiled, executor, args, kwargs)
+        output = self._run_measured(compiled, executor, args, kwargs, compiled_segments)
         self._watch_outputs(compiled, executor, output)
         return output
 
@@ -664,11 +666,22 @@ class HCModule(nn.Module):
             )
         compiled.settled, compiled.measurements = False, 0
 
-    def _run_measured(self, compiled: Compiled, executor, args, kwargs):
+    def _run_measured(self, compiled: Compiled, executor, args, kwargs, in_compiled_region):
         device = _step_device(compiled.root, args, kwargs)
         calibrate = self.calibrate
         if calibrate is None:  # measure where the segments run compiled
             calibrate = executor is not compiled.executor
+        if device.type == "cpu" and in_compiled_region and calibrate:
+            # NOTE [ No CPU measurement inside torch.compile(hc) ]
+            self._warn_once(
+                "compiled-region-cpu",
+                "HCModule: a torch.compile(hc) step on CPU cannot be measured by the allocator "
+                "(a profiler started inside the compiled caller's region corrupts its "
+                "results), so the closed loop is off and compiled kernels' buffers may take "
+                "the step above the budget; HCModule(model, budget, compile=True) compiles the "
+                "same segments and keeps the loop.",
+            )
+            calibrate = False
         if compiled.settled or not (device.type == "cuda" or calibrate):
             return executor(*args, **kwargs)
         if device.type == "cpu" and foreign_profiler_running():
@@ -839,6 +852,8 @@ class HCModule(nn.Module):
                 pins=compiled.pins,
             )
         compiled.plan = plan
+        if compiled.segments_compiled is not None:
+            compiled.retired.append(compiled.segments_compiled)
         compiled.executor = make_executor(captured, plan, compiled.root or self.module)
         compiled.segments_compiled = None
 
@@ -894,10 +909,18 @@ _MAX_REPLANS = 3
 #   backward (an autograd engine callback queued by a hook on the outputs). If that peak is
 #   above the budget, the signature is planned again for the budget minus the excess, with a
 #   warning, and the next step is measured again (at most `_MAX_REPLANS` times).
-# - Compiled segments (`compile=`, `torch.compile(hc)`): the plan's cost model is eager
-#   autograd's, and Inductor's kernels save and allocate otherwise (a compiled region frees
-#   its saved tensors when its whole backward ends), so the closed loop is on by default
-#   there on CPU too (`calibrate=None`).
+# - Compiled segments (`compile=`): the plan's cost model is eager autograd's, and Inductor's
+#   kernels save and allocate otherwise (a compiled region frees its saved tensors when its
+#   whole backward ends), so the closed loop is on by default there on CPU too
+#   (`calibrate=None`; not inside torch.compile(hc), see the next note).
+# NOTE [ No CPU measurement inside torch.compile(hc) ]
+# Under torch.compile(hc) the step runs inside the compiled caller's frame, whose profiler
+# range ("Torch-Compiled Region") opened before the measurement's profiler started. A CPU
+# profiler session started there records results that crash the process when they are freed
+# (a bad free in kineto's Result / MemoryTraceLogger destructors, seen after the closed loop
+# planned such a step again). So on CPU the loop is off for torch.compile(hc) calls (a warning
+# says so and points to `compile=True`, which compiles the same segments from outside any
+# compiled region); CUDA's measurement needs no profiler and stays on.
 
 
 class _WithLoss(nn.Module):
@@ -958,7 +981,7 @@ class _StepPeakProbe:
 
     def stop(self) -> int | None:
         """The measured peak (None if the step's backward never ended); stops the profiler."""
-        from hbp.runtime.tracker import profiler_peak_bytes
+        from hbp.runtime.tracker import profiler_peak_bytes, release_results
 
         if self._profiler is None:
             return self._peak
@@ -966,12 +989,16 @@ class _StepPeakProbe:
         profiler.stop()
         if self._end_ptr is not None:
             self._peak = profiler_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
+        release_results(profiler)
         return self._peak
 
     def cancel(self) -> None:
         if self._profiler is not None:
+            from hbp.runtime.tracker import release_results
+
             profiler, self._profiler = self._profiler, None
             profiler.stop()
+            release_results(profiler)
 
 
 def _pins_in(segments) -> bool:

@@ -289,7 +289,18 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
         marker_ptr = marker.data_ptr()
         del marker
         result = fn(*args, **kwargs)
-    return result, profiler_peak_bytes(prof, marker_ptr)
+    peak = profiler_peak_bytes(prof, marker_ptr)
+    release_results(prof)
+    return result, peak
+
+
+def release_results(prof: torch.profiler.profile) -> None:
+    """Free a stopped profiler's recorded results (every event of the measured calls) now: a
+    profiler object sits in reference cycles, so they would otherwise stay in memory until a
+    garbage collection."""
+    inner = getattr(prof, "profiler", None)
+    if inner is not None:
+        inner.kineto_results = None
 
 
 #: CPU profiler windows a measurement left open because it ends inside the autograd engine,
@@ -300,9 +311,19 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
 _OPEN_WINDOWS: set = set()
 
 
+_OPTIMIZER_HOOK: list = []  # the handle of the optimizer hook that closes the windows
+
+
 def hold_open(window) -> None:
-    """Register a measurement window (an object with `stop()`) still recording."""
+    """Register a measurement window (an object with `stop()`) still recording. The next
+    optimizer step closes it (a global step pre-hook): in a training loop that is right after
+    the backward the window measured, before a profiler the caller may start next."""
     _OPEN_WINDOWS.add(window)
+    if not _OPTIMIZER_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        hook = register_optimizer_step_pre_hook(lambda *_: close_open_windows())
+        _OPTIMIZER_HOOK.append(hook)
 
 
 def close_open_windows() -> None:
@@ -310,6 +331,8 @@ def close_open_windows() -> None:
     for window in list(_OPEN_WINDOWS):
         window.stop()
         _OPEN_WINDOWS.discard(window)
+    while _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.pop().remove()
 
 
 def foreign_profiler_running() -> bool:
