@@ -138,3 +138,39 @@ def test_bloom_gelu_function_gets_every_gradient():
     assert got.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+@torch.library.custom_op("hbp_test::straight_through", mutates_args=())
+def _straight_through_op(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x * 4) / 4
+
+
+@_straight_through_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_straight_through_op.register_autograd(lambda ctx, grad: grad)
+
+
+class _NetCustomOp(_NetTensorCheck):
+    def forward(self, x):
+        if not torch.is_tensor(x):
+            raise TypeError("x must be a tensor")
+        for up, down in zip(self.up, self.down):
+            x = x + down(_straight_through_op(torch.relu(up(x))))
+        return x
+
+
+def test_export_keeps_a_custom_op_whose_autograd_torch_library_generates():
+    torch.manual_seed(0)
+    model, x = _NetCustomOp(), torch.randn(128, 64)
+    expected = _step(model, model, x)
+    hc = hbp.HCModule(model, budget="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        _step(model, hc, x)
+    got = _step(model, hc, x)
+
+    assert hc.captured.tracer == "export" and hc.captured.granularity == "op"
+    _assert_same(got, expected)

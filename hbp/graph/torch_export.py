@@ -128,13 +128,18 @@ def _custom_functions_refused():
     gradient would be autograd's derivative of the forward, not the Function's (a
     straight-through estimator's identity would become round()'s zero); the capture falls
     back instead (NOTE [ Custom autograd Functions ] in torch_trace says how the symbolic
-    trace keeps them)."""
+    trace keeps them). Torch's own Functions pass: the ones torch.library generates for a
+    custom op's registered autograd (transformers' `grouped_mm_fallback` for mixture-of-experts
+    layers) run below the op, which the graph records as one node whose autograd kernel is
+    the Function."""
     original = torch.autograd.Function.__dict__["apply"]  # a classmethod
 
     def apply(cls, *args, **kwargs):
         leaves = pytree.tree_leaves((args, kwargs))
-        if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in leaves
+        if (
+            cls.__module__.split(".")[0] != "torch"
+            and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
         ):
             raise NotImplementedError(
                 f"custom autograd Function {cls.__qualname__}: torch.export records its "
