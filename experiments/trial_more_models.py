@@ -5,9 +5,9 @@ returning (model, step). `trial_models.py` adds `MORE` to its `MODELS`.
 Covered here: Whisper (conv front end, encoder-decoder), BLOOM (ALiBi), GPT-NeoX (parallel
 residual, partial rotary), Qwen2-MoE (shared expert beside routed experts, router loss),
 Qwen3 (q/k RMSNorm), ConvNeXt (depthwise conv, layer scale, drop path), ResNet and Segformer
-(BatchNorm in train mode: the trial also compares running statistics), diffusers
-AutoencoderKL (encoder, posterior sample, decoder; MSE + KL) and SD3's MMDiT transformer
-(joint attention).
+(BatchNorm in train mode: the trial also compares running statistics), DETR (ResNet
+backbone, Hungarian-matched loss), diffusers AutoencoderKL (encoder, posterior sample,
+decoder; MSE + KL) and SD3's MMDiT transformer (joint attention).
 """
 
 from __future__ import annotations
@@ -201,6 +201,46 @@ def segformer():
     return model, lambda m: m(pixel_values=x, labels=labels).loss.backward()
 
 
+def detr():
+    """DETR object detection without timm: transformers' ResNet backbone (frozen BatchNorm),
+    sine position embeddings, encoder-decoder over 10 object queries; the loss matches
+    predictions to boxes with scipy's Hungarian algorithm (data-dependent, on the CPU)."""
+    import transformers as t
+
+    backbone = t.ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        out_features=["stage4"],
+    )
+    config = t.DetrConfig(
+        use_timm_backbone=False,
+        backbone_config=backbone,
+        use_pretrained_backbone=False,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        num_queries=10,
+        num_labels=5,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        auxiliary_loss=False,
+    )
+    model = t.DetrForObjectDetection(config)
+    x = torch.randn(2, 3, 64, 64)
+    labels = [
+        {"class_labels": torch.tensor([1, 3]), "boxes": torch.rand(2, 4) * 0.5 + 0.25}
+        for _ in range(2)
+    ]
+    return model, lambda m: m(pixel_values=x, labels=labels).loss.backward()
+
+
 class _VAEStep(nn.Module):
     """A VAE training forward as a user writes it: encode, sample the posterior, decode;
     returns the reconstruction and the KL term (AutoencoderKL.forward drops the posterior)."""
@@ -283,6 +323,7 @@ MORE = {
         convnext,
         resnet,
         segformer,
+        detr,
         autoencoder_kl,
         sd3_mmdit,
     )
