@@ -16,7 +16,14 @@ tiny sizes (nothing downloads), dropout off, and trained the way a user does: `.
   the allocator: measured / budget, predicted / measured, recompute (FLOPs of the step over
   the plain step's, minus 1) and the largest gradient difference from plain autograd
   (relative to each parameter gradient's largest entry, floored at 1e-4 of the largest
-  gradient entry: see `grad_error`).
+  gradient entry: see `grad_error`),
+- for models whose step changes buffers (BatchNorm running statistics and counters): the
+  largest difference of the buffers after HCModule's first step (capture, calibration, plan
+  and the step) and after its measured step from those after a plain step from the same
+  state ("; buffers first/measured" beside the gradient error: `buffer_error`).
+
+The builders of the third trial (Whisper, BLOOM, GPT-NeoX, Qwen2-MoE, Qwen3, ConvNeXt,
+ResNet, Segformer, DETR, AutoencoderKL, SD3) are in `trial_more_models.py`.
 
 Writes outputs/trial/models.md (the table) and outputs/trial/models.json (the rows).
 """
