@@ -16,7 +16,14 @@ tiny sizes (nothing downloads), dropout off, and trained the way a user does: `.
   the allocator: measured / budget, predicted / measured, recompute (FLOPs of the step over
   the plain step's, minus 1) and the largest gradient difference from plain autograd
   (relative to each parameter gradient's largest entry, floored at 1e-4 of the largest
-  gradient entry: see `grad_error`).
+  gradient entry: see `grad_error`),
+- for models whose step changes buffers (BatchNorm running statistics and counters): the
+  largest difference of the buffers after HCModule's first step (capture, calibration, plan
+  and the step) and after its measured step from those after a plain step from the same
+  state ("; buffers first/measured" beside the gradient error: `buffer_error`).
+
+The builders of the third trial (Whisper, BLOOM, GPT-NeoX, Qwen2-MoE, Qwen3, ConvNeXt,
+ResNet, Segformer, DETR, AutoencoderKL, SD3) are in `trial_more_models.py`.
 
 Writes outputs/trial/models.md (the table) and outputs/trial/models.json (the rows).
 """
@@ -31,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from trial_more_models import MORE  # this script's folder is on sys.path
 
 import hbp
 from hbp.runtime.flops import TotalFlopCounterMode
@@ -429,6 +437,7 @@ MODELS = {
         sd_unet,
     )
 }
+MODELS.update(MORE)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -464,6 +473,32 @@ def grad_error(got, ref):
     return max(
         (got[n] - ref[n]).abs().max().item() / max(ref[n].abs().max().item(), floor) for n in ref
     )
+
+
+def _buffers(model):
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _put_back(model, buffers):
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+
+
+def buffer_error(model, runner, step):
+    """The largest difference of the model's buffers (BatchNorm running statistics, its
+    counter) after one step of `runner` from those after one plain step from the same state
+    (a recomputed BatchNorm must not update them twice); None when the plain step changes
+    none. Runs the plain step, puts the buffers back, then runs `runner`'s."""
+    before = _buffers(model)
+    _step(model, model, step)
+    ref = _buffers(model)
+    if all(torch.equal(before[n], ref[n]) for n in ref):
+        return None
+    _put_back(model, before)
+    _step(model, runner, step)
+    got = _buffers(model)
+    return max((got[n].double() - ref[n].double()).abs().max().item() for n in ref)
 
 
 def _estimate(model, step):
@@ -531,11 +566,22 @@ def trial(name, budgets=(0.5, "min"), compile_too=False):
             warnings.simplefilter("always")
             hc = hbp.HCModule(model, budget=budget)
             runner = torch.compile(hc) if compiled else hc
-            t0 = time.perf_counter()
             try:
+                before = _buffers(model)
+                _step(model, model, step)
+                ref_buffers = _buffers(model)
+                _put_back(model, before)
+                t0 = time.perf_counter()
                 _step(model, runner, step)
                 r["first_step_s"] = time.perf_counter() - t0
+                first = _buffers(model)
+                if any(not torch.equal(before[n], ref_buffers[n]) for n in before):
+                    r["buffer_error_first"] = max(
+                        (first[n].double() - ref_buffers[n].double()).abs().max().item()
+                        for n in first
+                    )
                 peak, flops, grads = measured(model, runner, step)
+                r["buffer_error"] = buffer_error(model, runner, step)
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"{type(e).__name__}: {e}"[:400]
                 print(f"  {budget}{' compiled' if compiled else ''}: {r['error']}", flush=True)
@@ -562,12 +608,21 @@ def trial(name, budgets=(0.5, "min"), compile_too=False):
             f"budget {r['budget_mib']:.2f} pred {r['predicted_mib']:.2f} "
             f"measured {r['measured_mib']:.2f} ({r['measured_over_budget']:.3f}x budget, "
             f"pred/meas {r['predicted_over_measured']:.3f}) rec {r['recompute']:.3f} "
-            f"err {r['grad_error']:.1e} first step {r['first_step_s']:.1f} s",
+            f"err {r['grad_error']:.1e}{_buffer_note(r)} first step {r['first_step_s']:.1f} s",
             flush=True,
         )
         for w in r["warnings"]:
             print("    warning:", w[:200], flush=True)
     return row
+
+
+def _buffer_note(r) -> str:
+    """`; buffers 0.0e+00/0.0e+00`: the buffer errors of the first and the measured step, for
+    models whose step changes buffers (BatchNorm statistics); empty for the others."""
+    if r.get("buffer_error") is None and r.get("buffer_error_first") is None:
+        return ""
+    first, later = r.get("buffer_error_first"), r.get("buffer_error")
+    return "; buffers " + "/".join("-" if e is None else f"{e:.1e}" for e in (first, later))
 
 
 def table(rows) -> str:
@@ -589,7 +644,8 @@ def table(rows) -> str:
                 f"| {row['model']} | {naive} | {label} | {r['budget_mib']:.2f} "
                 f"| {r['measured_mib']:.2f} | {r['measured_over_budget']:.3f} "
                 f"| {r['predicted_over_measured']:.3f} | {'-' if ep is None else f'{ep:.2f}'} "
-                f"| {r['recompute']:.3f} | {r['grad_error']:.1e} | {r['first_step_s']:.1f} |"
+                f"| {r['recompute']:.3f} | {r['grad_error']:.1e}{_buffer_note(r)} "
+                f"| {r['first_step_s']:.1f} |"
             )
     return "\n".join(lines)
 

@@ -7,7 +7,10 @@
   the plain step (ALBERT +3.6%);
 - `hbp.estimate` on a module-level fallback reports the least peak HCModule reaches there
   (the executable plans), not the planner's least plan over the module graph;
-- wav2vec2 for CTC is not captured at operator level (xfail: see its reason).
+- wav2vec2 for CTC is not captured at operator level (xfail: see its reason);
+- a convolution whose output gradient comes back through a permute (Whisper's conv front end,
+  SD3's patch embedding) copies it in its backward, which the scratch calibration does not
+  see (xfail: see its reason).
 """
 
 from __future__ import annotations
@@ -144,3 +147,44 @@ def test_wav2vec2_for_ctc_with_labels_is_captured_at_operator_level():
         warnings.simplefilter("error", CaptureWarning)
         hc(input_values=torch.randn(2, 2000), labels=torch.randint(1, 32, (2, 10)))
     assert hc.captured.granularity == "op"
+
+
+class _ConvFrontEnd(nn.Module):
+    """Whisper's front end in small: conv, GELU, strided conv, GELU, then a permute to
+    (B, T, C) for the linear layers."""
+
+    def __init__(self, mel=16, d=64):
+        super().__init__()
+        self.conv1 = nn.Conv1d(mel, d, 3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, 3, stride=2, padding=1)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.conv2(nn.functional.gelu(self.conv1(x))))
+        return self.fc(h.permute(0, 2, 1))  # (B, T, C)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the scratch calibration measures conv2's backward with an output gradient in the "
+    "output's own (row-major) layout, but in the step it arrives through permute's backward "
+    "(and GELU's, which keeps the layout) transposed, and convolution_backward copies it "
+    "contiguous: +512 KiB (1.100x at 'min'). NOTE [ The layout of an output's gradient ] "
+    "assumes a gradient that comes back through views keeps the output's layout; a permute "
+    "or transpose of a row-major gradient does not (Whisper 1.017x, SD3's patch embedding "
+    "1.022x in the trial)",
+)
+def test_conv_whose_gradient_comes_back_through_a_permute_holds_the_budget():
+    torch.manual_seed(0)
+    model, x = _ConvFrontEnd(), torch.randn(4, 16, 1024)
+    target = torch.randn(4, 512, 64)
+
+    def step(runner):
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(runner(x), target).backward()
+
+    hc = hbp.HCModule(model, budget="min")
+    step(hc)
+    step(hc)
+    _, peak = allocator_peak(lambda: step(hc))
+    assert peak <= hc.plan.budget_bytes * 1.01, (peak, hc.plan.budget_bytes)

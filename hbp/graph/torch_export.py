@@ -108,7 +108,7 @@ def export_trace(module: nn.Module, args: tuple, kwargs: dict, modes: tuple) -> 
     autocast regions record their differences from. Raises whatever export raises (the
     capture then falls back)."""
     flat_module = _FlatOutputs(module)
-    with _eager_paths():
+    with _eager_paths(), _custom_functions_refused():
         exported = torch.export.export(flat_module, tuple(args), dict(kwargs), strict=False)
     gm = exported.module()
     leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -119,6 +119,39 @@ def export_trace(module: nn.Module, args: tuple, kwargs: dict, modes: tuple) -> 
             f"the exported graph has {len(placeholders)} inputs for {len(leaves)} argument leaves"
         )
     return ExportedTrace(gm, in_spec, dict(zip(placeholders, leaves)), flat_module.template)
+
+
+@contextlib.contextmanager
+def _custom_functions_refused():
+    """Within: applying a custom `torch.autograd.Function` to a tensor that requires grad
+    raises. Export records the ops of its forward and drops its backward, so the graph's
+    gradient would be autograd's derivative of the forward, not the Function's (a
+    straight-through estimator's identity would become round()'s zero); the capture falls
+    back instead (NOTE [ Custom autograd Functions ] in torch_trace says how the symbolic
+    trace keeps them). Torch's own Functions pass: the ones torch.library generates for a
+    custom op's registered autograd (transformers' `grouped_mm_fallback` for mixture-of-experts
+    layers) run below the op, which the graph records as one node whose autograd kernel is
+    the Function."""
+    original = torch.autograd.Function.__dict__["apply"]  # a classmethod
+
+    def apply(cls, *args, **kwargs):
+        leaves = pytree.tree_leaves((args, kwargs))
+        if (
+            cls.__module__.split(".")[0] != "torch"
+            and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+        ):
+            raise NotImplementedError(
+                f"custom autograd Function {cls.__qualname__}: torch.export records its "
+                "forward's ops and drops its backward"
+            )
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
 
 
 #: (module name, attribute) of library functions that say "torch.export is running" and whose

@@ -298,6 +298,29 @@ class _Tracer(fx.Tracer):
             ) = originals
 
     @contextlib.contextmanager
+    def recording_autograd_functions(self) -> Iterator[None]:
+        """Within: `SomeFunction.apply(...)` (a custom `torch.autograd.Function`) on traced
+        values becomes one graph node that calls `SomeFunction.apply`, so the executor runs the
+        Function itself, its own backward included (NOTE [ Custom autograd Functions ])."""
+        original = torch.autograd.Function.__dict__["apply"]  # a classmethod
+        tracer = self
+
+        def apply(cls, *args, **kwargs):
+            traced = []
+            fx.node.map_aggregate(
+                (args, kwargs), lambda a: traced.append(a) if isinstance(a, fx.Proxy) else a
+            )
+            if tracer.computing or not traced:
+                return original.__get__(None, cls)(*args, **kwargs)
+            return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
+
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            yield
+        finally:
+            torch.autograd.Function.apply = original
+
+    @contextlib.contextmanager
     def recording_buffer_assignments(self) -> Iterator[None]:
         """Within: assigning a traced value to a registered buffer (`self.count += 1`,
         `self.ema = 0.9 * self.ema + 0.1 * x`) is recorded as `buffer.copy_(value)`: each call
@@ -344,6 +367,33 @@ class _Tracer(fx.Tracer):
                 setattr(torch, name, fn)
 
 
+# NOTE [ Custom autograd Functions ]
+# `torch.autograd.Function.apply` runs the Function's `forward` with grad mode off and links its
+# output to the Function's `backward`. Traced through like any Python, the forward's ops would
+# be recorded with grad mode off: their values would not require grad, and the executor would
+# let no gradient through them (BLOOM's `GeLUFunction`: the MLP's first Linear and the norm
+# before it got no gradient). Even with grad mode on, autograd would differentiate the
+# forward's ops instead of calling the Function's backward (a straight-through estimator's
+# identity gradient would become round()'s zero). So an applied Function is one node whose
+# target calls `apply`: outside tracing, the real one.
+
+_FUNCTION_APPLIES: dict[type, Callable] = {}
+
+
+def _function_apply(cls: type) -> Callable:
+    """The call_function target for `cls.apply` (one per Function class). Named after the
+    class and defined here so that fx's generated code refers to it as a global, never as
+    `torch.autograd.function.apply` (the inherited classmethod's own module and name)."""
+    if cls not in _FUNCTION_APPLIES:
+
+        def apply(*args, **kwargs):
+            return cls.apply(*args, **kwargs)
+
+        apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
+        _FUNCTION_APPLIES[cls] = apply
+    return _FUNCTION_APPLIES[cls]
+
+
 def _trace(
     module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: _Faker
 ) -> tuple[fx.GraphModule, list[str], _Tracer]:
@@ -370,6 +420,7 @@ def _trace(
             tracer.recording_factories(),
             tracer.inlining_checkpoints(),
             tracer.recording_buffer_assignments(),
+            tracer.recording_autograd_functions(),
         ):
             graph = tracer.trace(module, concrete_args=concrete or None)
         gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
