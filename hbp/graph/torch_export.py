@@ -51,6 +51,8 @@ caller restores the RNG state.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import operator
 import sys
 from dataclasses import dataclass
@@ -108,7 +110,7 @@ def export_trace(module: nn.Module, args: tuple, kwargs: dict, modes: tuple) -> 
     autocast regions record their differences from. Raises whatever export raises (the
     capture then falls back)."""
     flat_module = _FlatOutputs(module)
-    with _eager_paths(), _custom_functions_refused():
+    with _eager_paths(), _custom_functions_refused(), _quiet_failures():
         exported = torch.export.export(flat_module, tuple(args), dict(kwargs), strict=False)
     gm = exported.module()
     leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -157,6 +159,30 @@ def _custom_functions_refused():
 #: (module name, attribute) of library functions that say "torch.export is running" and whose
 #: callers take an eager shortcut otherwise (see NOTE [ Exported graphs ], export-only paths).
 _EXPORTING_CHECKS = (("transformers.masking_utils", "is_torchdynamo_exporting"),)
+
+
+@contextlib.contextmanager
+def _quiet_failures():
+    """Within: what export writes to stderr is held back and written after it, less what it
+    writes only because it failed. On a data-dependent value export prints the partial graph
+    it traced (thousands of lines on a transformers model) and the symbolic-shapes logger
+    warns that it cannot find the user code; the capture falls back and its CaptureWarning
+    says why."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except Exception as err:
+        partial = getattr(err, "partial_fx_graph", None)
+        text = held.getvalue()
+        held = io.StringIO(text.replace(f"{partial}\n", "") if partial else text)
+        raise
+    finally:
+        logger.setLevel(level)
+        sys.stderr.write(held.getvalue())
 
 
 @contextlib.contextmanager
