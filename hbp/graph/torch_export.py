@@ -65,6 +65,7 @@ from torch.utils import _pytree as pytree
 
 from hbp.graph.torch_modes import MODES
 from hbp.graph.torch_outputs import OutputSlot, map_output
+from hbp.graph.torch_trace import function_apply_replaced
 
 __all__ = ["ExportedTrace", "export_trace", "OUTPUT_ROOT"]
 
@@ -134,9 +135,8 @@ def _custom_functions_refused():
     custom op's registered autograd (transformers' `grouped_mm_fallback` for mixture-of-experts
     layers) run below the op, which the graph records as one node whose autograd kernel is
     the Function."""
-    original = torch.autograd.Function.__dict__["apply"]  # a classmethod
 
-    def apply(cls, *args, **kwargs):
+    def apply(real_apply, cls, *args, **kwargs):
         leaves = pytree.tree_leaves((args, kwargs))
         if (
             cls.__module__.split(".")[0] != "torch"
@@ -147,13 +147,10 @@ def _custom_functions_refused():
                 f"custom autograd Function {cls.__qualname__}: torch.export records its "
                 "forward's ops and drops its backward"
             )
-        return original.__get__(None, cls)(*args, **kwargs)
+        return real_apply(*args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
+    with function_apply_replaced(apply):
         yield
-    finally:
-        torch.autograd.Function.apply = original
 
 
 #: (module name, attribute) of library functions that say "torch.export is running" and whose

@@ -302,23 +302,19 @@ class _Tracer(fx.Tracer):
         """Within: `SomeFunction.apply(...)` (a custom `torch.autograd.Function`) on traced
         values becomes one graph node that calls `SomeFunction.apply`, so the executor runs the
         Function itself, its own backward included (NOTE [ Custom autograd Functions ])."""
-        original = torch.autograd.Function.__dict__["apply"]  # a classmethod
         tracer = self
 
-        def apply(cls, *args, **kwargs):
+        def apply(real_apply, cls, *args, **kwargs):
             traced = []
             fx.node.map_aggregate(
                 (args, kwargs), lambda a: traced.append(a) if isinstance(a, fx.Proxy) else a
             )
             if tracer.computing or not traced:
-                return original.__get__(None, cls)(*args, **kwargs)
+                return real_apply(*args, **kwargs)
             return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
 
-        torch.autograd.Function.apply = classmethod(apply)
-        try:
+        with function_apply_replaced(apply):
             yield
-        finally:
-            torch.autograd.Function.apply = original
 
     @contextlib.contextmanager
     def recording_buffer_assignments(self) -> Iterator[None]:
@@ -378,6 +374,24 @@ class _Tracer(fx.Tracer):
 # target calls `apply`: outside tracing, the real one.
 
 _FUNCTION_APPLIES: dict[type, Callable] = {}
+
+
+@contextlib.contextmanager
+def function_apply_replaced(apply: Callable) -> Iterator[None]:
+    """Within: `SomeFunction.apply(*args, **kwargs)`, for every `torch.autograd.Function`,
+    calls `apply(real_apply, SomeFunction, *args, **kwargs)`, `real_apply` being the original
+    bound to the class (the symbolic trace and export each replace it: NOTE [ Custom autograd
+    Functions ])."""
+    original = torch.autograd.Function.__dict__["apply"]  # a classmethod
+
+    def replaced(cls, *args, **kwargs):
+        return apply(original.__get__(None, cls), cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(replaced)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
 
 
 def _function_apply(cls: type) -> Callable:

@@ -25,8 +25,8 @@ signature's is measured by the allocator at capture (`hbp.runtime.calibrate_scra
 The step around the module (NOTE [ The step around the module ]): with `loss_fn`, `hc(x,
 targets=y)` returns `loss_fn(module(x), y)` and the plan covers the whole step; without it,
 the first step of a signature is measured by the allocator (CUDA always; CPU with
-`calibrate=True`, and by default with `compile=`) and planned again, with a warning, if the caller's loss took it above the
-budget (`hc.measured_peak_bytes`).
+`calibrate=True`, and by default with `compile=`) and planned again, with a warning, if the
+caller's loss took it above the budget (`hc.measured_peak_bytes`).
 
 Like `torch.utils.checkpoint`, recomputation re-runs forward code during backward: forward
 hooks of submodules fire again, Python side effects in forward happen again, and the RNG state
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,10 +60,14 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch_capture import MODULE, CapturedGraph, ambient_modes, capture
 from hbp.planner import PLANNERS
 from hbp.planner.budget import parse_budget
-from hbp.planner.plan import MIB, Plan, Segment
+from hbp.planner.plan import MIB, Plan, Segment, any_pinned
 from hbp.runtime.executor import make_executor, per_call_plan
 from hbp.runtime.heap import return_freed_heap
-from hbp.runtime.tracker import foreign_profiler_running
+from hbp.runtime.tracker import (
+    foreign_profiler_running,
+    profiler_peak_bytes,
+    release_results,
+)
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
@@ -94,7 +98,6 @@ class Compiled:
     outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
     scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
     pins: bool = True  # plans may pin values (False: its segments run compiled)
-    retired: list = field(default_factory=list)  # executors with compiled segments replaced
 
 
 class HCModule(nn.Module):
@@ -650,7 +653,7 @@ class HCModule(nn.Module):
         compiled segments run without pins (NOTE [ Running pinned values ]), so a plan with
         pins is made again without them."""
         compiled.pins = False
-        if compiled.captured.granularity == MODULE or not _pins_in(compiled.plan.segments):
+        if compiled.captured.granularity == MODULE or not any_pinned(compiled.plan.segments):
             return
         budget = "min" if self.budget == "min" else compiled.plan.budget_bytes
         try:
@@ -852,8 +855,6 @@ class HCModule(nn.Module):
                 pins=compiled.pins,
             )
         compiled.plan = plan
-        if compiled.segments_compiled is not None:
-            compiled.retired.append(compiled.segments_compiled)
         compiled.executor = make_executor(captured, plan, compiled.root or self.module)
         compiled.segments_compiled = None
 
@@ -981,8 +982,6 @@ class _StepPeakProbe:
 
     def stop(self) -> int | None:
         """The measured peak (None if the step's backward never ended); stops the profiler."""
-        from hbp.runtime.tracker import profiler_peak_bytes, release_results
-
         if self._profiler is None:
             return self._peak
         profiler, self._profiler = self._profiler, None
@@ -994,15 +993,9 @@ class _StepPeakProbe:
 
     def cancel(self) -> None:
         if self._profiler is not None:
-            from hbp.runtime.tracker import release_results
-
             profiler, self._profiler = self._profiler, None
             profiler.stop()
             release_results(profiler)
-
-
-def _pins_in(segments) -> bool:
-    return any(s.pinned or _pins_in(s.children) for s in segments)
 
 
 def _step_device(root: nn.Module | None, args, kwargs) -> torch.device:

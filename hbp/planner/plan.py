@@ -56,6 +56,11 @@ class Segment:
         return out
 
 
+def any_pinned(segments: list[Segment]) -> bool:
+    """Whether any segment of these trees pins a node."""
+    return any(s.pinned or any_pinned(s.children) for s in segments)
+
+
 @dataclass
 class Plan:
     """A plan with its predictions (bytes, FLOPs).

@@ -199,9 +199,10 @@ class CostModel:
         # Eligible: nodes with storage of their own and FLOPs, without forward scratch (a
         # composite op whose intermediates the executor's MUST_SAVE would store too) and not
         # drawing random numbers (a pinned op does not run in the pass, so the generator
-        # would not advance for the ops after it). A pin costs its output and saved extras (`pin_bytes`), charged in the child's
-        # whole forward and kept across the rest of the level (where the rest reads q, q's
-        # group joins the held set at f instead of being counted twice), then
+        # would not advance for the ops after it). A pin costs its output and saved extras
+        # (`pin_bytes`), charged in the child's whole forward and kept across the rest of the
+        # level (where the rest reads q, q's group joins the held set at f instead of being
+        # counted twice), then
         # (`Solver.pin_charge`): PinCharge.PASS, until the child's pass (its tail's backward
         # sees it; in the pass it is q's value, which the pass's accounting counts), or
         # PinCharge.BACKWARD, through the child's whole backward (an upper bound).

@@ -24,7 +24,7 @@ from hbp.planner.dp.modes import INF
 from hbp.planner.dp.peak import PeakSolver
 from hbp.planner.dp.recursion import planning, simplify
 from hbp.planner.dp.solver import PinCharge, Solver
-from hbp.planner.plan import Plan, Segment
+from hbp.planner.plan import Plan, Segment, any_pinned
 from hbp.planner.stages import staged_plan
 from hbp.planner.tree import name_segments
 
@@ -251,7 +251,7 @@ def _whole_graph_plan(
     meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
     meta["solved_by"] = how
     plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
-    if how == "dp" and _any_pins(segments):
+    if how == "dp" and any_pinned(segments):
         plan = _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins)
     if plan.predicted_peak_bytes > budget_bytes and info.rng_state_bytes and how == "dp":
         plan = _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins)
@@ -269,10 +269,6 @@ def _whole_graph_plan(
         plan = finish_plan(graph, fallback, budget_bytes, info=info, naive=naive, meta=plan.meta)
         plan.meta["solved_by"] = "min-peak (dp over budget)"
     return plan, how
-
-
-def _any_pins(segments: list[Segment]) -> bool:
-    return any(s.pinned or _any_pins(s.children) for s in segments)
 
 
 def _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins) -> Plan:
