@@ -19,15 +19,16 @@ bytes the IR already models at that event:
 An op signature is the op (function, method, or the module's class and `repr`, which holds
 its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments,
 the values of the others and the layout of its output gradient (a slice of a `torch.cat`'s
-gradient, the output's own layout, and a row-major one where a user's backward returns one:
-NOTE [ The layout of an output's gradient ]): measured once per process (`_CACHE`), so a
-model of repeated blocks costs one measurement per distinct layer.
+gradient, the output's own layout, or the strides its users' backwards hand it: NOTE [ The
+layout of an output's gradient ]): measured once per process (`_CACHE`), so a model of
+repeated blocks costs one measurement per distinct layer.
 
-Values are produced by running the graph on the real inputs (once, twice where an output
-gradient's layout differs) under `no_grad` (each value dropped after its last user); the
-module's state is kept: buffers (BatchNorm statistics) are put back and the RNG state
-restored. Skipped: views and in-place results (no storage of their own), ops that mutate an
-input or a buffer, and ops that fail to run alone. The allocator is read with no dispatch mode
+Values are produced by running the graph on the real inputs (once, and once more per step of
+a gradient layout's way back where one differs) under `no_grad` (each value dropped after its
+last user); the module's state is kept: buffers (BatchNorm statistics) are put back and the
+RNG state restored. Skipped: views and in-place results (no storage of their own; views are
+run for the layouts of gradients), ops that mutate an input or a buffer, and ops that fail to
+run alone. The allocator is read with no dispatch mode
 active; under a profiler other than hbp's own measurements (CPU) nothing is measured, since
 profiler sessions do not nest (`calibrate_scratch` returns None: measure again outside it),
 and on CUDA the peak statistics are reset (do not calibrate inside a step measured with
@@ -52,9 +53,14 @@ from hbp.runtime.tracker import allocator_peak, foreign_profiler_running
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
-# (op signature, cat dim, row-major output gradient) -> (forward allocator peak, backward
-# allocator peak, bytes; whether each input got a row-major gradient)
-_CACHE: dict[tuple, tuple[int, int, tuple[bool, ...]]] = {}
+#: A gradient layout: the strides of a gradient, None for the output's own layout.
+Strides = tuple[int, ...]
+#: (op signature, cat dim, output gradient's strides or None) -> (forward allocator peak,
+#: backward allocator peak, bytes; the strides of the gradient each input got, or None)
+_CACHE: dict[tuple, tuple[int, int, tuple[Strides | None, ...]]] = {}
+#: How many more passes follow a gradient layout back through the graph (NOTE [ The layout
+#: of an output's gradient ]); one per op it goes through.
+MAX_LAYOUT_PASSES = 8
 
 
 def calibrate_scratch(
@@ -78,47 +84,106 @@ def calibrate_scratch(
     if _on_cpu(arguments, gm) and foreign_profiler_running():  # profilers cannot nest
         return None
     with _disable_current_modes(), _state_kept(gm), torch.no_grad():
-        dense_gradients: set[fx.Node] = set()
-        raised = _calibrate_pass(captured, arguments, dense_gradients)
-        if dense_gradients:  # NOTE [ The layout of an output's gradient ]
-            raised += _calibrate_pass(captured, arguments, dense_gradients, only=dense_gradients)
+        layouts = _Layouts()
+        raised = _calibrate_pass(captured, arguments, layouts)
+        for _ in range(MAX_LAYOUT_PASSES):  # NOTE [ The layout of an output's gradient ]
+            pending = layouts.take_pending()
+            if not pending:
+                break
+            raised += _calibrate_pass(captured, arguments, layouts, only=pending)
     return raised
+
+
+class _Layouts:
+    """The gradient layouts found for each value and not yet measured with (NOTE [ The layout
+    of an output's gradient ])."""
+
+    def __init__(self) -> None:
+        self.done: set[tuple[fx.Node, Strides]] = set()
+        self.pending: dict[fx.Node, set[Strides]] = {}
+
+    def add(self, node: fx.Node, strides: Strides) -> None:
+        if (node, strides) not in self.done:
+            self.done.add((node, strides))
+            self.pending.setdefault(node, set()).add(strides)
+
+    def take_pending(self) -> dict[fx.Node, set[Strides]]:
+        pending, self.pending = self.pending, {}
+        return pending
 
 
 def _calibrate_pass(
     captured: CapturedGraph,
     arguments: list[Any],
-    dense_gradients: set[fx.Node],
-    only: set[fx.Node] | None = None,
+    layouts: _Layouts,
+    only: dict[fx.Node, set[Strides]] | None = None,
 ) -> int:
-    """Measure every measurable op (or those in `only`, with a row-major output gradient) and
-    raise its scratch fields. The first pass adds to `dense_gradients` the values whose
-    output is not row-major and to which a user's backward returns a row-major gradient."""
+    """Measure every measurable op with its output's own gradient layout, or (`only`) the ops
+    given with each of their gradient layouts given, and raise their scratch fields. Each
+    measured backward adds to `layouts` the inputs' values whose gradient came back in another
+    layout than the value's own. With `only`, views are measured too (backward only): a
+    gradient's layout comes back through them, and they copy one they cannot view back."""
     gm, raised = captured.gm, 0
-    for node, values in _run_graph(gm, captured, arguments):
-        ir_node = _measurable(captured, node)
-        if ir_node is None or (only is not None and node not in only):
+    for node, values in _run_graph(gm, captured, arguments, until=only):
+        if only is not None and node not in only:
             continue
+        ir_node, view = _measurable(captured, node), None
+        if ir_node is None and only is not None:  # a layout comes back through views
+            view = _view(captured, node)
+        if ir_node is None and view is None:
+            continue
+        seeds = [None] if only is None else sorted(only[node])
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
-        cat_dim = _cat_dim(node)
-        dense = only is not None
-        key = (_signature(gm, node, args, kwargs), cat_dim, dense)
-        if key not in _CACHE:
-            measured = _measure(gm, node, args, kwargs, cat_dim, dense)
-            if measured is None:
-                continue
-            _CACHE[key] = measured
-        forward, backward, row_major = _CACHE[key]
-        raised += _raise_fields(captured, ir_node, forward, backward)
-        if only is None:
-            sources = _leaf_sources(node, values)
-            for source, grad_row_major in zip(sources, row_major):
-                if grad_row_major and source is not None and not values.row_major(source):
-                    dense_gradients.add(source)
-                    root = _same_layout_root(captured, source)
-                    if root is not None:
-                        dense_gradients.add(root)
+        cat_dim = _cat_dim(node) if only is None else None
+        signature = _signature(gm, node, args, kwargs)
+        for strides in seeds:
+            key = (signature, cat_dim, strides)
+            if key not in _CACHE:
+                measured = _measure(gm, node, args, kwargs, cat_dim, strides)
+                if measured is None:
+                    continue
+                _CACHE[key] = measured
+            forward, backward, grad_strides = _CACHE[key]
+            if view is None:
+                raised += _raise_fields(captured, ir_node, forward, backward)
+            else:  # a view's backward copies a gradient that cannot be viewed back
+                raised += _raise_fields(captured, view, 0, backward)
+            _record_layouts(captured, node, values, grad_strides, layouts)
     return raised
+
+
+def _record_layouts(
+    captured: CapturedGraph,
+    node: fx.Node,
+    values: _Values,
+    grad_strides: tuple[Strides | None, ...],
+    layouts: _Layouts,
+) -> None:
+    """Add to `layouts` each input value of `node` whose gradient came back in strides other
+    than its own (and the op whose storage it aliases with its shape and strides)."""
+    for source, strides in zip(_leaf_sources(node, values), grad_strides):
+        if strides is None or source is None:
+            continue
+        own = values.strides(source)
+        if own is None or own == strides:
+            continue
+        layouts.add(source, strides)
+        root = _same_layout_root(captured, source)
+        if root is not None:
+            layouts.add(root, strides)
+
+
+def _view(captured: CapturedGraph, node: fx.Node) -> Node | None:
+    """`node`'s IR node if it is a view of another value (not an input, mutating nothing)."""
+    try:
+        ir_node = captured.ir_node(node)
+    except KeyError:
+        return None
+    if ir_node.alias_of is None or ir_node.is_input:
+        return None
+    if ir_node.name in captured.mutated_inputs or ir_node.name in captured.mutated_attrs:
+        return None
+    return ir_node
 
 
 def _same_layout_root(captured: CapturedGraph, node: fx.Node) -> fx.Node | None:
@@ -182,10 +247,10 @@ class _Values:
 
         return tree_map(fresh, self.env[arg])
 
-    def row_major(self, arg: fx.Node) -> bool:
-        """`arg`'s value is row-major (every tensor in it), or is not a tensor."""
-        leaves = tree_leaves(self.env.get(arg))
-        return all(t.is_contiguous() for t in leaves if isinstance(t, torch.Tensor))
+    def strides(self, arg: fx.Node) -> Strides | None:
+        """The strides of `arg`'s value where it is one tensor, else None."""
+        value = self.env.get(arg)
+        return tuple(value.stride()) if isinstance(value, torch.Tensor) else None
 
     def _requires_grad(self, arg: fx.Node) -> bool:
         try:
@@ -194,13 +259,15 @@ class _Values:
             return False
 
 
-def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]):
+def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any], until=None):
     """Yield (fx node, values) for every op node, its inputs' values available, running the
     graph on the real inputs (no grad) as it goes and dropping each value after its last
-    user."""
+    user; with `until` (fx nodes), only as far as the last of them."""
     values = _Values(gm, captured)
     env = values.env
     nodes = list(gm.graph.nodes)
+    if until is not None:
+        nodes = nodes[: max((i for i, n in enumerate(nodes) if n in until), default=-1) + 1]
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
@@ -297,12 +364,13 @@ def _measure(
     args,
     kwargs,
     cat_dim: int | None = None,
-    dense: bool = False,
-) -> tuple[int, int, tuple[bool, ...]] | None:
-    """(forward, backward, row_major) of one run of `node` on `args`: the allocator peaks
-    above the level before each, bytes, and for each tensor leaf of (args, kwargs) whether
-    the backward returned a row-major gradient for it; None when the op cannot run alone.
-    `dense`: the output gradient is row-major, whatever the output's layout."""
+    strides: Strides | None = None,
+) -> tuple[int, int, tuple[Strides | None, ...]] | None:
+    """(forward, backward, grad_strides) of one run of `node` on `args`: the allocator peaks
+    above the level before each, bytes, and for each tensor leaf of (args, kwargs) the
+    strides of the gradient the backward returned for it (None: none, or one that is not
+    dense); None when the op cannot run alone. `strides`: the output gradient's (else the
+    output's own layout, or a slice of a `torch.cat`'s gradient)."""
     leaves = tree_leaves((args, kwargs))
     device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
     if device is None:
@@ -318,16 +386,29 @@ def _measure(
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
         if not outputs or not grad_inputs:
-            return forward, 0, ()
-        seeds = [_seed_like(t, cat_dim, dense) for t in outputs]
+            # an op that returns its input itself (`.to` its own dtype) hands its gradient on
+            same = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+            return forward, 0, tuple(strides if id(t) in same else None for t in leaves)
+        seeds = [_seed_like(t, cat_dim, strides) for t in outputs]
         grads, backward = allocator_peak(
             torch.autograd.grad, outputs, grad_inputs, seeds, allow_unused=True, device=device
         )
     except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
         return None
     by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
-    row_major = tuple(by_id.get(id(t)) is not None and by_id[id(t)].is_contiguous() for t in leaves)
-    return forward, backward, row_major
+    return forward, backward, tuple(_dense_strides(by_id.get(id(t))) for t in leaves)
+
+
+def _dense_strides(t: torch.Tensor | None) -> Strides | None:
+    """`t`'s strides where they lay it out densely (no gaps, no overlaps), else None."""
+    if t is None or t.is_sparse:
+        return None
+    expected = 1  # the dims by stride must tile the storage exactly
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
 
 
 def _cat_dim(node: fx.Node) -> int | None:
@@ -344,16 +425,24 @@ def _cat_dim(node: fx.Node) -> int | None:
 # An op's backward workspace depends on the layout of the gradient it receives: a convolution
 # whose input is channels-last (in diffusers' decoders, after attention's (B, HW, C) result is
 # reshaped back to an image) runs its backward channels-last and copies a row-major output
-# gradient, a copy as big as the output. The layout is decided by the backward of the op's
-# users (a GroupNorm's backward returns a row-major gradient; SDPA's transposed output gets
-# its gradient back through views, in its own layout), which one op run alone cannot see. So
-# each op is first measured with a gradient of its output's own layout, and each measured
-# backward records which of its inputs got a row-major gradient; a value that is not row-major
-# but got one from a user is measured again with a row-major output gradient (a second pass
-# over the graph, only for those values), and charged the larger. Users that are views are not
-# measured, so a gradient that comes back through views keeps the output's layout; a view
-# with its root's shape and strides (exported graphs' `broadcast_tensors` before `mse_loss`)
-# passes a row-major gradient on to the root, which is then measured with one too.
+# gradient; a convolution whose output is permuted to (B, T, C) for linear layers (Whisper's
+# front end, SD3's patch embedding) gets its gradient transposed and copies it contiguous: a
+# copy as big as the output either way. The layout is decided by the backwards of the op's
+# users and of everything after them (a GroupNorm's backward returns a row-major gradient;
+# a linear's returns one for its permuted input, which the permute's backward hands on
+# transposed, and an elementwise op's backward keeps that layout), which one op run alone
+# cannot see. So the layout is followed back through the graph, one op per pass: the first
+# pass measures each op with a gradient of its output's own layout, and each measured backward
+# records the strides of the gradient each input got; a value whose gradient came back in
+# other strides than its own is measured again with a gradient of those strides in the next
+# pass (views too: the layout comes back through them, and a view's backward copies a
+# gradient it cannot view back, a reshape's of a permuted one), which records
+# where that layout goes next, until no new layout is found (at most MAX_LAYOUT_PASSES more
+# passes, each re-running the graph's forward). Each op is charged the largest workspace over
+# the layouts it gets. A view with its root's shape and strides (exported graphs'
+# `broadcast_tensors` before `mse_loss`) hands the layout on to its root directly. Where a
+# value has several users, each user's layout is measured (autograd sums them; the first
+# one's layout is what the sum usually keeps).
 
 
 def _leaf_sources(node: fx.Node, values: _Values) -> list[fx.Node | None]:
@@ -371,13 +460,19 @@ def _leaf_sources(node: fx.Node, values: _Values) -> list[fx.Node | None]:
     return [leaf if isinstance(leaf, fx.Node) else None for leaf in tree_leaves(tree)]
 
 
-def _seed_like(t: torch.Tensor, cat_dim: int | None, dense: bool = False) -> torch.Tensor:
-    """The output gradient for a measured backward, laid out as the step's will be: a value
-    whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous across
-    channels: a convolution's backward copies it, which is workspace too); else one of the
-    output's layout, or a row-major one (`dense`)."""
+def _seed_like(
+    t: torch.Tensor, cat_dim: int | None, strides: Strides | None = None
+) -> torch.Tensor:
+    """The output gradient for a measured backward, laid out as the step's will be: `strides`
+    where a user's backward hands them back (NOTE [ The layout of an output's gradient ]); a
+    value whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous
+    across channels: a convolution's backward copies it, which is workspace too); else one of
+    the output's layout."""
+    if strides is not None and len(strides) == t.dim():
+        seed = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+        return seed.fill_(1)
     if cat_dim is None or t.dim() == 0:
-        return torch.ones(t.shape, dtype=t.dtype, device=t.device) if dense else torch.ones_like(t)
+        return torch.ones_like(t)
     dim = cat_dim % t.dim()
     shape = list(t.shape)
     shape[dim] *= 2
