@@ -4,6 +4,7 @@ FLOPs, shape specialisation, the module-level fallback, and no change to the mod
 Expected numbers are worked out by hand (float32: 4 bytes per element)."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -326,3 +327,29 @@ def test_checkpoint_calls_in_the_forward_are_traced_through_and_counted():
     assert c.granularity == OP and c.inlined_checkpoints == 2
     assert [n.op for n in c.graph.nodes] == ["input", "Linear", "Linear", "tanh"]
     assert torch.utils.checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
+
+
+def test_capture_warning_names_a_decorated_forward_as_why_fx_failed():
+    """torch.fx reads the parameters of the function a decorator wraps but runs the wrapper's
+    `(*args, **kwargs)` (transformers' `can_return_tuple`), and fails with a message about
+    neither; the CaptureWarning names the decorator."""
+
+    def decorated(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    class Decorated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(D, D)
+
+        @decorated
+        def forward(self, x, **kwargs):
+            h = self.a(x)
+            return -h if h.sum() > 0 else h  # data-dependent: export fails too
+
+    with pytest.warns(CaptureWarning, match="cannot trace through the decorator on Decorated"):
+        capture(Decorated(), (torch.randn(B, D),))
