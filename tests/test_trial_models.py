@@ -79,6 +79,72 @@ def test_no_attention_mask_passed_runs_without_one_as_eager_does():
     assert abs(hc.plan.predicted_peak_bytes - peak) <= 0.01 * peak
 
 
+def _qwen3():
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+    )
+    return transformers.Qwen3ForCausalLM(config).train()
+
+
+def _lm_step(model, runner, **batch):
+    model.zero_grad(set_to_none=True)
+    runner(**batch, labels=batch["input_ids"], use_cache=False).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _sdpa_inputs(hc) -> list[int]:
+    return [len(n.inputs) for n in hc.captured.graph.nodes if n.op.startswith("scaled_dot")]
+
+
+def test_causal_lm_without_positions_runs_sdpa_without_a_mask_as_eager_does():
+    """No position ids passed: eager's packed-sequence check finds none and SDPA runs causal
+    with grouped-query attention in the kernel; a trace used to build the full mask and
+    repeat the keys and values per head (Qwen3: 8.4% above the plain step at budget 1.0)."""
+    model = _qwen3()
+    ids = torch.randint(0, 256, (4, 64))
+    plain = copy.deepcopy(model)
+    _lm_step(plain, plain, input_ids=ids)
+    expected = _lm_step(plain, plain, input_ids=ids)
+    _, plain_peak = allocator_peak(lambda: _lm_step(plain, plain, input_ids=ids))
+
+    hc = hbp.HCModule(model, budget=1.0)
+    _lm_step(model, hc, input_ids=ids)
+    _lm_step(model, hc, input_ids=ids)
+    _, peak = allocator_peak(lambda: _lm_step(model, hc, input_ids=ids))
+    got = _lm_step(model, hc, input_ids=ids)
+
+    assert _sdpa_inputs(hc) == [3, 3]  # q, k, v: no mask
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+    assert peak <= plain_peak * 1.001, (peak, plain_peak)
+    assert abs(hc.plan.predicted_peak_bytes - peak) <= 0.01 * peak
+
+
+def test_packed_position_ids_passed_keep_the_mask():
+    """Position ids the caller passes are values the plan cannot depend on: the mask stays,
+    and two sequences packed per row attend within their own sequence."""
+    model = _qwen3()
+    ids = torch.randint(0, 256, (2, 64))
+    positions = torch.arange(32).repeat(2).expand(2, -1)  # two sequences of 32 per row
+    plain = copy.deepcopy(model)
+    expected = _lm_step(plain, plain, input_ids=ids, position_ids=positions)
+    hc = hbp.HCModule(model, budget=0.5)
+    got = _lm_step(model, hc, input_ids=ids, position_ids=positions)
+    assert _sdpa_inputs(hc) == [4, 4]  # q, k, v and the mask
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+
+
 class _DataDependent(nn.Module):
     """Blocks behind a data-dependent branch: no tracer captures it (module-level fallback)."""
 

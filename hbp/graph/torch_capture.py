@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hbp.errors import CaptureWarning
 from hbp.graph.torch_captured import MODULE, OP, CapturedGraph
-from hbp.graph.torch_export import export_trace
+from hbp.graph.torch_export import eager_shortcuts, export_trace
 from hbp.graph.torch_fake import _MISSING, _Faker, _rng_preserved
 from hbp.graph.torch_fallback import _buffers_restored, _capture_modules
 from hbp.graph.torch_modes import MODES, ambient_modes, enter_modes, exit_modes
@@ -70,7 +70,12 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
     bound.apply_defaults()
     # Dispatch modes the caller has active (a memory tracker, a FLOP counter) must not see
     # the capture's fake computations.
-    with _disable_current_modes(), _rng_preserved(module, bound.arguments), torch.enable_grad():
+    with (
+        _disable_current_modes(),
+        _rng_preserved(module, bound.arguments),
+        torch.enable_grad(),
+        eager_shortcuts(bound.arguments),
+    ):
         failures = []
         captured = None
         for tracer in _TRACERS:

@@ -41,7 +41,16 @@ What differs from a symbolic-traced graph, and what `_normalise` does about it:
   more than the plain step, 3.6%). hbp's graph is specialised to the signature and runs
   eagerly, so the trace takes eager's path (`_eager_paths`): transformers' mask helpers see
   "not exporting". Shortcuts that read mask *values* still see fake tensors (transformers'
-  `is_tracing`) and keep the mask: a plan never depends on the values of an input.
+  `is_tracing`) and keep the mask: a plan never depends on the values of an input. One
+  value check reads no input: transformers' packed-sequence check
+  (`find_packed_sequence_indices`) reads the position ids, which a model without
+  `position_ids` / `cache_position` arguments makes from `torch.arange` over the sequence
+  length, one sequence per row; eager finds no packing and lets SDPA run causal without a
+  mask, while any trace (fx proxies, fake tensors) builds the full mask, and grouped-query
+  attention then repeats the keys and values per head instead of SDPA's `enable_gqa`
+  (Qwen3 at budget 1.0: 8.4% above the plain step). Where the call passes neither argument,
+  both tracers answer as eager does (`eager_shortcuts`); where it passes either, the values
+  are the caller's and the mask stays.
 
 Capturing does not change the module: parameters and buffers are fakes during the trace,
 Python attributes the forward assigns are put back by the caller (`torch_capture`), and the
@@ -67,7 +76,7 @@ from hbp.graph.torch_modes import MODES
 from hbp.graph.torch_outputs import OutputSlot, map_output
 from hbp.graph.torch_trace import function_apply_replaced
 
-__all__ = ["ExportedTrace", "export_trace", "OUTPUT_ROOT"]
+__all__ = ["ExportedTrace", "eager_shortcuts", "export_trace", "OUTPUT_ROOT"]
 
 #: Attribute path of the user's module inside the exported graph module (see `_FlatOutputs`).
 OUTPUT_ROOT = "inner"
@@ -201,6 +210,38 @@ def _eager_paths():
 
 def _not_exporting() -> bool:
     return False
+
+
+#: Arguments through which a caller gives transformers models their token positions: where
+#: the call passes none, the model makes them from the sequence length.
+_POSITION_ARGUMENTS = ("position_ids", "cache_position")
+
+
+@contextlib.contextmanager
+def eager_shortcuts(arguments: dict[str, Any]):
+    """Within: transformers' packed-sequence check finds no packing, as eager does, where the
+    call (`arguments`: the forward's bound arguments) passes no token positions (see NOTE
+    [ Exported graphs ], export-only paths). For both tracers."""
+    extra = arguments.get("kwargs")
+    extra = extra if isinstance(extra, dict) else {}
+    passed = any(
+        arguments.get(name) is not None or extra.get(name) is not None
+        for name in _POSITION_ARGUMENTS
+    )
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if passed or not callable(original):
+        yield
+        return
+    masking.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _no_packed_sequences(position_ids: torch.Tensor) -> None:
+    return None
 
 
 class _FlatOutputs(nn.Module):
