@@ -389,14 +389,42 @@ def _measure(
             # an op that returns its input itself (`.to` its own dtype) hands its gradient on
             same = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
             return forward, 0, tuple(strides if id(t) in same else None for t in leaves)
-        seeds = [_seed_like(t, cat_dim, strides) for t in outputs]
+        seed_bytes: list[int] = []
+
+        def seeds() -> list[torch.Tensor]:
+            made = [_seed_like(t, cat_dim, strides) for t in outputs]
+            seed_bytes.extend(t.untyped_storage().nbytes() for t in made)
+            return made
+
+        with torch.enable_grad():
+            anchor = _SeededGradients.apply(seeds, *outputs)
+        one = torch.ones_like(anchor)  # made before the window, as the step's loss gradient
         grads, backward = allocator_peak(
-            torch.autograd.grad, outputs, grad_inputs, seeds, allow_unused=True, device=device
+            torch.autograd.grad, anchor, grad_inputs, one, allow_unused=True, device=device
         )
+        backward = max(0, backward - sum(seed_bytes))  # the step holds its gradient already
     except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
         return None
     by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
     return forward, backward, tuple(_dense_strides(by_id.get(id(t))) for t in leaves)
+
+
+class _SeededGradients(torch.autograd.Function):
+    """A scalar whose backward hands the op's outputs the gradients `make()` creates. The
+    engine then owns them alone and frees each once the autograd node that reads it is done,
+    as in the step, where a gradient passed to `torch.autograd.grad` would stay referenced
+    through the whole backward: an op run as several autograd nodes (a batched matmul's
+    reshape, then its bmm) would be charged its incoming gradient beside a copy of it that
+    replaces it in the step."""
+
+    @staticmethod
+    def forward(ctx, make, *outputs):
+        ctx.make = make
+        return torch.zeros((), device=outputs[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.make())
 
 
 def _dense_strides(t: torch.Tensor | None) -> Strides | None:
