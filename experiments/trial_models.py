@@ -23,7 +23,9 @@ tiny sizes (nothing downloads), dropout off, and trained the way a user does: `.
   state ("; buffers first/measured" beside the gradient error: `buffer_error`).
 
 The builders of the third trial (Whisper, BLOOM, GPT-NeoX, Qwen2-MoE, Qwen3, ConvNeXt,
-ResNet, Segformer, DETR, AutoencoderKL, SD3) are in `trial_more_models.py`.
+ResNet, Segformer, DETR, AutoencoderKL, SD3) are in `trial_more_models.py`, those of the
+fourth (Phi-3, Falcon, OPT, GPT-J, ModernBERT, DINOv2, BEiT, MobileNetV2, EfficientNet,
+MobileViT, Marian, DiT, Flux, UNet1DModel, ControlNet) in `trial_fourth_models.py`.
 
 Writes outputs/trial/models.md (the table) and outputs/trial/models.json (the rows).
 """
@@ -38,7 +40,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from trial_more_models import MORE  # this script's folder is on sys.path
+from trial_fourth_models import FOURTH  # this script's folder is on sys.path
+from trial_more_models import MORE
 
 import hbp
 from hbp.runtime.flops import TotalFlopCounterMode
@@ -438,6 +441,7 @@ MODELS = {
     )
 }
 MODELS.update(MORE)
+MODELS.update(FOURTH)
 
 
 # ----------------------------------------------------------------------------- measuring
