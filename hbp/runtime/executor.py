@@ -188,7 +188,8 @@ class PlanExecutor:
     def __call__(self, *args, **kwargs) -> Any:
         env = dict(zip(self._placeholders, self.captured.placeholder_values(args, kwargs)))
         del args, kwargs
-        self._run_level(self.blocks, env, self._graph_outputs)
+        with autocast_cache_disabled():  # plain blocks too: see autocast_cache_disabled
+            self._run_level(self.blocks, env, self._graph_outputs)
         flat = fx.node.map_arg(self._output.args[0], lambda n: self._lookup(env, n))
         self.returned = [
             (self._output_names[n], weakref.ref(env[n]))
@@ -630,7 +631,11 @@ def autocast_cache_disabled() -> Iterator[None]:
     setting): autocast does not cache the low-precision copies of weights. The cache would
     keep the copy of every weight a segment casts alive until autocast exits (its recompute,
     in backward: a recompute holds all its weights' copies at once), where the IR, like
-    autograd, keeps a copy only while its op saves it. Same values: a cast is a cast."""
+    autograd, keeps a copy only while its op saves it. The whole executed forward runs so,
+    plain blocks too: where the caller's backward runs inside its autocast region, their
+    cached copies stayed alive through the whole backward, past their ops' backwards (Flux at
+    "min" under CPU bf16: 1.146x its budget, 0.972x with the backward after the region).
+    Same values: a cast is a cast."""
     previous = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
@@ -840,7 +845,8 @@ class ModuleCallExecutor:
             mod.forward = self._patched(path, mod, original, counts)
             patched.append((mod, had_own, original))
         try:
-            return self.module(*args, **kwargs)
+            with autocast_cache_disabled():  # plain calls too: see autocast_cache_disabled
+                return self.module(*args, **kwargs)
         finally:
             for mod, had_own, original in patched:
                 if had_own:
