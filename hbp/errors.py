@@ -29,11 +29,13 @@ class BudgetError(HBPError, ValueError):
     Attributes:
         budget: the budget that was asked for, in bytes.
         minimum: the smallest budget, in bytes, for which a plan exists.
+        detail: what the minimum is over (the plan space searched), or why.
     """
 
     def __init__(self, budget: int, minimum: int, detail: str = ""):
         self.budget = int(budget)
         self.minimum = int(minimum)
+        self.detail = detail
         msg = (
             f"no plan fits a budget of {_mib(self.budget)} MiB ({self.budget} bytes); "
             f"the smallest feasible budget is {_mib(self.minimum)} MiB ({self.minimum} bytes)"

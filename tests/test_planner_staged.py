@@ -211,3 +211,26 @@ def test_staged_plan_executes_with_exact_gradients(always_staged):
     for p, r, g in zip(model.parameters(), reference, expected, strict=True):
         assert torch.equal(p.detach(), r)
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_stages_plan_below_the_whole_graph_minimum():
+    """The stages' fine cuts can reach less than the whole graph's candidate cuts (fourth
+    trial: a ControlNet beside a frozen UNet, 3.19 MiB staged under a whole-graph minimum of
+    3.40, where a budget between them raised). Here the whole graph gets 8 candidate cuts."""
+    from hbp.errors import BudgetError
+    from hbp.planner import min_feasible_peak
+
+    graph = synthetic.residual_net(8, same_layers=True)
+    whole, _ = min_feasible_peak(graph, max_cuts=8)
+    budget = (whole + min_feasible_peak(graph)[0]) // 2
+    plan = optimal_plan(graph, budget, max_cuts=8)
+    assert plan.meta["solved_by"] == "staged" and plan.meta["whole_graph_minimum"] == whole
+    assert simulate(graph, plan.segments).peak_bytes == plan.predicted_peak_bytes <= budget
+    validate_plan(graph, plan)
+    # below what anything reaches: the error's minimum is a staged plan's peak, and fits
+    with pytest.raises(BudgetError, match="less in stages") as err:
+        optimal_plan(graph, budget // 8, max_cuts=8)
+    assert err.value.minimum < budget
+    assert optimal_plan(graph, err.value.minimum, max_cuts=8).predicted_peak_bytes <= (
+        err.value.minimum
+    )
