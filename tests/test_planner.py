@@ -25,8 +25,11 @@ from hbp.planner import (
     uniform_plan,
     validate_plan,
 )
+from hbp.planner.cuts import cut_choices
 from hbp.planner.dp import solver
 from hbp.planner.plan import Plan, Segment
+
+MIB = 2**20
 
 
 @pytest.fixture(autouse=True)
@@ -268,6 +271,43 @@ def test_infeasible_budget_reports_minimum_in_mib():
     assert err.value.minimum == minimum
     assert err.value.budget == minimum - 1
     validate_plan(graph, plan(graph, minimum, max_cuts=24))
+
+
+def test_least_peak_is_over_other_cut_choices():
+    # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts: the cuts chosen for 6
+    # reach 95 bytes at least, those for 9 (1.5x) 65, those for 12 (2x) 55.
+    graph = synthetic.random_dag(40, seed=0)
+    info = GraphInfo.of(graph)
+    choices = cut_choices(info, 1, max_cuts=6)
+    assert [len(c) for c in choices] == [8, 11, 14]
+    assert min_feasible_peak(graph, max_cuts=10**6)[0] <= 55  # all cuts: a superset
+    peak, segments = min_feasible_peak(graph, max_cuts=6)
+    assert peak == 55
+    assert simulate(graph, segments).peak_bytes == 55
+    p = optimal_plan(graph, 60, max_cuts=6)
+    assert p.meta["solved_by"] == "min-peak (other cuts)"
+    assert p.meta["whole_graph_minimum"] == 95
+    assert p.predicted_peak_bytes <= 60
+    validate_plan(graph, p)
+    assert plan(graph, "min", max_cuts=6).predicted_peak_bytes == 55
+    with pytest.raises(BudgetError, match="least over 3 cut choices") as err:
+        optimal_plan(graph, 54, max_cuts=6)
+    assert err.value.minimum == 55
+
+
+def test_budget_error_says_when_parameter_gradients_are_most_of_the_minimum():
+    graph = synthetic.uniform_chain(8, nbytes=MIB)
+    for node in graph.nodes[1:]:
+        node.param_grad_bytes = 4 * MIB  # a weight of 4 MiB per MiB of activation
+    minimum = min_feasible_peak(graph)[0]
+    with pytest.raises(BudgetError, match=r"32\.00 MiB of it are parameter gradients") as err:
+        plan(graph, minimum - 1)
+    assert err.value.minimum == minimum
+    assert "FSDP" in str(err.value)
+    light = synthetic.uniform_chain(8, nbytes=MIB)  # no parameters: the usual message
+    with pytest.raises(BudgetError) as err:
+        plan(light, min_feasible_peak(light)[0] - 1)
+    assert "parameter gradients" not in str(err.value)
 
 
 def test_plan_entry_point_options_and_errors():

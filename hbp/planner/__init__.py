@@ -12,7 +12,7 @@ import math
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
-from hbp.errors import ConfigError
+from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.budget import parse_budget
 from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
@@ -72,21 +72,40 @@ def plan(
     info = GraphInfo.of(graph)
     naive = simulate(graph, info=info)
     if budget == "min":
+        within = {"max_cuts": options["max_cuts"]} if "max_cuts" in options else {}
         budget_bytes, _ = min_feasible_peak(
-            graph, block_size=block_size, nested=planner != "one_level", info=info
+            graph, block_size=block_size, nested=planner != "one_level", info=info, **within
         )
     else:
         budget_bytes = parse_budget(budget, naive.peak_bytes)
     if planner == "uniform":
         segments = options.pop("segments", None) or max(1, round(math.sqrt(info.n)))
         return uniform_plan(graph, segments, budget_bytes=budget_bytes, info=info, **options)
-    return optimal_plan(
-        graph,
-        budget_bytes,
-        block_size=block_size,
-        nested=planner == "optimal",
-        info=info,
-        naive=naive,
-        pins=pins,
-        **options,
+    try:
+        return optimal_plan(
+            graph,
+            budget_bytes,
+            block_size=block_size,
+            nested=planner == "optimal",
+            info=info,
+            naive=naive,
+            pins=pins,
+            **options,
+        )
+    except BudgetError as err:
+        raise _with_parameter_gradients(graph, err) from None
+
+
+def _with_parameter_gradients(graph: Graph, err: BudgetError) -> BudgetError:
+    """`err`, saying how much of its minimum is parameter gradients where they are half of it
+    or more: no plan frees them within the step (they live from their node's backward to the
+    optimizer), so recompute cannot go below them and the user needs another tool."""
+    grads = sum(node.param_grad_bytes for node in graph.nodes)
+    if grads * 2 < err.minimum:
+        return err
+    detail = (
+        f"{err.detail}; {grads / 2**20:.2f} MiB of it are parameter gradients, which no "
+        "checkpointing frees (they live until the optimizer step): below that, shard or "
+        "offload them (FSDP), or freeze parameters"
     )
+    return BudgetError(err.budget, err.minimum, detail.lstrip("; "))

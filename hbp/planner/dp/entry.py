@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from functools import reduce
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import Simulation, simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
-from hbp.planner.cuts import candidate_cuts
+from hbp.planner.cuts import candidate_cuts, cut_choices
 from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.peak import PeakSolver
@@ -116,7 +117,7 @@ def _solve(
         recompute = float(solver.top(0, frozenset())[0, slots])
         if recompute < INF:
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
-        minimum, segments = _least_peak(info, model, nested)
+        minimum, segments = _least_peak_cached(info, cuts, nested)
         if minimum > budget_bytes:
             raise BudgetError(
                 budget_bytes,
@@ -232,8 +233,22 @@ def optimal_plan(
     try:
         plan, how = whole_graph(cuts)
     except BudgetError as err:
+        others = cut_choices(info, block_size, max_cuts)[1:]
+        if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
+            least, segments = _least_peak_over(info, others, nested)
+            if least <= budget_bytes:
+                meta = dict(
+                    meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum
+                )
+                plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
+                plan.meta["solve_time_s"] = time.perf_counter() - t0
+                return plan
+            if least < err.minimum:
+                err = BudgetError(
+                    budget_bytes, least, f"{err.detail}, least over {len(others) + 1} cut choices"
+                )
         if not stages:
-            raise
+            raise err from None
         return _staged_below_whole_graph(graph, info, meta, budget_bytes, err, naive, pins, t0)
     if how == "dp" and stages:
         candidate = candidate or _staged_candidate(graph, info, budget_bytes, pins)
@@ -419,13 +434,43 @@ def min_feasible_peak(
     nested: bool = True,
     info: GraphInfo | None = None,
 ) -> tuple[int, list[Segment]]:
-    """The smallest simulated peak over the planner's plan space, and a plan reaching it."""
+    """The smallest simulated peak over the planner's plan space (over the cut sets of
+    `cut_choices`: NOTE [ Least peak over other cut choices ] in hbp.planner.cuts), and a
+    plan reaching it."""
     info = info or GraphInfo.of(graph)
-    model = CostModel(info, candidate_cuts(info, block_size, max_cuts))
-    with planning(len(model.cuts)):
-        peak, segments = _least_peak(info, model, nested)
-        segments = _top_level(info, segments)
-    return peak, segments
+    return _least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
+
+
+def _least_peak_over(
+    info: GraphInfo, choices: list[list[int]], nested: bool
+) -> tuple[int, list[Segment]]:
+    """The least peak over each cut set of `choices` (NOTE [ Least peak over other cut
+    choices ] in hbp.planner.cuts), the first set's on ties, and its top-level plan."""
+    best = None
+    for cuts in choices:
+        peak, segments = _least_peak_cached(info, cuts, nested)
+        if best is None or peak < best[0]:
+            best = (peak, _top_level(info, segments))
+    return best
+
+
+def _least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
+    """`_least_peak` over `cuts`, remembered per graph while its GraphInfo lives: "min" and a
+    BudgetError ask the same least peaks several times for one graph."""
+    known = _LEAST_PEAKS.get(id(info))
+    if known is None:
+        known = _LEAST_PEAKS[id(info)] = {}
+        weakref.finalize(info, _LEAST_PEAKS.pop, id(info), None)
+    key = (tuple(cuts), nested)
+    if key not in known:
+        model = CostModel(info, cuts)
+        with planning(len(model.cuts)):
+            known[key] = _least_peak(info, model, nested)
+    return known[key]
+
+
+#: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`_least_peak_cached`).
+_LEAST_PEAKS: dict[int, dict] = {}
 
 
 def finish_plan(
