@@ -27,6 +27,7 @@ from hbp.graph import synthetic
 from hbp.graph.ir import Graph
 from hbp.planner import min_feasible_peak, optimal_plan, parse_budget
 from hbp.planner.optimum import Schedule
+from hbp.planner.plan import Plan
 
 GENERATORS = {
     "chain": synthetic.chain,
@@ -70,6 +71,7 @@ def compare(
     time_limit: float = 60.0,
     schedule: Schedule | None = None,
     naive: Simulation | None = None,
+    warm_start: bool = True,
 ) -> dict:
     """The optimum (MILP), its bounds and the planner's recompute at one budget.
 
@@ -81,7 +83,9 @@ def compare(
     unless both are known), gap_to_bound (planner / bound - 1: the most the planner can be off
     when the MILP did not finish), milp_time_s, lp_time_s, planner_time_s, variables.
     `schedule` (`Schedule(graph, mode=mode)`) and `naive` (`simulate(graph)`) may be passed
-    in when comparing at several budgets, so that they are built once.
+    in when comparing at several budgets, so that they are built once. `warm_start`: the
+    MILP starts from the planner's plan (NOTE [ Starting from the planner's schedule ] in
+    hbp.planner.optimum), so its best schedule is never worse than the plan's.
     """
     naive = naive or simulate(graph)
     if budget == "min":
@@ -89,13 +93,13 @@ def compare(
     else:
         budget_bytes = parse_budget(budget, naive.peak_bytes)
     sch = schedule or Schedule(graph, mode=mode)
-    opt = sch.solve(budget_bytes, time_limit=time_limit)
     try:
         plan = optimal_plan(graph, budget_bytes)
         planner, planner_peak = plan.predicted_recompute_flops, plan.predicted_peak_bytes
         planner_time = plan.meta["solve_time_s"]
     except BudgetError:
-        planner, planner_peak, planner_time = None, None, None
+        plan, planner, planner_peak, planner_time = None, None, None, None
+    opt = sch.solve(budget_bytes, time_limit=time_limit, start=_starts(graph, plan, warm_start))
     tolerance = 1e-9 * max(1.0, naive.total_flops)  # solver round-off on a FLOP sum
     if planner is not None and opt.best_found_flops is not None:
         if abs(planner - opt.best_found_flops) <= tolerance:
@@ -118,6 +122,18 @@ def compare(
         "planner_time_s": planner_time,
         "variables": opt.variables,
     }
+
+
+def _starts(graph: Graph, plan: Plan | None, warm_start: bool) -> list[Plan]:
+    """The plans the MILP starts from (NOTE [ Starting from the planner's schedule ] in
+    hbp.planner.optimum): the planner's, and the planner's without pins (a pin is dearer as a
+    schedule than as planned)."""
+    if not warm_start or plan is None:
+        return []
+    try:
+        return [plan, optimal_plan(graph, plan.budget_bytes, pins=False)]
+    except BudgetError:  # only a plan with pins fits
+        return [plan]
 
 
 def _relative(value: float | None, reference: float | None, tolerance: float) -> float | None:

@@ -112,6 +112,25 @@ def test_compare_and_cli(tmp_path, capsys):
         optimal_plan(graph, 1)
 
 
+def test_the_milp_starts_from_the_planner_s_schedule():
+    # NOTE [ Starting from the planner's schedule ]: a plan's recomputations, each before
+    # the next backward, are a schedule of the MILP's that costs what the plan recomputes
+    # (no pins, no aliases); the search started from it never ends worse, however short.
+    graph = synthetic.residual_net(1, ops_per_layer=20)
+    sch = Schedule(graph)
+    budget = naive_peak(graph) // 2
+    plan = optimal_plan(graph, budget, pins=False)
+    peak, cost = sch.evaluate(sch.schedule_of(plan))
+    assert peak <= plan.predicted_peak_bytes <= budget
+    assert cost == pytest.approx(plan.predicted_recompute_flops, rel=0.01)
+    opt = sch.solve(budget, time_limit=2, relax=False, start=[plan])
+    assert opt.status in ("optimal", "time limit")
+    assert opt.best_found_flops <= cost + 1e-6 * cost
+    # compare() starts from the planner's plans: the best found is at most the plan without pins
+    r = compare(graph, 0.5, time_limit=2)
+    assert r["best_found_flops"] <= plan.predicted_recompute_flops * (1 + 1e-6)
+
+
 def test_a_gap_to_the_optimum_lies_outside_the_plan_space():
     # random_dag(5, seed=15) at 25 bytes: the best tree of intervals (every plan with up to
     # 3 levels, simulated) recomputes [x op1 op2 op3]: 1 + 8 + 3 = 12 FLOPs, and so does the

@@ -2,8 +2,9 @@
 
 Unlike the planner, which chooses trees of intervals, the programme chooses any
 rematerialisation schedule: per stage, which forward values to (re)compute and which to keep
-in memory. It is the yardstick for the planner's recompute at a budget. Solved with scipy's
-HiGHS `milp`; its LP relaxation is a lower bound.
+in memory. It is the yardstick for the planner's recompute at a budget. Solved with HiGHS
+(highspy); its LP relaxation is a lower bound. A plan of the planner's may start the search
+(NOTE [ Starting from the planner's schedule ]).
 
 Model (the simulator's accounting as far as a schedule allows):
 - Stages: one per forward node (it runs there first; earlier values may be recomputed
@@ -33,15 +34,18 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import highspy
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.simulate import simulate
 from hbp.graph.ir import Graph
 from hbp.planner.dp import CostModel
+from hbp.planner.plan import Plan
 
 
 @dataclass
@@ -75,6 +79,31 @@ class Optimum:
     proven_bound_flops: float | None = None
 
 
+class _Result(NamedTuple):
+    """One HiGHS solve: status (0 optimal, 1 time limit, 2 infeasible, 4 other), message,
+    objective and solution (None when no feasible point was found), the MILP's dual bound."""
+
+    status: int
+    message: str
+    fun: float | None
+    x: np.ndarray | None
+    mip_dual_bound: float | None
+
+
+# NOTE [ Starting from the planner's schedule ]
+# On workload graphs the MILP rarely finishes in a minute, and its best schedule at the time
+# limit can be worse than the planner's. A plan is a schedule too: its simulated step runs
+# each recomputation before some backward, so every recompute event belongs to the stage of
+# the next backward event (R[t, i] = 1). `solve(start=plans)` checks each plan's schedule
+# with `evaluate` and hands HiGHS every R of the cheapest that fits as a partial solution;
+# HiGHS completes the other variables (what is kept, freed, packed) and starts its search
+# from there, so the best schedule found is never worse than that schedule, and the bracket
+# [proven bound, best found] closes from above. A pinned value's cached rerun is not a
+# schedule's (NOTE [ Pinned values ] in hbp.analysis.simulate): here it re-runs at its FLOPs,
+# so a plan with pins is a dearer schedule than its prediction, and the plan without pins at
+# the same budget is passed beside it (`hbp.optimum.compare`).
+
+
 class Schedule:
     """The rematerialisation problem of one graph: values, stages, packs and memory terms.
 
@@ -88,7 +117,7 @@ class Schedule:
     def __init__(self, graph: Graph, info: GraphInfo | None = None, mode: str = "node"):
         if mode not in ("node", "tensor"):
             raise ValueError(f"mode={mode!r} is not accepted: expected 'node' or 'tensor'")
-        self.mode = mode
+        self.mode, self.graph = mode, graph
         info = self.info = info or GraphInfo.of(graph)
         n = info.n
         model = CostModel(info, [0, n])
@@ -169,15 +198,30 @@ class Schedule:
         return bool(self.is_out[v]) and t > v
 
     # -- the integer programme ----------------------------------------------------------------
-    def solve(self, budget_bytes: int, *, time_limit: float = 60.0, relax: bool = True) -> Optimum:
+    def solve(
+        self,
+        budget_bytes: int,
+        *,
+        time_limit: float = 60.0,
+        relax: bool = True,
+        start: Sequence[Plan] = (),
+    ) -> Optimum:
         """Least recompute FLOPs with every op's memory <= budget_bytes.
 
         The MILP stops after `time_limit` seconds (wall time); it then reports the best
         schedule found so far and the proven bound (status "time limit"). `relax` also
-        solves the LP relaxation (a lower bound, usually far faster than the MILP)."""
+        solves the LP relaxation (a lower bound, usually far faster than the MILP). `start`:
+        plans of the planner's; the search starts from the cheapest of their schedules that
+        fits the budget (NOTE [ Starting from the planner's schedule ])."""
         prog = _Program(self, float(budget_bytes))
+        recomputed, cheapest = None, np.inf
+        for plan in start:
+            schedule = self.schedule_of(plan)
+            fits = self.evaluate(schedule)
+            if fits is not None and fits[0] <= budget_bytes and fits[1] < cheapest:
+                recomputed, cheapest = schedule, fits[1]
         t0 = time.perf_counter()
-        res = prog.run(integral=True, time_limit=time_limit)
+        res = prog.run(integral=True, time_limit=time_limit, start=recomputed)
         solve_time = time.perf_counter() - t0
         lp, lp_time = None, 0.0
         if relax:
@@ -210,6 +254,25 @@ class Schedule:
         )
 
     # -- a given schedule (brute force, tests) ------------------------------------------------
+    def schedule_of(self, plan: Plan) -> dict[tuple[int, int], int]:
+        """The recomputations (stage, value) of `plan` as executed: each recompute event of
+        its simulated step belongs to the stage of the next backward (NOTE [ Starting from the
+        planner's schedule ])."""
+        col = {j: k for k, j in enumerate(self.nodes)}
+        index = {name: j for j, name in enumerate(self.info.names)}
+        pending: list[int] = []
+        recomputed: dict[tuple[int, int], int] = {}
+        for event, _ in simulate(self.graph, plan, info=self.info).timeline:
+            phase, _, name = event.partition(":")
+            j = index.get(name)
+            if phase == "recompute" and int(self.info.root[j]) in col:
+                pending.append(col[int(self.info.root[j])])
+            elif phase == "backward" and j in self.stage_of:
+                for k in pending:
+                    recomputed[self.stage_of[j], k] = 1
+                pending = []
+        return recomputed
+
     def evaluate(self, R: dict[tuple[int, int], int]) -> tuple[float, float] | None:
         """(peak bytes, recompute FLOPs) of the schedule that computes value i in stage t for
         every R[(t, i)] = 1 (plus each forward stage's own value), packs each backward's
@@ -406,15 +469,16 @@ class _Program:
         self.nvar = len(lb)
         self.lb, self.ub, self.cost = np.array(lb), np.array(ub), np.array(cost)
         self.constant = float(sch.flops.sum())
-        r_idx, c_idx, vals, lo, hi = [], [], [], [], []
-        for r, (row, a, b) in enumerate(rows):
-            for c, v in row.items():
-                r_idx.append(r)
-                c_idx.append(c)
-                vals.append(v)
+        starts, cols, vals, lo, hi = [0], [], [], [], []
+        for row, a, b in rows:
+            for c in sorted(row):
+                cols.append(c)
+                vals.append(row[c])
+            starts.append(len(cols))
             lo.append(a)
             hi.append(b)
-        self.A = coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), self.nvar)).tocsr()
+        # row-wise sparse: row r's columns are cols[starts[r]:starts[r + 1]]
+        self.A = (np.array(starts, np.int32), np.array(cols, np.int32), np.array(vals))
         self.lo, self.hi = np.array(lo), np.array(hi)
 
     def flops(self, objective: float) -> float:
@@ -423,15 +487,49 @@ class _Program:
         value = max(0.0, float(objective) - self.constant)
         return 0.0 if value <= 1e-9 * max(1.0, self.constant) else value
 
-    def run(self, integral: bool, time_limit: float):
-        integrality = np.ones(self.nvar) if integral else np.zeros(self.nvar)
-        return milp(
-            self.cost,
-            constraints=LinearConstraint(self.A, self.lo, self.hi),
-            integrality=integrality,
-            bounds=Bounds(self.lb, self.ub),
-            options={"time_limit": time_limit, "disp": False},
+    def run(self, integral: bool, time_limit: float, start: dict | None = None) -> _Result:
+        """Solve with HiGHS (the MILP, or its LP relaxation), `start`'s recomputations (stage,
+        value) given as a partial solution: every R fixed, HiGHS completes the rest."""
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", float(time_limit))
+        h.passModel(self._model(integral))
+        if integral and start is not None:
+            index, value = [], []
+            for (kind, *key), i in self.var.items():
+                if kind == "R":
+                    index.append(i)
+                    value.append(float(start.get(tuple(key), 0) or self.lb[i]))
+            h.setSolution(len(index), np.array(index, np.int32), np.array(value))
+        h.run()
+        status = h.getModelStatus()
+        info = h.getInfo()
+        found = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        code = {
+            highspy.HighsModelStatus.kOptimal: 0,
+            highspy.HighsModelStatus.kTimeLimit: 1,
+            highspy.HighsModelStatus.kInfeasible: 2,
+        }.get(status, 4)
+        dual = info.mip_dual_bound if integral else None
+        return _Result(
+            code,
+            h.modelStatusToString(status),
+            info.objective_function_value if found else None,
+            np.array(h.getSolution().col_value) if found else None,
+            dual if dual is not None and np.isfinite(dual) else None,
         )
+
+    def _model(self, integral: bool) -> highspy.HighsLp:
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = self.nvar, len(self.lo)
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = self.cost, self.lb, self.ub
+        lp.row_lower_, lp.row_upper_ = self.lo, self.hi
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = self.A
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = self.nvar, len(self.lo)
+        if integral:
+            lp.integrality_ = [highspy.HighsVarType.kInteger] * self.nvar
+        return lp
 
     def recomputations(self, x) -> list[tuple[str, str]]:
         sch = self.sch
