@@ -329,27 +329,57 @@ def test_checkpoint_calls_in_the_forward_are_traced_through_and_counted():
     assert torch.utils.checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # restored
 
 
-def test_capture_warning_names_a_decorated_forward_as_why_fx_failed():
-    """torch.fx reads the parameters of the function a decorator wraps but runs the wrapper's
-    `(*args, **kwargs)` (transformers' `can_return_tuple`), and fails with a message about
-    neither; the CaptureWarning names the decorator."""
+def _pair_unless_plain(fn):
+    """A decorator as transformers writes them (`can_return_tuple`, `deprecate_kwarg`): a
+    `(*args, **kwargs)` wrapper whose Python reads the arguments and shapes the output."""
 
-    def decorated(fn):
-        @functools.wraps(fn)
-        def wrapper(self, *args, **kwargs):
-            return fn(self, *args, **kwargs)
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        return out if kwargs.get("plain") else (out, 2 * out)
 
-        return wrapper
+    return wrapper
 
-    class Decorated(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(D, D)
 
-        @decorated
-        def forward(self, x, **kwargs):
-            h = self.a(x)
+class Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
+
+    @_pair_unless_plain
+    def forward(self, x, plain=False, **kwargs):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_decorated_forward_is_traced_through_its_wrapper(plain):
+    # NOTE [ Decorated forwards ] in hbp.graph.torch_trace: fx used to fail on the wrapper
+    # ("co_varnames is too small"), and a model export cannot take fell to module level
+    import hbp
+
+    torch.manual_seed(0)
+    model, x = Decorated(), torch.randn(B, D)
+    c = capture(model, (x,), {"plain": plain})
+    assert c.granularity == OP and c.tracer == "fx"
+    assert [n.op for n in c.graph.nodes if n.op != "input"][:3] == ["Linear", "relu", "Linear"]
+    expected = model(x, plain=plain)
+    torch.autograd.backward(expected, [torch.ones_like(t) for t in [expected] * plain or expected])
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    got = hbp.HCModule(model, budget="min")(x, plain=plain)
+    assert type(got) is type(expected)
+    torch.autograd.backward(got, [torch.ones_like(t) for t in [got] * plain or got])
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_a_decorated_forward_with_data_dependent_control_flow_says_why():
+    class Branching(Decorated):
+        @_pair_unless_plain
+        def forward(self, x, plain=False, **kwargs):
+            h = self.b(self.a(x))
             return -h if h.sum() > 0 else h  # data-dependent: export fails too
 
-    with pytest.warns(CaptureWarning, match="cannot trace through the decorator on Decorated"):
-        capture(Decorated(), (torch.randn(B, D),))
+    with pytest.warns(CaptureWarning, match="symbolic_trace: TraceError: .*control flow"):
+        c = capture(Branching(), (torch.randn(B, D),))
+    assert c.granularity == MODULE

@@ -83,7 +83,7 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
                 captured = tracer(module, bound, signature, args, kwargs)
                 break
             except Exception as err:  # noqa: BLE001 - any tracing failure means "try the next"
-                reason = _failure_reason(tracer, module, err)
+                reason = _failure_reason(err)
                 failures.append(f"{tracer.__name__.strip('_')}: {reason}")
         if captured is None:
             reason = "; ".join(failures)
@@ -102,18 +102,9 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
     return captured
 
 
-def _failure_reason(tracer, module: nn.Module, err: Exception) -> str:
-    """One line saying why a tracer failed; for torch.fx on a decorated forward (transformers'
-    `can_return_tuple`, `check_model_inputs`), that the decorator is why: fx reads the
-    parameters of the function the decorator wraps but runs the wrapper's `(*args,
-    **kwargs)`, and fails with messages about neither ("co_varnames is too small",
-    "'NoneType' object has no attribute 'pop'")."""
-    reason = f"{type(err).__name__}: {err}".strip().splitlines()[0][:300]
-    forward = getattr(type(module).forward, "__wrapped__", None)
-    if tracer is _symbolic_trace and forward is not None:
-        name = type(module).__name__
-        return f"torch.fx cannot trace through the decorator on {name}.forward ({reason})"
-    return reason
+def _failure_reason(err: Exception) -> str:
+    """One line saying why a tracer failed."""
+    return f"{type(err).__name__}: {err}".strip().splitlines()[0][:300]
 
 
 def _rng_state_bytes(module: nn.Module, arguments: dict) -> int:

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch.fx._symbolic_trace import HAS_VARSTUFF
 
 from hbp.graph.torch_fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
 from hbp.graph.torch_modes import MODES, ambient_modes
@@ -159,6 +160,18 @@ class _ValueProxy(fx.Proxy):
         return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
 
 
+# NOTE [ Decorated forwards ]
+# fx reads a forward's parameters through `functools.wraps` (`inspect.unwrap`) but rewrites
+# the wrapper's code to take them (`_patch_function`): a wrapper of `(*args, **kwargs)` has
+# too few local names for that ("co_varnames is too small"). transformers decorates most
+# forwards so (`can_return_tuple`, `check_model_inputs`, and since 5.24 `deprecate_kwarg` on
+# every causal LM's), which sent them all to the export tracer, and a model with a custom
+# autograd Function (Bloom's GeLU), which export cannot keep, to module level. So the
+# placeholders are made from the wrapped function and the trace calls the wrapper with them
+# by name, as the caller did: the wrapper's own Python (renaming deprecated arguments,
+# filling defaults, choosing the return type) runs on the proxies like the rest.
+
+
 class _Tracer(fx.Tracer):
     """`torch.fx.Tracer` whose proxies carry fake values (see the module docstring)."""
 
@@ -181,7 +194,7 @@ class _Tracer(fx.Tracer):
         # them (dicts, dataclasses, ModelOutput, namedtuples, lists) are kept aside as a
         # template, so the executor returns exactly the types the module returns (fx would
         # turn a dict subclass into an immutable_dict and a list into an immutable_list).
-        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        fn, args = self._root_args(root_fn, is_module, concrete_args)
 
         def flat_output(*a):
             proxies: list[fx.Proxy] = []
@@ -197,6 +210,32 @@ class _Tracer(fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
+
+    def _root_args(self, root_fn, is_module, concrete_args):
+        """fx's placeholders for `root_fn`, and the function the trace calls with them; for
+        a decorated forward, one that calls the decorator's wrapper with them by name
+        (NOTE [ Decorated forwards ])."""
+        inner = inspect.unwrap(root_fn)
+        if inner is root_fn or not root_fn.__code__.co_flags & HAS_VARSTUFF:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        patched, args = super().create_args_for_root(inner, is_module, concrete_args)
+        if patched.__name__ == "flatten_fn":  # pytree-flattened inputs: fx's own way
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        code = inner.__code__
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        by_position = max(code.co_posonlyargcount, 1 if is_module else 0)
+
+        def through_the_wrapper(*values):
+            head, rest = list(values[: len(names)]), list(values[len(names) :])
+            star = rest.pop(0) if code.co_flags & inspect.CO_VARARGS else ()
+            extra = rest.pop(0) if code.co_flags & inspect.CO_VARKEYWORDS else {}
+            if star:  # a *args: everything before it goes by position
+                by_name = dict(zip(names[code.co_argcount :], head[code.co_argcount :]))
+                return root_fn(*head[: code.co_argcount], *star, **by_name, **extra)
+            by_name = dict(zip(names[by_position:], head[by_position:]))
+            return root_fn(*head[:by_position], **by_name, **extra)
+
+        return through_the_wrapper, args
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # torch.nn's transformer stacks are whole models, not ops: as leaves, a ViT built from
