@@ -16,6 +16,7 @@ A recomputed child, at any level, may also pin one node (NOTE [ Pin candidates ]
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
@@ -93,6 +94,16 @@ class _PinRow(NamedTuple):
     tail_low: int  # slots the child's tail needs beside the pin (PinCharge.PASS; else 0)
 
 
+@dataclass
+class _KnownRec:
+    """The two tables T(e, f) can be (NOTE [ Known T(e, f) tables ]): `plain` from
+    `lowest` = `least_plain` on, `nested` below it (None: not built yet)."""
+
+    least_plain: int
+    plain: np.ndarray | None
+    nested: np.ndarray | None
+
+
 class _Rows(NamedTuple):
     """The options' children that can be feasible: their indices, rest tables, next states."""
 
@@ -142,6 +153,7 @@ class Solver(Recursion):
         self._rec_tail: dict = {}
         self._first_finite: dict = {}  # id(table) -> first slot with a finite value
         self._shifted: dict = {}  # id(T(e, f) table) -> it with the fork slots off
+        self._rec_known: dict = {}  # (e, f, tail) -> _KnownRec
 
     def sl(self, x):
         """Bytes -> slots, rounded up (conservative)."""
@@ -151,16 +163,34 @@ class Solver(Recursion):
     def rec(self, e: int, f: int, lowest: int = 0, tail: bool = True) -> np.ndarray:
         """T(e, f) over slots (`_rec_table`), with the slots its pass's generator state copy
         takes (`CostModel.fork_bytes`) off."""
+        key = (e, f, tail)
+        known = self._rec_known.get(key)  # NOTE [ Known T(e, f) tables ]
+        if known is not None:
+            table = known.plain if lowest >= known.least_plain else known.nested
+            if table is not None:
+                return table
         fork = self._fork_slots(e, f)
         table = self._rec_table(e, f, max(lowest - fork, 0), tail)
-        if not fork:
-            return table
-        r = self._shifted.get(id(table))
-        if r is None:
-            r = np.full(self.n_slots + 1, INF)
-            r[fork:] = table[: max(self.n_slots + 1 - fork, 0)]
-            self._shifted[id(table)] = r
-        return r
+        if fork:
+            r = self._shifted.get(id(table))
+            if r is None:
+                r = np.full(self.n_slots + 1, INF)
+                r[fork:] = table[: max(self.n_slots + 1 - fork, 0)]
+                self._shifted[id(table)] = r
+            table = r
+        # NOTE [ Known T(e, f) tables ]: T(e, f) is one of two table objects, the plain
+        # recompute's (where `lowest` covers its need) and the nested one's: remembered per
+        # (e, f, tail), one lookup replaces the five calls that find them (each row of a
+        # recomputed child asks for one; ~70k on a 184-node graph)
+        need = self._rec_need[e, f]
+        least_plain = fork + need if self.nested and need > 0 else 0
+        if known is None:
+            known = self._rec_known[key] = _KnownRec(least_plain, None, None)
+        if lowest >= least_plain:
+            known.plain = table
+        else:
+            known.nested = table
+        return table
 
     def _fork_slots(self, e: int, f: int) -> int:
         if not self.model.info.rng_state_bytes:
@@ -300,6 +330,7 @@ class Solver(Recursion):
                 p.flops_lists = (p.flops[FULL].tolist(), p.flops[UNTIL_SAVE].tolist())
             flops = p.flops_lists[option.extent]
         first_finite = self._first_finite
+        last_save = int(self.model.last_save[d])  # `rec_tail`: f <= last_save
         for i, sub, H2 in zip(rows.keep, rows.rest, rows.states):
             kept = kept_list[i]
             lo = lows[i]  # max(kept, need): below it the option is infeasible
@@ -311,7 +342,8 @@ class Solver(Recursion):
                 if first is None:
                     first = first_finite[id(sub)] = int(np.argmax(sub < INF))
                 lowest = max(lo, kept + first) - kept
-                table = self.rec(e, p.f_list[i], lowest, self.rec_tail(d, p.f_list[i]))
+                f = p.f_list[i]
+                table = self.rec(e, f, lowest, f <= last_save)
                 value = value + table[lo - kept : M + 1 - kept]
             yield i, H2, lo, value, (), kept, 0
         if option.mode == REC and option.extent == FULL and self.nested_pins:
