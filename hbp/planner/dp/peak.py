@@ -78,6 +78,7 @@ class PeakSolver(Recursion):
         m = self.model
         memo = self._memo
         best_peak, best_cost, best_choice = INF, INF, None
+        last_save = None if top else int(m.last_save[d])  # `Solver.rec_tail`: f <= last_save
         for group in self.by_mode(self.options(d, e, H, flag, top, only)):
             p = group[0].arrays
             lists = p.peak_lists
@@ -90,6 +91,7 @@ class PeakSolver(Recursion):
             for i, f in enumerate(p.f_list):
                 kept = kept_list[i]
                 H2 = H_list[i]
+                rec_peak = None  # a recomputed child's: kept + T(e, f)'s peak (and its tail's)
                 for option, select in zip(group, selects):
                     if not select[i]:
                         continue
@@ -108,18 +110,19 @@ class PeakSolver(Recursion):
                     cost = sub.cost
                     if not top and extent != NOT_RUN:
                         cost += flops[extent][i]
-                    if mode == REC:
-                        r = memo.get(("rec", e, f))
-                        if r is None:
-                            r = self.rec(e, f)
-                        x = kept + r.peak
-                        if x > peak:
-                            peak = x
-                        if top or m.last_save[d] >= f:  # it counts its tail (Solver.rec_tail)
-                            x = kept + m.tail_need(e, f)
-                            if x > peak:
-                                peak = x
-                        cost += r.cost
+                    if mode == REC:  # T(e, f) is the same for every option of this f
+                        if rec_peak is None:
+                            r = memo.get(("rec", e, f))
+                            if r is None:
+                                r = self.rec(e, f)
+                            rec_peak, rec_cost = kept + r.peak, r.cost
+                            if top or last_save >= f:  # it counts its tail (Solver.rec_tail)
+                                x = kept + m.tail_need(e, f)
+                                if x > rec_peak:
+                                    rec_peak = x
+                        if rec_peak > peak:
+                            peak = rec_peak
+                        cost += rec_cost
                     if peak < best_peak or (peak == best_peak and cost < best_cost):
                         best_peak, best_cost = peak, cost
                         best_choice = Choice(f, mode, extent, H2, flag2)
