@@ -23,7 +23,7 @@ that event (NOTE [ Recompute at the first unpack ] in `hbp.analysis.simulate`): 
 events see the positional bytes after the nodes that follow it (`CostModel.pass_pos`); those
 nodes (the level's tail) have their backward before the pass, so they are charged not within
 the level but with T's own base: in T(e, f) when a save event follows [e, f) in its parent
-level (or at the top level), else in the parent's tail (`Solver.rec_tail`,
+level (or at the top level), else in the parent's tail (`CostModel.own_tail_until`,
 `CostModel.tail_need`).
 
 Stages: `CostModel(info, cuts, bounds)` confines every level to one stage between two bounds
@@ -384,6 +384,13 @@ class CostModel:
         if info.keeps_rng_state(e, f) and info.next_save[e] < f:
             return info.rng_state_bytes
         return 0
+
+    def own_tail_until(self, d: int | None) -> int:
+        """The last end f at which a recomputed child of a level ending at d counts its tail
+        itself: a save event follows it in the level (after it, the child's tail is the
+        level's tail, counted where the level's is). The top level (d=None): every child.
+        The solvers read it once per level and compare each end with it."""
+        return self.n if d is None else int(self.last_save[d])
 
     def pass_pos(self, d: int) -> int:
         """Positional bytes while the recompute pass of a segment ending at d runs: it runs at

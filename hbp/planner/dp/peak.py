@@ -78,7 +78,7 @@ class PeakSolver(Recursion):
         m = self.model
         memo = self._memo
         best_peak, best_cost, best_choice = INF, INF, None
-        last_save = None if top else int(m.last_save[d])  # `Solver.rec_tail`: f <= last_save
+        own_tail = m.own_tail_until(None if top else d)
         for group in self.by_mode(self.options(d, e, H, flag, top, only)):
             p = group[0].arrays
             lists = p.peak_lists
@@ -116,7 +116,7 @@ class PeakSolver(Recursion):
                             if r is None:
                                 r = self.rec(e, f)
                             rec_peak, rec_cost = kept + r.peak, r.cost
-                            if top or last_save >= f:  # it counts its tail (Solver.rec_tail)
+                            if f <= own_tail:  # it counts its tail itself
                                 x = kept + m.tail_need(e, f)
                                 if x > rec_peak:
                                     rec_peak = x

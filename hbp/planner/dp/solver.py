@@ -200,7 +200,8 @@ class Solver(Recursion):
 
     def _rec_table(self, e: int, f: int, lowest: int = 0, tail: bool = True) -> np.ndarray:
         """T(e, f) over slots, exact at every m >= `lowest`; with `tail`, infeasible where its
-        tail's backward does not fit (`rec_tail`; without, the parent level counts it).
+        tail's backward does not fit (`CostModel.own_tail_until`; without, the parent level
+        counts it).
 
         Recomputing [e, f) as one plain child costs the FLOPs up to its last save event, and
         no nested plan costs less (each node up to that event runs at least once), so where
@@ -234,12 +235,6 @@ class Solver(Recursion):
                     r[: min(low, self.n_slots + 1)] = INF
             self._rec_tail[key] = r
         return r
-
-    def rec_tail(self, d: int | None, f: int) -> bool:
-        """Whether a recomputed child ending at f of a level ending at d counts its tail
-        itself: a save event follows it in the level (else its tail is the level's tail,
-        counted where the level's is). The top level (d=None) always does."""
-        return d is None or self.model.last_save[d] >= f
 
     def top_kept(self, e: int, H: frozenset) -> np.ndarray:
         """Bytes kept across the forward by the plan that top(e, H) chose at each m (one row
@@ -330,7 +325,7 @@ class Solver(Recursion):
                 p.flops_lists = (p.flops[FULL].tolist(), p.flops[UNTIL_SAVE].tolist())
             flops = p.flops_lists[option.extent]
         first_finite = self._first_finite
-        last_save = int(self.model.last_save[d])  # `rec_tail`: f <= last_save
+        own_tail = self.model.own_tail_until(d)
         for i, sub, H2 in zip(rows.keep, rows.rest, rows.states):
             kept = kept_list[i]
             lo = lows[i]  # max(kept, need): below it the option is infeasible
@@ -343,7 +338,7 @@ class Solver(Recursion):
                     first = first_finite[id(sub)] = int(np.argmax(sub < INF))
                 lowest = max(lo, kept + first) - kept
                 f = p.f_list[i]
-                table = self.rec(e, f, lowest, f <= last_save)
+                table = self.rec(e, f, lowest, f <= own_tail)
                 value = value + table[lo - kept : M + 1 - kept]
             yield i, H2, lo, value, (), kept, 0
         if option.mode == REC and option.extent == FULL and self.nested_pins:
