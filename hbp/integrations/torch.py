@@ -409,7 +409,8 @@ class HCModule(nn.Module):
             graph.held_outputs = []  # the outputs backward starts from are held regardless
         naive = simulate(graph).peak_bytes
         start = time.perf_counter()
-        # compiled segments run without pins (NOTE [ Running pinned values ])
+        # compiled segments run without pins (NOTE [ Running pinned values ]) or explicit
+        # schedules (NOTE [ Explicit schedules ]): `pins` stands for both
         pins = not (compiled_segments or self.compile is not False)
         if captured.granularity == MODULE:
             plan = self._module_level_plan(captured, naive)
@@ -653,7 +654,10 @@ class HCModule(nn.Module):
         compiled segments run without pins (NOTE [ Running pinned values ]), so a plan with
         pins is made again without them."""
         compiled.pins = False
-        if compiled.captured.granularity == MODULE or not any_pinned(compiled.plan.segments):
+        plan = compiled.plan
+        if compiled.captured.granularity == MODULE or not (
+            any_pinned(plan.segments) or plan.schedule
+        ):
             return
         budget = "min" if self.budget == "min" else compiled.plan.budget_bytes
         try:

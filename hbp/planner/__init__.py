@@ -18,6 +18,7 @@ from hbp.planner.budget import parse_budget
 from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
 from hbp.planner.dp.recursion import planning
 from hbp.planner.plan import Plan, Segment
+from hbp.planner.schedules import schedule_plan
 from hbp.planner.tree import validate_plan
 from hbp.planner.uniform import uniform_plan
 
@@ -45,6 +46,7 @@ def plan(
     block_size: int = 1,
     planner: str = "optimal",
     pins: bool | None = None,
+    schedules: bool | None = None,
     **options,
 ) -> Plan:
     """Plan one training step of `graph` within `budget`.
@@ -59,6 +61,10 @@ def plan(
         pins: whether recomputed segments may keep nodes from the forward (optimal planners;
             None: `hbp.planner.dp.solver.PIN_VALUES`, on). Off for executors that cannot run
             them (compiled segments, JAX).
+        schedules: whether a small graph may get an explicit schedule, when it recomputes
+            less than the best plan of segments (NOTE [ Explicit schedules ] in
+            `hbp.planner.schedules`; "optimal" planner only). None: as `pins` (both need the
+            eager op-by-op executor).
         options: passed to the planner (optimal: max_cuts, mem_slots; uniform: segments, by).
 
     Raises:
@@ -81,8 +87,9 @@ def plan(
     if planner == "uniform":
         segments = options.pop("segments", None) or max(1, round(math.sqrt(info.n)))
         return uniform_plan(graph, segments, budget_bytes=budget_bytes, info=info, **options)
+    schedules = (pins is not False if schedules is None else schedules) and planner == "optimal"
     try:
-        return optimal_plan(
+        best = optimal_plan(
             graph,
             budget_bytes,
             block_size=block_size,
@@ -93,7 +100,13 @@ def plan(
             **options,
         )
     except BudgetError as err:
+        scheduled = schedules and schedule_plan(graph, budget_bytes, None, info=info, naive=naive)
+        if scheduled:
+            return scheduled
         raise _with_parameter_gradients(graph, err) from None
+    if schedules:
+        return schedule_plan(graph, budget_bytes, best, info=info, naive=naive) or best
+    return best
 
 
 def _with_parameter_gradients(graph: Graph, err: BudgetError) -> BudgetError:

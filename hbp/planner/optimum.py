@@ -65,6 +65,8 @@ class Optimum:
             time limit (None if infeasible or nothing was proven).
         solve_time_s / lp_time_s: wall time of the MILP / the LP.
         recomputed: (stage label, node name) of every recomputation in the best schedule.
+        schedule: the best schedule's recomputations as `Schedule.steps` reads them: (stage,
+            value) -> 1 (empty when none was found).
     """
 
     budget_bytes: int
@@ -77,6 +79,29 @@ class Optimum:
     recomputed: list[tuple[str, str]] = field(default_factory=list)
     best_found_flops: float | None = None
     proven_bound_flops: float | None = None
+    schedule: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+class ScheduleOp(NamedTuple):
+    """One computation of a schedule's stage (`Schedule.steps`).
+
+    value: the forward value computed (an index into `Schedule.nodes`).
+    packs: IR nodes whose backward uses what this run saves (its last run before them).
+    frees: values let go right after it (their last use in the stage, not kept).
+    A pack lives from its run to its backward: it is this stage's, or kept for a later one.
+    """
+
+    value: int
+    packs: tuple[int, ...]
+    frees: tuple[int, ...]
+
+
+class StageSteps(NamedTuple):
+    """One stage of a schedule: the values and packs held when it starts, its computations."""
+
+    held: tuple[int, ...]
+    kept_packs: tuple[int, ...]
+    ops: tuple[ScheduleOp, ...]
 
 
 class _Result(NamedTuple):
@@ -114,7 +139,14 @@ class Schedule:
     recomputed for a backward without re-running its consumer.
     """
 
-    def __init__(self, graph: Graph, info: GraphInfo | None = None, mode: str = "node"):
+    def __init__(
+        self,
+        graph: Graph,
+        info: GraphInfo | None = None,
+        mode: str = "node",
+        forward_recompute: bool = True,
+    ):
+        self.forward_recompute = forward_recompute
         if mode not in ("node", "tensor"):
             raise ValueError(f"mode={mode!r} is not accepted: expected 'node' or 'tensor'")
         self.mode, self.graph = mode, graph
@@ -251,6 +283,7 @@ class Schedule:
             prog.recomputations(res.x) if found else [],
             best,
             bound,
+            prog.schedule(res.x) if found else {},
         )
 
     # -- a given schedule (brute force, tests) ------------------------------------------------
@@ -273,11 +306,12 @@ class Schedule:
                 pending = []
         return recomputed
 
-    def evaluate(self, R: dict[tuple[int, int], int]) -> tuple[float, float] | None:
-        """(peak bytes, recompute FLOPs) of the schedule that computes value i in stage t for
-        every R[(t, i)] = 1 (plus each forward stage's own value), packs each backward's
-        needs at its node's last run before it, keeps only what is needed later and frees at
-        last use; None if something needed is missing."""
+    def steps(self, R: dict[tuple[int, int], int]) -> list[StageSteps] | None:
+        """What the schedule that computes value i in stage t for every R[(t, i)] = 1 (plus
+        each forward stage's own value) does, stage by stage: it packs each backward's needs
+        at its node's last run before it, keeps only what is needed later and frees at last
+        use. None if something needed is missing. `evaluate` charges these steps; the
+        schedule executor (`hbp.runtime.schedule_executor`) runs them."""
         T, N = self.T, self.N
         comp = [[bool(R.get((t, i), 0)) for i in range(N)] for t in range(T)]
         for t, (_, kind, q) in enumerate(self.stages):
@@ -311,41 +345,56 @@ class Schedule:
             for t in range(T - 1, -1, -1):
                 need = hold[t][v] or uses[t][v] or (need and not comp[t][v])
                 S[t][v] = need and not self.is_out[v]
-        peak, cost = 0.0, -float(self.flops.sum())
+        out = []
         for t in range(T):
             have = list(S[t])
-            for k in self.ops(t):
-                if comp[t][k]:
-                    if any(not (have[d] or self.available(t, d)) for d in self.deps[k]):
-                        return None
-                    have[k] = True
-            if any(not have[v] for v in self.main_uses(t)):
-                return None
-            main = self.main_uses(t)
-            mem = sum(self.size[v] for v in range(N) if S[t][v])
-            mem += sum(self.extra_of[j] for j in pack_kept[t])
             ops = [k for k in self.ops(t) if comp[t][k]]
+            for k in ops:
+                if any(not (have[d] or self.available(t, d)) for d in self.deps[k]):
+                    return None
+                have[k] = True
+            main = self.main_uses(t)
+            if any(not have[v] for v in main):
+                return None
+            steps = []
             for pos, k in enumerate(ops):
+                made = tuple(sorted(j for j in pack_made[t] if self.pack_run[j] == k))
+                later = ops[pos + 1 :]
+                frees = tuple(
+                    v
+                    for v in [*self.deps[k], k]
+                    if not (self.is_out[v] or v in main or S[t + 1][v])
+                    and not any(v in self.deps[u] for u in later)
+                )
+                steps.append(ScheduleOp(k, made, frees))
+            held = tuple(v for v in range(N) if S[t][v])
+            out.append(StageSteps(held, tuple(sorted(pack_kept[t])), tuple(steps)))
+        return out
+
+    def evaluate(self, R: dict[tuple[int, int], int]) -> tuple[float, float] | None:
+        """(peak bytes, recompute FLOPs) of the schedule `steps(R)` describes; None if
+        something needed is missing."""
+        stages = self.steps(R)
+        if stages is None:
+            return None
+        peak, cost = 0.0, -float(self.flops.sum())
+        for t, stage in enumerate(stages):
+            mem = sum(self.size[v] for v in stage.held)
+            mem += sum(self.extra_of[j] for j in stage.kept_packs)
+            for op in stage.ops:
+                k = op.value
                 cost += self.flops[k]
-                made = [j for j in pack_made[t] if self.pack_run[j] == k]
                 mem += (0.0 if self.is_out[k] else self.size[k]) + sum(
-                    self.extra_of[j] for j in made
+                    self.extra_of[j] for j in op.packs
                 )
                 scratch = self.transient[k] + self.copy_bytes(t, k)
                 scratch += sum(  # a run that does not pack allocates the extras transiently
-                    self.extra_of[j] for j in self.packs if self.pack_run[j] == k and j not in made
+                    self.extra_of[j]
+                    for j in self.packs
+                    if self.pack_run[j] == k and j not in op.packs
                 )
                 peak = max(peak, self.base(t, k) + mem + scratch)
-                later = ops[pos + 1 :]
-                for v in [*self.deps[k], k]:
-                    if self.is_out[v] or v in main or S[t + 1][v]:
-                        continue
-                    if any(v in self.deps[u] for u in later):
-                        continue
-                    mem -= self.size[v]
-                for j in made:
-                    if j not in pack_kept[t + 1] and j != self.main_pack(t):
-                        mem -= self.extra_of[j]
+                mem -= sum(self.size[v] for v in op.frees)
             if self.stages[t][1] == "b":
                 peak = max(peak, self.base(t, None) + mem)
         return peak, cost
@@ -374,7 +423,8 @@ class _Program:
             _, kind, q = sch.stages[t]
             for i in sch.ops(t):
                 forced = kind == "f" and i == q
-                new(("R", t, i), 1.0 if forced else 0.0, 1.0, sch.flops[i])
+                hi = 0.0 if kind == "f" and not forced and not sch.forward_recompute else 1.0
+                new(("R", t, i), 1.0 if forced else 0.0, hi, sch.flops[i])
                 for j in runs_of.get(i, []):
                     if t <= sch.stage_of[j]:
                         new(("W", t, j))  # this run of i packs for j's backward
@@ -530,6 +580,17 @@ class _Program:
         if integral:
             lp.integrality_ = [highspy.HighsVarType.kInteger] * self.nvar
         return lp
+
+    def schedule(self, x) -> dict[tuple[int, int], int]:
+        """(stage, value) -> 1 for every computation of solution x but the forward's own."""
+        sch = self.sch
+        out = {}
+        for (kind, *key), idx in self.var.items():
+            if kind == "R" and x[idx] > 0.5:
+                t, i = key
+                if not (sch.stages[t][1] == "f" and sch.stages[t][2] == i):
+                    out[t, i] = 1
+        return out
 
     def recomputations(self, x) -> list[tuple[str, str]]:
         sch = self.sch

@@ -11,6 +11,10 @@ A recomputed segment may *pin* nodes (`Segment.pinned`): their outputs are kept 
 that last ran its forward (the forward at the top level, the parent's recompute pass for a
 nested segment) instead of being recomputed (selective checkpointing's MUST_SAVE: NOTE [ Pinned
 values ] in `hbp.analysis.simulate`).
+
+On small graphs a plan may instead be an explicit schedule (`Plan.schedule`): its segments are
+one plain segment, and each `StageRecompute` says which forward values are recomputed when a
+node's backward starts (NOTE [ Explicit schedules ] in `hbp.planner.schedules`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,16 @@ class Segment:
         return out
 
 
+@dataclass
+class StageRecompute:
+    """Forward values an explicit schedule recomputes when the backward of IR node `node`
+    starts: `values` are IR indices of storage roots (a view is made with its root), in
+    topological order."""
+
+    node: int
+    values: tuple[int, ...]
+
+
 def any_pinned(segments: list[Segment]) -> bool:
     """Whether any segment of these trees pins a node."""
     return any(s.pinned or any_pinned(s.children) for s in segments)
@@ -73,6 +87,8 @@ class Plan:
         naive_peak_bytes / naive_flops: the same graph without recomputation.
         kept_bytes: bytes of segment-boundary values kept across forward.
         meta: planner name, granularity, solve time in seconds, node names at cuts.
+        schedule: the recomputations of an explicit schedule, by backward stage (empty for a
+            plan of segments; NOTE [ Explicit schedules ] in `hbp.planner.schedules`).
     """
 
     segments: list[Segment]
@@ -83,6 +99,7 @@ class Plan:
     naive_flops: float = 0.0
     kept_bytes: int = 0
     meta: dict = field(default_factory=dict)
+    schedule: list[StageRecompute] = field(default_factory=list)
 
     @property
     def predicted_recompute_ratio(self) -> float:
@@ -121,6 +138,9 @@ class Plan:
             lines.append(f"  solved in {self.meta['solve_time_s']:.2f} s")
         for s in self.segments:
             lines.extend(s.describe(1))
+        for stage in self.schedule:
+            values = ", ".join(map(str, stage.values))
+            lines.append(f"  before the backward of node {stage.node}: recompute {values}")
         return "\n".join(lines)
 
     def cut_points(self) -> list[int]:
@@ -145,6 +165,9 @@ class Plan:
 
         d = dict(d)
         d["segments"] = [seg(s) for s in d["segments"]]
+        d["schedule"] = [
+            StageRecompute(x["node"], tuple(x["values"])) for x in d.get("schedule", [])
+        ]
         return cls(**d)
 
     def to_json(self) -> str:

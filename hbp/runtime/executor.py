@@ -63,7 +63,14 @@ from torch.utils.checkpoint import (
 from hbp.graph.torch_capture import MODULE, CapturedGraph
 from hbp.graph.torch_modes import MODES, enter_modes, exit_modes
 from hbp.planner.plan import Plan, Segment
-from hbp.runtime.recompute import ReenterableContext, checkpoint_context_fn
+from hbp.runtime.recompute import (
+    ReenterableContext,
+    autocast_cache_disabled,
+    checkpoint_context_fn,
+    getattr_path,
+    throwaway_attrs,
+)
+from hbp.runtime.schedule_executor import ScheduleExecutor
 
 _PASS = threading.local()
 _PINNING = threading.local()  # .segment: the key of the segment whose pin runs now
@@ -374,7 +381,7 @@ class PlanExecutor:
                 lambda: _stacked(
                     recompute_ctx,
                     cached,
-                    _throwaway_attrs(frozen),
+                    throwaway_attrs(frozen),
                     _recompute_pass(stop),
                     _pin_mark(),
                     _parent_frame(frame, True),
@@ -625,25 +632,6 @@ class _NestedCall:
         return tuple(env[n] for n in outputs)
 
 
-@contextlib.contextmanager
-def autocast_cache_disabled() -> Iterator[None]:
-    """Inside (and in the recompute of checkpoints started inside, which records the
-    setting): autocast does not cache the low-precision copies of weights. The cache would
-    keep the copy of every weight a segment casts alive until autocast exits (its recompute,
-    in backward: a recompute holds all its weights' copies at once), where the IR, like
-    autograd, keeps a copy only while its op saves it. The whole executed forward runs so,
-    plain blocks too: where the caller's backward runs inside its autocast region, their
-    cached copies stayed alive through the whole backward, past their ops' backwards (Flux at
-    "min" under CPU bf16: 1.146x its budget, 0.972x with the backward after the region).
-    Same values: a cast is a cast."""
-    previous = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(previous)
-
-
 # NOTE [ Random state of recomputed segments ]
 # `checkpoint(..., preserve_rng_state=True)` replays the random number generator's state in
 # the recompute, so that dropout draws the forward's masks again. It costs memory: every
@@ -663,31 +651,12 @@ def draws_random(captured: CapturedGraph, start: int, stop: int) -> bool:
     return any(node.draws_random for node in captured.graph.nodes[start:stop])
 
 
-def getattr_path(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
-
-
 @contextlib.contextmanager
 def _stacked(*contexts) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for c in contexts:
             stack.enter_context(c)
         yield
-
-
-@contextlib.contextmanager
-def _throwaway_attrs(pairs: list[tuple[nn.Module, str]]) -> Iterator[None]:
-    """Inside: each (module, name) buffer is a copy; the real one is put back on exit."""
-    real = [(m, name, getattr(m, name)) for m, name in pairs]
-    for m, name, buf in real:
-        setattr(m, name, buf.clone())
-    try:
-        yield
-    finally:
-        for m, name, buf in real:
-            setattr(m, name, buf)
 
 
 # ---------------------------------------------------------------------------------------
@@ -919,6 +888,8 @@ def make_executor(
     segments ])."""
     if captured.granularity == MODULE:
         return ModuleCallExecutor(captured, plan, module)
+    if plan.schedule:
+        return ScheduleExecutor(captured, plan, module)
     return PlanExecutor(captured, plan, module, compile_options=compile_options)
 
 
