@@ -59,7 +59,7 @@ def schedule_plan(
     if recomputed is None:
         return None
     peak, flops = sch.evaluate(recomputed)
-    if dp_plan is not None and flops > dp_plan.predicted_recompute_flops * (1 - SAVING):
+    if dp_plan is not None and flops >= dp_plan.predicted_recompute_flops * (1 - SAVING):
         return None
     names = info.names
     stages: dict[int, list[int]] = {}

@@ -153,7 +153,8 @@ def plot_timeline(runs: pd.DataFrame, path: str | Path) -> Path | str:
         from hbp.analysis.simulate import simulate
 
         graph, plan = load_graph(tiny[0])
-        planned = simulate(graph, plan)
+        # an explicit schedule's timeline is not the simulator's (NOTE [ Explicit schedules ])
+        planned = None if plan.schedule else simulate(graph, plan)
     title = f"{workload} ({chosen[0]['profile']}): one training step per mode"
     return plot_memory_timeline(timelines, path, title=title, plan=plan, planned=planned)
 

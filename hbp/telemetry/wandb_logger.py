@@ -138,7 +138,8 @@ class WandbLogger:
                     from hbp.planner.plan import Plan
 
                     plan = Plan.from_dict(json.loads((self.run_dir / PLAN_FILE).read_text()))
-                    planned = simulate(Graph.from_json(self.run_dir / "graph.json"), plan)
+                    if not plan.schedule:  # NOTE [ Explicit schedules ]: not the simulator's
+                        planned = simulate(Graph.from_json(self.run_dir / "graph.json"), plan)
                 images["memory_timeline"] = plot_memory_timeline(
                     {str(summary.get("mode")): timeline},
                     self.run_dir / "memory_timeline.png",
