@@ -71,7 +71,7 @@ def test_real_model_at_operator_level_same_step_within_budget(name):
             hc, expected, got = _compare(name, "min")
     assert hc.captured.granularity == "op"
     assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
-    assert any(s.recompute for s in hc.plan.segments)
+    assert hc.plan.schedule or any(s.recompute for s in hc.plan.segments)
     assert expected.flops < got.flops <= expected.flops + hc.plan.predicted_recompute_flops
     assert got.peak_bytes < expected.peak_bytes
 

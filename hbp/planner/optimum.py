@@ -32,7 +32,10 @@ of all computations minus one forward: the recompute FLOPs.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -540,7 +543,7 @@ class _Program:
     def run(self, integral: bool, time_limit: float, start: dict | None = None) -> _Result:
         """Solve with HiGHS (the MILP, or its LP relaxation), `start`'s recomputations (stage,
         value) given as a partial solution: every R fixed, HiGHS completes the rest."""
-        h = highspy.Highs()
+        h = _quiet_highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("time_limit", float(time_limit))
         h.passModel(self._model(integral))
@@ -601,6 +604,23 @@ class _Program:
                 if not (sch.stages[t][1] == "f" and sch.stages[t][2] == i):
                     out.append((sch.stages[t][0], sch.info.names[sch.nodes[i]]))
         return out
+
+
+def _quiet_highs() -> highspy.Highs:
+    """A HiGHS instance, without the banner its constructor prints to the process's stdout
+    (before any option can turn output off): planning a small graph inside a user's step
+    solves the programme, and must not write to their stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+            ctypes.CDLL(None).fflush(None)  # C stdio's buffer, before stdout is back
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return h
 
 
 def all_schedules(schedule: Schedule) -> list[tuple[float, float]]:

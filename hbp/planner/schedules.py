@@ -46,11 +46,10 @@ def schedule_plan(
 ) -> Plan | None:
     """The programme's schedule within `budget_bytes` as a plan, if `graph` is small enough
     and it recomputes less than `dp_plan` (None: the DP found no plan); else None."""
-    if not _views_only(graph):
+    values = sum(1 for j in range(info.n) if not info.is_input[j] and info.root[j] == j)
+    if values > MAX_VALUES or not _views_only(graph):
         return None
     sch = Schedule(graph, info, forward_recompute=False)
-    if sch.N > MAX_VALUES:
-        return None
     start = [dp_plan] if dp_plan is not None else []
     optimum = sch.solve(budget_bytes, time_limit=TIME_LIMIT_S, relax=False, start=start)
     if optimum.best_found_flops is None:
