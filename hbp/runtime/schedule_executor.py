@@ -29,7 +29,6 @@ import contextlib
 import functools
 import itertools
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -102,10 +101,10 @@ class ScheduleExecutor:
         info = sch.info
         #: IR nodes of each forward value: its storage root, then its views, in order
         self.members: list[list[int]] = [[] for _ in range(sch.N)]
-        col = {j: k for k, j in enumerate(sch.nodes)}
+        self._col = {j: k for k, j in enumerate(sch.nodes)}
         for m in range(info.n):
-            if not info.is_input[m] and int(info.root[m]) in col:
-                self.members[col[int(info.root[m])]].append(m)
+            if not info.is_input[m] and int(info.root[m]) in self._col:
+                self.members[self._col[int(info.root[m])]].append(m)
         #: the stage whose computation of a node's value packs for the node's backward, where
         #: that is not the forward (the forward's run packs for every other node)
         self.repacked: dict[int, int] = {}
@@ -116,7 +115,6 @@ class ScheduleExecutor:
                         self.repacked[j] = t
         self.first_backward = sch.N  # stages [0, N) are the forward's
         self.held_from_forward = set(steps[sch.N].held) if len(steps) > sch.N else set()
-        self._col = {j: k for k, j in enumerate(sch.nodes)}
         self.stage_of = dict(sch.stage_of)
         self.random = {i for i, node in enumerate(graph.nodes) if node.draws_random}
         self.norms = stat_tracking_norms(module)
@@ -127,13 +125,10 @@ class ScheduleExecutor:
         ]
         self._fx_nodes = list(self.gm.graph.nodes)
         self._ir = {n: i for i, n in enumerate(captured.fx_nodes)}
-        self._output = next(n for n in self._fx_nodes if n.op == "output")
         self._last_reader: dict[fx.Node, int] = {}
         for pos, node in enumerate(self._fx_nodes):
             for src in node.all_input_nodes:
                 self._last_reader[src] = pos
-        #: the last step's state (tests read what it holds)
-        self.last_step: weakref.ref | None = None
 
     # -- the forward --------------------------------------------------------------------------
 
@@ -142,7 +137,6 @@ class ScheduleExecutor:
         del args, kwargs
         grad = torch.is_grad_enabled()
         step = _Step(self)
-        self.last_step = weakref.ref(step)
         env: dict[fx.Node, Any] = {}
         placeholders = iter(values)
         del values
