@@ -132,6 +132,12 @@ class _Result(NamedTuple):
 # the same budget is passed beside it (`hbp.optimum.compare`).
 
 
+def forward_values(info: GraphInfo) -> list[int]:
+    """IR indices of a graph's forward values, the programme's columns: the storage roots
+    that are not graph inputs (an alias folds into its root)."""
+    return [j for j in range(info.n) if not info.is_input[j] and info.root[j] == j]
+
+
 class Schedule:
     """The rematerialisation problem of one graph: values, stages, packs and memory terms.
 
@@ -161,7 +167,7 @@ class Schedule:
         out_root = np.zeros(n, dtype=bool)
         out_root[root[info.is_held]] = True
         # forward values: non-input storage roots; aliases fold into their root
-        self.nodes = [j for j in range(n) if not info.is_input[j] and root[j] == j]
+        self.nodes = forward_values(info)
         col = {j: k for k, j in enumerate(self.nodes)}
         N = self.N = len(self.nodes)
         self.size = np.array([float(info.storage_bytes[j]) for j in self.nodes])
@@ -596,14 +602,9 @@ class _Program:
         return out
 
     def recomputations(self, x) -> list[tuple[str, str]]:
+        """(stage label, node name) of every computation of solution x but the forward's own."""
         sch = self.sch
-        out = []
-        for (kind, *key), idx in self.var.items():
-            if kind == "R" and x[idx] > 0.5:
-                t, i = key
-                if not (sch.stages[t][1] == "f" and sch.stages[t][2] == i):
-                    out.append((sch.stages[t][0], sch.info.names[sch.nodes[i]]))
-        return out
+        return [(sch.stages[t][0], sch.info.names[sch.nodes[i]]) for t, i in self.schedule(x)]
 
 
 def _quiet_highs() -> highspy.Highs:

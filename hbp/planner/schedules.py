@@ -15,7 +15,7 @@ from __future__ import annotations
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import Simulation
 from hbp.graph.ir import Graph
-from hbp.planner.optimum import Schedule
+from hbp.planner.optimum import Schedule, forward_values
 from hbp.planner.plan import Plan, Segment, StageRecompute
 
 # NOTE [ Explicit schedules ]
@@ -46,8 +46,7 @@ def schedule_plan(
 ) -> Plan | None:
     """The programme's schedule within `budget_bytes` as a plan, if `graph` is small enough
     and it recomputes less than `dp_plan` (None: the DP found no plan); else None."""
-    values = sum(1 for j in range(info.n) if not info.is_input[j] and info.root[j] == j)
-    if values > MAX_VALUES or not _views_only(graph):
+    if len(forward_values(info)) > MAX_VALUES or not _views_only(graph):
         return None
     sch = Schedule(graph, info, forward_recompute=False)
     start = [dp_plan] if dp_plan is not None else []

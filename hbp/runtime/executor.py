@@ -66,6 +66,7 @@ from hbp.planner.plan import Plan, Segment
 from hbp.runtime.recompute import (
     ReenterableContext,
     autocast_cache_disabled,
+    buffer_owners,
     checkpoint_context_fn,
     getattr_path,
     throwaway_attrs,
@@ -352,13 +353,8 @@ class PlanExecutor:
     def _frozen_attrs(self, nodes: list[fx.Node]) -> list[tuple[nn.Module, str]]:
         """(owner module, attribute) of every buffer the segment updates in place, except norm
         statistics (guarded by `checkpoint_context_fn`)."""
-        pairs = []
-        for node in nodes:
-            for target in self.captured.mutated_attrs.get(node.name, ()):
-                owner_path, _, attr = target.rpartition(".")
-                owner = getattr_path(self.gm, owner_path) if owner_path else self.gm
-                pairs.append((owner, attr))
-        return pairs
+        updated = self.captured.mutated_attrs
+        return buffer_owners(self.gm, [t for n in nodes for t in updated.get(n.name, ())])
 
     def _context_fn(
         self, block: _Block, depth: int, pinned: bool = False, parent: bool = False

@@ -28,6 +28,7 @@ __all__ = [
     "autocast_cache_disabled",
     "checkpoint_context_fn",
     "frozen_running_stats",
+    "buffer_owners",
     "getattr_path",
     "stat_tracking_norms",
     "throwaway_attrs",
@@ -103,3 +104,13 @@ def getattr_path(root: Any, path: str) -> Any:
     for part in path.split("."):
         root = getattr(root, part)
     return root
+
+
+def buffer_owners(root: Any, targets) -> list[tuple[Any, str]]:
+    """(owner module, attribute name) of each dotted buffer path in `targets`, under `root`
+    (what `throwaway_attrs` swaps)."""
+    pairs = []
+    for target in targets:
+        owner_path, _, attr = target.rpartition(".")
+        pairs.append((getattr_path(root, owner_path) if owner_path else root, attr))
+    return pairs

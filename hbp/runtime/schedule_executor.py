@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from hbp.graph.torch_capture import MODES, CapturedGraph, enter_modes, exit_modes
 from hbp.planner.optimum import Schedule, StageSteps
@@ -42,6 +43,7 @@ from hbp.planner.plan import Plan
 from hbp.planner.schedules import recomputations
 from hbp.runtime.recompute import (
     autocast_cache_disabled,
+    buffer_owners,
     frozen_running_stats,
     getattr_path,
     stat_tracking_norms,
@@ -105,24 +107,17 @@ class ScheduleExecutor:
         for m in range(info.n):
             if not info.is_input[m] and int(info.root[m]) in self._col:
                 self.members[self._col[int(info.root[m])]].append(m)
-        #: the stage whose computation of a node's value packs for the node's backward, where
-        #: that is not the forward (the forward's run packs for every other node)
-        self.repacked: dict[int, int] = {}
-        for t, stage in enumerate(steps):
-            if sch.stages[t][1] == "b":
-                for op in stage.ops:
-                    for j in op.packs:
-                        self.repacked[j] = t
         self.first_backward = sch.N  # stages [0, N) are the forward's
+        #: nodes whose backward uses a recomputation's pack (the forward's run packs for the
+        #: others)
+        self.repacked = {j for stage in steps[sch.N :] for op in stage.ops for j in op.packs}
         self.held_from_forward = set(steps[sch.N].held) if len(steps) > sch.N else set()
-        self.stage_of = dict(sch.stage_of)
+        self.stage_of = sch.stage_of
         self.random = {i for i, node in enumerate(graph.nodes) if node.draws_random}
         self.norms = stat_tracking_norms(module)
-        self.updated_attrs = [
-            (getattr_path(self.gm, owner) if owner else self.gm, attr)
-            for targets in captured.mutated_attrs.values()
-            for owner, _, attr in (t.rpartition(".") for t in targets)
-        ]
+        self.updated_attrs = buffer_owners(
+            self.gm, [t for targets in captured.mutated_attrs.values() for t in targets]
+        )
         self._fx_nodes = list(self.gm.graph.nodes)
         self._ir = {n: i for i, n in enumerate(captured.fx_nodes)}
         self._last_reader: dict[fx.Node, int] = {}
@@ -148,17 +143,17 @@ class ScheduleExecutor:
         with autocast_cache_disabled(), hooks:
             for pos, node in enumerate(self._fx_nodes):
                 j = self._ir.get(node)
-                if node.op == "placeholder":
-                    env[node] = next(placeholders)
-                    step.forward_ran(j, env[node])
-                elif node.op == "get_attr":
+                if node.op == "get_attr":
                     env[node] = getattr_path(self.gm, node.target)
                 elif node.op == "output":
                     flat = fx.node.map_arg(node.args[0], env.__getitem__)
                 else:
-                    if j is not None and j in self.random:
-                        step.random[j] = _RandomState.now()
-                    env[node] = self.run_node(node, env, j)
+                    if node.op == "placeholder":
+                        env[node] = next(placeholders)
+                    else:
+                        if j in self.random:
+                            step.random[j] = _RandomState.now()
+                        env[node] = self.run_node(node, env, j)
                     if grad and j is not None:
                         step.forward_ran(j, env[node])
                 for src in node.all_input_nodes:
@@ -278,12 +273,12 @@ class _Step:
             if ex.stage_of[j] < t:  # its backward has run
                 del self.packs[j]
         for op in steps.ops:
-            self._compute(op.value, op.packs, t)
+            self._compute(op.value, op.packs)
             for v in op.frees:
                 for m in ex.members[v]:
                     self.env.pop(m, None)
 
-    def _compute(self, k: int, packs: tuple[int, ...], t: int) -> None:
+    def _compute(self, k: int, packs: tuple[int, ...]) -> None:
         """Recompute forward value k (its root and views), packing for `packs`' backwards."""
         ex = self.ex
         fx_nodes = ex.captured.fx_nodes
@@ -362,16 +357,8 @@ def _onto(tensor: torch.Tensor, storage: int, held: torch.Tensor) -> torch.Tenso
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((v for v in value if isinstance(v, torch.Tensor)), None)
-    return None
+    return next((v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)), None)
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    return value
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value)
