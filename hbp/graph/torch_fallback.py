@@ -103,14 +103,15 @@ def _holding_blocks(module: nn.Module) -> set[int]:
 @contextlib.contextmanager
 def _buffers_restored(module: nn.Module) -> Iterator[None]:
     """Inside, a real forward may update buffers in place (running means, step counters);
-    their values before are put back on exit."""
-    saved = [(b, b.clone()) for b in module.buffers()]
+    the values of those it wrote are put back on exit (the others are not touched)."""
+    saved = [(b, b._version, b.clone()) for b in module.buffers()]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+            for b, version, value in saved:
+                if b._version != version:
+                    b.copy_(value)
 
 
 def _expand_sequential(
