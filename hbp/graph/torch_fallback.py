@@ -23,7 +23,13 @@ from hbp.graph.ir import Graph, Node
 from hbp.graph.torch_captured import MODULE, CapturedGraph
 from hbp.graph.torch_fake import _call_module, _Faker, _rng_preserved, _storage_key, _tensors
 from hbp.graph.torch_norms import frozen_running_stats, stat_tracking_norms
-from hbp.graph.torch_profile import _charge_param_grads, _Profile, _profile_call, _record_transients
+from hbp.graph.torch_profile import (
+    _charge_out_of_place_sums,
+    _charge_param_grads,
+    _Profile,
+    _profile_call,
+    _record_transients,
+)
 from hbp.graph.torch_trace import _ModuleState
 
 
@@ -220,6 +226,7 @@ def _capture_modules(
         meta={"framework": "torch", "granularity": MODULE, "fallback_reason": reason},
     )
     _record_transients(graph, profiles)
+    _charge_out_of_place_sums(nodes, params_used, profiles)
     for node in graph.nodes:
         # A node here is a whole child call: the simulator's early stop inside the last node
         # (NOTE [ Early stop at the last pack ] in hbp/analysis/simulate.py) is modelled

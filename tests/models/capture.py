@@ -88,8 +88,8 @@ def moonshine() -> tuple[nn.Module, dict]:
     embedding (two gradient contributions into one parameter)."""
     t = _transformers()
     config = t.MoonshineConfig(
-        vocab_size=1024,
-        hidden_size=32,
+        vocab_size=8192,
+        hidden_size=64,
         intermediate_size=64,
         encoder_num_hidden_layers=2,
         decoder_num_hidden_layers=2,
@@ -99,6 +99,6 @@ def moonshine() -> tuple[nn.Module, dict]:
         decoder_start_token_id=1,
         pad_token_id=0,
     )
-    labels = torch.randint(2, 1024, (2, 24))
+    labels = torch.randint(2, 8192, (2, 8))
     inputs = {"input_values": torch.randn(2, 4000), "labels": labels}
     return t.MoonshineForConditionalGeneration(config), inputs
