@@ -102,3 +102,27 @@ def moonshine() -> tuple[nn.Module, dict]:
     labels = torch.randint(2, 8192, (2, 8))
     inputs = {"input_values": torch.randn(2, 4000), "labels": labels}
     return t.MoonshineForConditionalGeneration(config), inputs
+
+
+class TiedLM(nn.Module):
+    """An embedding, a block, and an output head that reads the embedding's weight (the
+    linear's weight gradient is a view: autograd adds the embedding's contribution out of
+    place). `head_first=True` reads the weight in an elementwise op after the head instead,
+    whose fresh gradient takes the embedding's in place."""
+
+    def __init__(self, vocab: int = 2048, width: int = 64, head_first: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.block = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+        self.head_first = head_first
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = h + self.block(h)
+        logits = nn.functional.linear(h, self.embed.weight)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if self.head_first:
+            loss = loss + (self.embed.weight * 1e-3).square().mean()
+        return loss
