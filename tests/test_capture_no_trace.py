@@ -13,7 +13,7 @@ import torch
 from torch.nn.modules import module as module_globals
 
 from hbp.errors import CaptureWarning
-from hbp.graph.torch_capture import MODULE, OP, capture
+from hbp.graph.torch.capture import MODULE, OP, capture
 from tests.models.capture import SetsUpThenBranches, llava
 
 _GLOBAL_HOOKS = [n for n in dir(module_globals) if n.startswith("_global_") and "hooks" in n]

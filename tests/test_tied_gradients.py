@@ -10,7 +10,7 @@ import torch
 
 import hbp
 from hbp.analysis import simulate
-from hbp.graph.torch_capture import OP, capture
+from hbp.graph.torch.capture import OP, capture
 from hbp.runtime.tracker import allocator_peak
 from tests.models.capture import TiedLM, moonshine
 

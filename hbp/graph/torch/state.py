@@ -10,8 +10,8 @@ dictionary (shallow), the *contents* of every dict or set it holds (parameters, 
 children, and the forward / pre / backward / state_dict hooks, which `register_*_hook`
 changes in place), each parameter's `requires_grad` and `.grad`, plus torch's global module
 hooks, grad mode, autocast state and default dtype. `restore()` puts all of it back and says
-what had changed. (RNG state: `hbp.graph.torch_fake._rng_preserved`; buffer values:
-`hbp.graph.torch_fallback._buffers_restored`.)
+what had changed. (RNG state: `hbp.graph.torch.fake._rng_preserved`; buffer values:
+`hbp.graph.torch.fallback._buffers_restored`.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ __all__ = ["ForwardSideEffect", "ModelState", "same_value"]
 class ForwardSideEffect(TypeError):
     """A traced forward changed the module's Python state (an attribute, a hook): a graph
     would not repeat that on later calls. On a model's first call it is usually a one-time
-    set-up (NOTE [ One-time initialisation in forward ] in `hbp.graph.torch_capture`)."""
+    set-up (NOTE [ One-time initialisation in forward ] in `hbp.graph.torch.capture`)."""
 
 
 # torch.nn.modules.module's global hook registries (`register_module_forward_hook`, ...).

@@ -2,18 +2,18 @@
 
 `capture(module, args, kwargs) -> CapturedGraph` runs the stages in sequence, one file each:
 1. trace to an op-level fx graph specialised to the input signature: torch.fx symbolic
-   tracing (`torch_trace`), or, where that fails, the forward's Python run on fake tensors by
-   non-strict torch.export (`torch_export`);
-2. normalise in-place ops (`torch_normalise`) and
-3. profile every node on fake tensors into the IR (`torch_profile`);
-4. if every tracer fails, fall back to module-level cut points (`torch_fallback`), with a
+   tracing (`trace`), or, where that fails, the forward's Python run on fake tensors by
+   non-strict torch.export (`export`);
+2. normalise in-place ops (`normalise`) and
+3. profile every node on fake tensors into the IR (`profile`);
+4. if every tracer fails, fall back to module-level cut points (`fallback`), with a
    `hbp.errors.CaptureWarning` that says why.
-Shared pieces: what an attempt must put back (`torch_state`), fake values (`torch_fake`), output containers (`torch_outputs`), grad/autocast
-modes (`torch_modes`), FLOP formulas (`torch_flops`), running-statistics norms (`torch_norms`),
-the result type (`torch_captured`).
+Shared pieces: what an attempt must put back (`state`), fake values (`fake`), output containers
+(`outputs`), grad/autocast modes (`modes`), FLOP formulas (`flops`), running-statistics norms
+(`running_stats`), the result type (`captured`).
 
 Capturing leaves no trace on the module, whatever fails: every attempt runs between a snapshot
-of the model's Python state and torch's global state (`torch_state.ModelState`: attributes,
+of the model's Python state and torch's global state (`state.ModelState`: attributes,
 hooks, parameters' flags, global hooks, grad mode, autocast, default dtype) and its
 restoration; buffer values and the RNG state are put back; parameters are only read. The one
 exception is a forward that sets itself up on its first call: it is called once for real, as
@@ -37,15 +37,15 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hbp.errors import CaptureWarning
-from hbp.graph.torch_captured import MODULE, OP, CapturedGraph
-from hbp.graph.torch_export import eager_shortcuts, export_trace
-from hbp.graph.torch_fake import _MISSING, _Faker, _rng_preserved
-from hbp.graph.torch_fallback import _buffers_restored, _capture_modules
-from hbp.graph.torch_modes import MODES, ambient_modes, enter_modes, exit_modes
-from hbp.graph.torch_outputs import OutputSlot, map_output
-from hbp.graph.torch_profile import _profile_graph
-from hbp.graph.torch_state import ForwardSideEffect, ModelState, same_value
-from hbp.graph.torch_trace import _ModuleState, _trace
+from hbp.graph.torch.captured import MODULE, OP, CapturedGraph
+from hbp.graph.torch.export import eager_shortcuts, export_trace
+from hbp.graph.torch.fake import _MISSING, _Faker, _rng_preserved
+from hbp.graph.torch.fallback import _buffers_restored, _capture_modules
+from hbp.graph.torch.modes import MODES, ambient_modes, enter_modes, exit_modes
+from hbp.graph.torch.outputs import OutputSlot, map_output
+from hbp.graph.torch.profile import _profile_graph
+from hbp.graph.torch.state import ForwardSideEffect, ModelState, same_value
+from hbp.graph.torch.trace import _ModuleState, _trace
 
 __all__ = [
     "MODES",
@@ -135,11 +135,11 @@ def _symbolic_trace(
 def _export_trace(
     module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
-    """Op level by running the forward on fake tensors (`hbp.graph.torch_export`)."""
+    """Op level by running the forward on fake tensors (`hbp.graph.torch.export`)."""
     assigned: list[str] = []
     state = _ModuleState(module)
     try:
-        with _python_assignments_recorded(module, assigned):
+        with _buffers_restored(module), _python_assignments_recorded(module, assigned):
             exported = export_trace(module, args, kwargs, ambient_modes())
     finally:
         changed = state.restore()
