@@ -116,7 +116,8 @@ def _buffers_restored(module: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for b, version, value in saved:
-                if b._version != version:
+                # batch norm updates its running statistics without bumping their version
+                if b._version != version or not torch.equal(b, value):
                     b.copy_(value)
 
 
