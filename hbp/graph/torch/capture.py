@@ -64,8 +64,10 @@ __all__ = [
 def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> CapturedGraph:
     """Capture `module(*args, **kwargs)` (training step: grad enabled, current train/eval
     flags) into hbp's IR. Falls back to module-level cut points, with a `CaptureWarning`,
-    where op-level capture fails. The module's state (parameters, buffers, train flags, RNG)
-    is unchanged afterwards."""
+    where op-level capture fails. Whatever fails, the module's state (attributes, hooks,
+    parameters, buffers, train flags) and torch's (RNG, global hooks, grad mode, autocast,
+    default dtype) are as they were, but for a first-call set-up the forward does when called
+    for real (NOTE [ One-time initialisation in forward ])."""
     start = time.perf_counter()
     kwargs = dict(kwargs or {})
     signature = inspect.signature(module.forward)
