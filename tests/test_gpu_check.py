@@ -1,0 +1,134 @@
+"""`make gpu-check` (experiments/gpu_check.py) where there is no GPU: it stops at once without
+one, names a missing package, judges rows by the stated tolerances and budget slack, and with
+--cpu runs every check on tiny shapes and writes a JSON file and a markdown table that say what
+was measured."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import gpu_check  # noqa: E402
+from gpu_checks import report  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+    command = [sys.executable, str(SCRIPT), *args]
+    return subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_without_cuda_it_stops_at_once_with_one_line_and_status_2(tmp_path):
+    done = _run("--out", str(tmp_path / "out"), timeout=120)
+    assert done.returncode == gpu_check.EXIT_NO_CUDA == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("gpu_check: no CUDA device visible") and "--cpu" in line
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+
+def test_a_missing_package_is_named_with_status_3(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "REQUIRED", ("torch", "no_such_package_for_gpu_check"))
+    status, _ = gpu_check.preflight(cpu=True)
+    assert status == gpu_check.EXIT_MISSING == 3
+    message = capsys.readouterr().err
+    assert "cannot import no_such_package_for_gpu_check" in message and "WHEELS" in message
+
+
+def _row(**fields) -> dict:
+    return {"variant": "hbp@0.5", "dtype": "float32", "status": "ok", **fields}
+
+
+def test_rows_fail_on_gradient_mismatch_nan_and_peak_over_budget():
+    assert report.row_failures(_row(grad_diff=0.9e-3, peak_bytes=105, budget_bytes=100)) == []
+    (grad,) = report.row_failures(_row(grad_diff=2e-3))
+    assert "gradient difference 0.002 > 0.001 (float32)" in grad
+    assert report.row_failures(_row(grad_diff=2e-3, dtype="bfloat16")) == []  # bf16: 3e-2
+    assert report.row_failures(_row(grad_diff=math.nan))
+    (peak,) = report.row_failures(_row(peak_bytes=106 * MIB, budget_bytes=100 * MIB))
+    assert "peak 106.0 MiB > 1.05x budget 100.0 MiB (1.060x)" in peak
+    # Reported, not failed: no plan for the budget, a variant that does not apply, no devices.
+    for status in ("infeasible", "n/a", "skipped"):
+        assert report.row_failures(_row(status=status)) == []
+    assert report.row_failures(_row(status="error", error="RuntimeError: boom"))
+
+
+def test_a_check_fails_on_its_own_error_and_on_unmeasured_kernel_workspace(tmp_path):
+    workspace = {"granularity": "op", "ops": {}, "unmeasured": ["Conv2d (conv_1)"]}
+    document = {
+        "device": "cuda",
+        "environment": {},
+        "checks": {
+            "good": {"rows": [_row(grad_diff=0.0)]},
+            "timed_out": {"rows": [_row(grad_diff=0.0)], "error": "timeout: still running"},
+            "workspace": {"rows": [_row(grad_diff=0.0, workspace=workspace)]},
+        },
+    }
+    report.summarize(document)
+    assert document["failed"] == ["timed_out", "workspace"] and not document["ok"]
+    assert (
+        "no kernel workspace measured for Conv2d (conv_1)"
+        in document["checks"]["workspace"]["failures"]
+    )
+    json_path, md_path = report.write(document, tmp_path)
+    assert json.loads(json_path.read_text())["failed"] == ["timed_out", "workspace"]
+    table = md_path.read_text()
+    assert table.startswith("# gpu check: FAILED")
+    assert "| " + " | ".join(report.COLUMNS) + " |" in table
+    assert "NOT measured: Conv2d (conv_1)" in table
+
+
+@pytest.mark.slow
+def test_cpu_run_measures_every_check_and_writes_json_and_table(tmp_path):
+    """The whole run on CPU (tiny shapes): every check ran, every model under every variant,
+    gradients equal plain autograd's, hbp's peaks within budget, workspace measured."""
+    done = _run("--cpu", "--out", str(tmp_path))
+    document = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    assert document["ok"] and document["failed"] == []
+    names = ["pytest_gpu", "gpt2_small", "unet", "llama", "chunked_ce", "bf16_autocast", "ddp"]
+    assert list(document["checks"]) == [*names, "gpt2_medium", "compile"]
+    checks = document["checks"]
+    for name in ("gpt2_small", "unet", "llama", "gpt2_medium"):
+        rows = {r["variant"]: r for r in checks[name]["rows"]}
+        assert list(rows) == ["naive", "checkpoint", "library", "hbp@0.5", "hbp@0.3", "hbp@min"]
+        assert rows["naive"]["status"] == "ok" and rows["naive"]["peak_bytes"] > 0
+        for variant, row in rows.items():
+            assert row["status"] in ("ok", "n/a", "infeasible"), (name, variant, row)
+            if row["status"] == "ok" and variant != "naive":
+                assert row["grad_diff"] <= report.TOLERANCE["float32"]
+                assert row["recompute_flops"] >= 0
+        assert rows["hbp@0.5"]["status"] == "ok"
+        assert rows["hbp@0.5"]["predicted_peak_bytes"] > 0
+        assert rows["hbp@0.5"]["peak_bytes"] <= 1.05 * rows["hbp@0.5"]["budget_bytes"]
+        assert rows["hbp@0.5"]["workspace"]["unmeasured"] == []
+    # uniform checkpointing applies to hbp's own models, the library's to transformers'
+    assert {r["variant"]: r["status"] for r in checks["llama"]["rows"]}["checkpoint"] == "n/a"
+    assert {r["variant"]: r["status"] for r in checks["unet"]["rows"]}["library"] == "n/a"
+    unet_ops = checks["unet"]["rows"][3]["workspace"]["ops"]
+    assert unet_ops["Conv2d"]["measured"] == unet_ops["Conv2d"]["nodes"] > 0
+    chunked = checks["chunked_ce"]["rows"][1]
+    assert chunked["peak_vs_plain"] < 1 and chunked["loss_diff"] < 1e-5
+    bf16 = checks["bf16_autocast"]["rows"][1]
+    assert bf16["dtype"] == "bfloat16" and bf16["grad_diff"] <= report.TOLERANCE["bfloat16"]
+    assert checks["ddp"]["rows"][0]["status"] == "skipped"
+    assert "DDP needs 2 or more" in checks["ddp"]["rows"][0]["note"]
+    assert checks["compile"]["rows"][1]["variant"] == "compile(hbp@0.5)"
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table.startswith("# gpu check: PASSED") and "| gpt2_medium |" in table
+    assert "DDP needs 2 or more" in table and "Failures:\n- none" in table
