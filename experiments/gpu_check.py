@@ -101,6 +101,7 @@ def preflight(cpu: bool) -> tuple[int, dict]:
 
     env = {
         "torch": torch.__version__,
+        "torch_pinned": _pinned_torch(),
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "python": sys.version.split()[0],
@@ -133,7 +134,9 @@ def _run(args) -> int:
 
     def run(check, scratch: Path) -> dict:
         left = limit - (time.perf_counter() - started)
-        if left < sizes.MIN_START_S:
+        if check.kind == "ddp" and (args.cpu or env["device_count"] < 2):
+            result = {"rows": [ddp_skipped(check, env["device_count"])]}  # no process needed
+        elif left < sizes.MIN_START_S:
             result = {"rows": [], "error": f"not run: {left:.0f} s left of the run's {limit:.0f} s"}
         else:
             result = _run_check(check, args.cpu, min(check.limit_s, left), scratch)
@@ -150,6 +153,17 @@ def _run(args) -> int:
     print(md_path.read_text())
     print(f"gpu_check: wrote {json_path} and {md_path}")
     return 0 if document["ok"] else EXIT_FAILED
+
+
+def ddp_skipped(check, visible: int) -> dict:
+    """The DDP check's row where it cannot run: it needs two CUDA devices."""
+    return {
+        "model": check.model.describe(),
+        "variant": "DDP(hbp@0.5) x2",
+        "dtype": "float32",
+        "status": "skipped",
+        "note": f"{visible} CUDA device(s) visible: DDP over NCCL needs 2 or more",
+    }
 
 
 def _run_check(check, cpu: bool, limit_s: float, scratch: Path) -> dict:
@@ -181,7 +195,7 @@ def _run_check(check, cpu: bool, limit_s: float, scratch: Path) -> dict:
 
 def _worker(name: str, device: str, rows_path: Path) -> int:
     """Run the check `name` in this process, writing its rows to `rows_path` as they come."""
-    from gpu_checks import extras, models, sizes
+    from gpu_checks import sizes
 
     os.environ.setdefault("WANDB_MODE", "disabled")
     check = next(c for c in sizes.checks(device) if c.name == name)
@@ -195,21 +209,26 @@ def _worker(name: str, device: str, rows_path: Path) -> int:
     try:
         if check.kind == "pytest":
             result.update(_pytest(device))
-            _write(result, rows_path)
         elif check.kind == "model":
+            from gpu_checks import models
+
             models.run_model_check(check.model, device, steps, record)
-        elif check.kind == "chunked_ce":
-            extras.run_chunked_ce_check(check.options, device, steps, record)
-        elif check.kind == "bf16":
-            extras.run_bf16_check(check.model, device, steps, record)
-        elif check.kind == "compile":
-            extras.run_compile_check(check.model, device, steps, record)
-        elif check.kind == "ddp":
-            extras.run_ddp_check(check.model, device, steps, record)
+        else:
+            from gpu_checks import extras
+
+            run = {
+                "chunked_ce": lambda: extras.run_chunked_ce_check(
+                    check.options, device, steps, record
+                ),
+                "bf16": lambda: extras.run_bf16_check(check.model, device, steps, record),
+                "compile": lambda: extras.run_compile_check(check.model, device, steps, record),
+                "ddp": lambda: extras.run_ddp_check(check.model, device, steps, record),
+            }
+            run[check.kind]()
     except Exception as error:  # noqa: BLE001 - the check's own error, beside its rows
         result["error"] = f"{type(error).__name__}: {error}"[:600]
         result["traceback"] = traceback.format_exc()[-3000:]
-        _write(result, rows_path)
+    _write(result, rows_path)
     return 0
 
 
@@ -254,6 +273,13 @@ def _tail(text, n: int = 1500) -> str:
         text = text.decode(errors="replace")
     lines = [ln for ln in (text or "").splitlines() if not ln.startswith("USDT:")]
     return "\n".join(lines)[-n:]
+
+
+def _pinned_torch() -> str | None:
+    """The torch version pyproject.toml pins (a lent GPU machine runs its own torch)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    start = text.find('"torch==')
+    return text[start + 8 : text.find('"', start + 1)] if start >= 0 else None
 
 
 def _git_sha() -> str | None:

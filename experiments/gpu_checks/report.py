@@ -94,7 +94,7 @@ def markdown(document: dict) -> str:
         f"# gpu check: {'PASSED' if document.get('ok') else 'FAILED'}",
         "",
         f"Device: {env.get('device_name', '?')} ({document.get('device')}), torch "
-        f"{env.get('torch')}, CUDA {env.get('cuda')}, transformers {env.get('transformers')}, "
+        f"{env.get('torch')} (pinned: {env.get('torch_pinned')}), CUDA {env.get('cuda')}, transformers {env.get('transformers')}, "
         f"hbp at {env.get('git_sha') or '?'}; {document.get('wall_s', 0):.0f} s.",
         "Tolerances (grad diff, relative to each parameter's largest gradient): "
         + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items())
