@@ -168,7 +168,9 @@ def _workspace_line(workspace: dict) -> str:
 
 
 def _mib(value) -> str:
-    return f"{value / MIB:.1f}" if isinstance(value, (int, float)) and _finite(value) else "-"
+    if not _finite(value):
+        return "-"
+    return f"{value / MIB:.1f}" if value >= 10 * MIB else f"{value / MIB:.2f}"
 
 
 def _finite(value) -> bool:
