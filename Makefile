@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PIP_Q   := --quiet --disable-pip-version-check
 export WANDB_SILENT := true
 
-.PHONY: install run test test-fast lint bench sweep report clean gpu-check
+.PHONY: install run test test-fast lint bench sweep report clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,13 +48,22 @@ sweep: $(STAMP)
 # and gpu_check.md under GPU_CHECK_OUT; exit status 1 when a check fails, 2 without a GPU, 3 when
 # a package is missing. GPU_CHECK_ARGS=--cpu runs the same checks on the CPU with tiny shapes.
 # On a machine whose python already has torch with CUDA and that reaches no registry (a lent
-# GPU machine), name that python and a folder of wheels for what it lacks (hbp needs highspy):
+# GPU machine), name that python and a folder of wheels for what it lacks (`make gpu-wheels`,
+# run where a registry is reachable, puts highspy, omegaconf and antlr4 for CPython 3.12 there):
 #   make gpu-check GPU_PYTHON=python3 WHEELS=.whl
 # Only those wheels are installed (into GPU_SITE, put first on PYTHONPATH; the repo itself is
 # on it too): the pins are not, so the run uses that machine's torch and transformers, and the
 # JSON names their versions.
 GPU_CHECK_OUT ?= outputs/gpu_check
 GPU_SITE ?= /tmp/hbp-gpu-site
+WHEELS ?= .whl
+GPU_WHEEL_TAGS := --only-binary=:all: --python-version 3.12 --implementation cp \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+
+gpu-wheels:
+	mkdir -p $(WHEELS)
+	$(PY) -m pip download $(PIP_Q) --no-deps $(GPU_WHEEL_TAGS) -d $(WHEELS) highspy==1.15.1 omegaconf==2.3.0
+	$(PY) -m pip wheel $(PIP_Q) --no-deps -w $(WHEELS) antlr4-python3-runtime==4.9.3
 ifdef GPU_PYTHON
 gpu-check:
 	@if ls $(WHEELS)/*.whl >/dev/null 2>&1; then \

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
 
 #: Modules the checks import; a missing one stops the run before any check (exit 3).
-REQUIRED = ("torch", "numpy", "highspy", "transformers", "pytest", "hbp")
+REQUIRED = ("torch", "numpy", "highspy", "omegaconf", "transformers", "pytest", "hbp")
 EXIT_FAILED, EXIT_NO_CUDA, EXIT_MISSING = 1, 2, 3
 
 
