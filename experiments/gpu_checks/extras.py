@@ -79,7 +79,7 @@ def _plain_then_hbp(spec, device, timed_steps, record, dtype, context, compiled:
             row.update(status="error", error=f"{type(error).__name__}: {error}"[:600])
             row["traceback"] = traceback.format_exc()[-3000:]
         finally:
-            model = module = hc = None
+            model = module = hc = measured = None
             release(device)
         record(row)
         if reference is None:

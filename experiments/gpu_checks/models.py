@@ -83,7 +83,7 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
             row.update(status="error", error=f"{type(error).__name__}: {error}"[:600])
             row["traceback"] = traceback.format_exc()[-3000:]
         finally:
-            model = module = None
+            model = module = measured = None
             release(device)
         if variant == "naive" and row["status"] != "ok":
             record(row)
