@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import gpu_check  # noqa: E402
 from gpu_checks import report  # noqa: E402
 
-MIB = 1024 * 1024
+from hbp.units import MIB  # noqa: E402
 
 
 def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:

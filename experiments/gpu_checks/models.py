@@ -25,9 +25,9 @@ from collections.abc import Callable
 import torch
 
 import hbp
+from hbp.graph.torch import calibrate
 from hbp.modes.checkpoint import CheckpointMode
 from hbp.modes.library_checkpoint import enable_library_checkpointing
-from hbp.runtime import calibrate_scratch
 from hbp.workloads import build
 
 from .sizes import BUDGETS, ModelSpec
@@ -143,7 +143,7 @@ def _step(loss_of: Callable, module: torch.nn.Module) -> Callable[[], torch.Tens
 
 # NOTE [ Which kernels had their workspace measured ]
 # hbp measures each op signature's kernel workspace once at capture
-# (hbp/runtime/calibrate_scratch.py) and raises the node's scratch fields through
+# (hbp/graph/torch/calibrate.py) and raises the node's scratch fields through
 # `_raise_fields`, for a new signature and for one measured before alike; an op that cannot
 # run alone (or is skipped: views, in-place ops) keeps the fake-tensor estimate, which knows no
 # workspace. The check wraps `_raise_fields` while the first hbp variant captures and lists,
@@ -155,7 +155,7 @@ def _step(loss_of: Callable, module: torch.nn.Module) -> Callable[[], torch.Tens
 @contextlib.contextmanager
 def _workspace_recorder():
     calls: dict[str, dict] = {}
-    original = calibrate_scratch._raise_fields
+    original = calibrate._raise_fields
 
     def recording(captured, node, forward, backward):
         entry = calls.setdefault(node.name, {"measured": True, "forward": 0, "backward": 0})
@@ -163,11 +163,11 @@ def _workspace_recorder():
         entry["backward"] = max(entry["backward"], backward)
         return original(captured, node, forward, backward)
 
-    calibrate_scratch._raise_fields = recording
+    calibrate._raise_fields = recording
     try:
         yield calls
     finally:
-        calibrate_scratch._raise_fields = original
+        calibrate._raise_fields = original
 
 
 def workspace_report(hc: hbp.HCModule, calls: dict[str, dict]) -> dict:

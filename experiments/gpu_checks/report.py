@@ -19,7 +19,8 @@ import json
 import math
 from pathlib import Path
 
-MIB = 1024 * 1024
+from hbp.units import MIB
+
 #: Largest accepted gradient difference against plain autograd per dtype, relative to each
 #: parameter's largest gradient: float32 kernels that differ only in summation order (a
 #: recomputed segment, a fused compiled kernel, cuDNN's tf32 convolutions) land far below it;
