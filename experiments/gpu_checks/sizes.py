@@ -1,5 +1,5 @@
 """What each check runs: the shapes and time limits on a CUDA device, and with `--cpu` the same
-checks on CPU with tiny shapes (the script's logic, in under a minute on a quiet machine).
+checks on CPU with tiny shapes (the script's logic; most of their time is capture and planning).
 
 NOTE [ Fitting the lease ]
 A lent GPU comes for about 15 minutes, minutes of which go to starting the machine; the whole
