@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,7 @@ def _run(args) -> int:
     status, env = preflight(args.cpu)
     if status:
         return status
+    checks_started = time.perf_counter()  # the deadline counts from here
     device = "cpu" if args.cpu else "cuda"
     limit = args.time_limit or sizes.RUN_LIMIT_S[device]
     document = {"device": device, "environment": env, "checks": {}, "run_limit_s": limit}
@@ -133,7 +135,7 @@ def _run(args) -> int:
     jobs = args.jobs or sizes.JOBS[device]
 
     def run(check, scratch: Path) -> dict:
-        left = limit - (time.perf_counter() - started)
+        left = limit - (time.perf_counter() - checks_started)
         if check.kind == "ddp" and (args.cpu or env["device_count"] < 2):
             result = {"rows": [ddp_skipped(check, env["device_count"])]}  # no process needed
         elif left < sizes.MIN_START_S:
@@ -178,18 +180,28 @@ def _run_check(check, cpu: bool, limit_s: float, scratch: Path) -> dict:
     env.setdefault("WANDB_MODE", "disabled")
     started = time.perf_counter()
     result: dict = {"limit_s": round(limit_s, 1)}
+    # Its own process group: a timeout ends the check's children too (pytest, DDP's ranks),
+    # which would otherwise hold the device while the next checks run.
+    child = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
-        done = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s
-        )
-        if done.returncode != 0:
-            result["error"] = f"exit status {done.returncode}: {_tail(done.stderr)}"
-    except subprocess.TimeoutExpired as expired:
+        _, stderr = child.communicate(timeout=limit_s)
+        if child.returncode != 0:
+            result["error"] = f"exit status {child.returncode}: {_tail(stderr)}"
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        _, stderr = child.communicate()
         result["error"] = f"timeout: still running after {limit_s:.0f} s (its time limit)"
-        result["stderr_tail"] = _tail(expired.stderr)
+        result["stderr_tail"] = _tail(stderr)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     if rows_path.exists():
-        result.update(json.loads(rows_path.read_text()))
+        rows = json.loads(rows_path.read_text())
+        errors = [e for e in (result.get("error"), rows.pop("error", None)) if e]
+        result.update(rows)
+        if errors:
+            result["error"] = "; ".join(errors)
     return result
 
 
@@ -206,6 +218,9 @@ def _worker(name: str, device: str, rows_path: Path) -> int:
         _write(result, rows_path)
 
     steps = sizes.TIMED_STEPS[device]
+    if os.environ.get("GPU_CHECK_HANG") == name:  # tests: a check that never ends, with a child
+        record({"variant": "before the hang", "status": "ok"})
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(3600)"])
     try:
         if check.kind == "pytest":
             result.update(_pytest(device))

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,8 @@ from gpu_checks import report  # noqa: E402
 from hbp.units import MIB  # noqa: E402
 
 
-def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+def _run(*args: str, timeout: float = 900, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", **env_vars)
     command = [sys.executable, str(SCRIPT), *args]
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -48,6 +49,24 @@ def test_a_missing_package_is_named_with_status_3(monkeypatch, capsys):
     assert status == gpu_check.EXIT_MISSING == 3
     message = capsys.readouterr().err
     assert "cannot import no_such_package_for_gpu_check" in message and "WHEELS" in message
+
+
+@pytest.mark.slow
+def test_a_check_past_its_time_limit_is_ended_and_recorded_and_the_others_still_run(tmp_path):
+    """The hanging check (a test hook) and its child are killed at the run's deadline; its row
+    done before the hang is kept; DDP (no process) is still reported; the run exits 1."""
+    started = time.perf_counter()
+    done = _run("--cpu", "--only", "chunked_ce", "ddp", "--time-limit", "30", "--out",
+                str(tmp_path), timeout=300, GPU_CHECK_HANG="chunked_ce")  # fmt: skip
+    assert time.perf_counter() - started < 150
+    assert done.returncode == gpu_check.EXIT_FAILED == 1
+    checks = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    hung = checks["chunked_ce"]
+    assert hung["error"].startswith("timeout: still running after")
+    assert [r["variant"] for r in hung["rows"]] == ["before the hang"]
+    assert checks["ddp"]["rows"][0]["status"] == "skipped"
+    sleepers = subprocess.run(["pgrep", "-f", "time.sleep\\(3600\\)"], capture_output=True)
+    assert sleepers.stdout.strip() == b"", "the hanging check's child outlived it"
 
 
 def _row(**fields) -> dict:
