@@ -43,7 +43,7 @@ def row_failures(row: dict) -> list[str]:
     budget, peak = row.get("budget_bytes"), row.get("peak_bytes")
     if budget and peak is not None and peak > BUDGET_SLACK * budget:
         failures.append(
-            f"peak {peak / MIB:.1f} MiB > {BUDGET_SLACK}x budget {budget / MIB:.1f} MiB "
+            f"peak {_mib(peak)} MiB > {BUDGET_SLACK}x budget {_mib(budget)} MiB "
             f"({peak / budget:.3f}x)"
         )
     return failures
