@@ -164,14 +164,30 @@ def write_outputs(cfg, run_dir: Path, mode, row: dict, steps, timeline) -> None:
     if hasattr(mode, "artifacts"):
         write_artifacts(run_dir, mode.artifacts())
     context = sweep_context(cfg, run_dir)
-    for logger in make_loggers(cfg.logger, run_dir, run_name=run_dir.name, **context):
+    loggers = make_loggers(cfg.logger, run_dir, run_name=run_dir.name, **context)
+    figures = {}
+    if any(getattr(logger, "wants_figures", False) for logger in loggers):
+        figures = _figures(run_dir, row, timeline, context["sweep_dir"])
+    for logger in loggers:
         try:
-            logger.log_run(row, steps, timeline)
+            logger.log_run(row, steps, timeline, figures=figures)
         except Exception as error:
             if logger.name == "table":
                 raise
             log.warning("logger %s failed: %s: %s", logger.name, type(error).__name__, error)
             row.setdefault("logger_errors", []).append(f"{logger.name}: {error}")
+
+
+def _figures(run_dir: Path, row: dict, timeline, sweep_dir) -> dict:
+    """`hbp.report.run_figures`; a figure that fails is left out with one warning: figures
+    never cost the run."""
+    try:
+        from hbp.report import run_figures
+
+        return run_figures(run_dir, row, timeline, sweep_dir)
+    except Exception as error:  # noqa: BLE001 - a figure never costs the run
+        log.warning("figures left out: %s: %s", type(error).__name__, error)
+        return {}
 
 
 def sweep_context(cfg, run_dir: Path) -> dict:

@@ -11,6 +11,8 @@ from hbp.errors import ConfigError
 from hbp.integrations.torch import HCModule
 from hbp.workloads.base import Batch, Workload
 
+MIB = 1024 * 1024
+
 
 class TinyMode:
     """`HCModule(model, budget, block_size=..., planner=...)`, planned on the bench's batch.
@@ -36,11 +38,13 @@ class TinyMode:
         self.planner = planner
         self.chunked_loss = bool(chunked_loss)
         self.module: HCModule | None = None
+        self.built_with_chunked_loss = False  # the workload has the option and was built with it
 
     def apply(self, workload: Workload, batch: Batch) -> nn.Module:
         """Wrap the model in HCModule and plan for the batch's training signature (raises
         `hbp.BudgetError` when no plan fits)."""
         workload.model.train()
+        self.built_with_chunked_loss = bool(dict(workload.config).get("chunked_loss", False))
         self.module = HCModule(
             workload.model, self.budget, block_size=self.block_size, planner=self.planner
         )
@@ -72,10 +76,33 @@ class TinyMode:
         return out
 
     def summary(self) -> str:
-        """The plan, readable (printed by the bench before it measures)."""
+        """The plan in three lines (printed by the bench before it measures; the whole plan
+        is the run's plan.json). The budget is a fraction of the step as this mode runs it
+        (the model with the chunked loss where it applies); the bench's one naive, against
+        which the summary compares, is mode=naive's model (NOTE [ One naive per run ])."""
         if self.module is None or self.module.plan is None:
             return "tiny: not planned yet"
-        return self.module.summary()
+        compiled, plan = self.module.compiled, self.module.plan
+        recomputed = sum(s.recompute for s in plan.segments)
+        depth = max((s.depth() for s in plan.segments), default=0)
+        model = "the step as tiny runs it" + (
+            ", with the chunked loss" if self.built_with_chunked_loss else ""
+        )
+        budget = f"budget {self.budget}" if not isinstance(self.budget, float) else (
+            f"budget {self.budget:g} of {model}"
+        )  # fmt: skip
+        return "\n".join(
+            [
+                f"tiny: {compiled.captured.granularity}-level capture, "
+                f"{len(compiled.captured.graph)} nodes ({compiled.capture_time_s:.1f} s); "
+                f"plan ({self.planner}, {compiled.plan_time_s:.1f} s): {len(plan.segments)} "
+                f"segments, {recomputed} recomputed, depth {depth} (the whole plan: plan.json)",
+                f"  predicted peak {plan.predicted_peak_bytes / MIB:.2f} MiB within "
+                f"{plan.budget_bytes / MIB:.2f} MiB ({budget})",
+                f"  predicted recompute {100 * plan.predicted_recompute_ratio:.1f}% of a plain "
+                "step's FLOPs",
+            ]
+        )
 
     def artifacts(self) -> dict[str, str]:
         """plan.json and graph.json (the captured graph in hbp's IR, the input of
