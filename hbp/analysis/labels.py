@@ -20,6 +20,9 @@ __all__ = ["WORKLOAD_OPTIONS", "format_value", "mode_label"]
 WORKLOAD_OPTIONS = ("chunked_loss",)
 # Parameters that never change what is measured.
 HIDDEN = ("name",)
+# The order parameters are shown in (then by name): the same label whatever order a table's
+# columns came in.
+ORDER = ("budget", "block_size", "segments", "policy", "backend", "planner")
 
 
 def _missing(value) -> bool:
@@ -42,7 +45,9 @@ def mode_label(mode: str, params: Mapping, facts: Mapping | None = None) -> str:
     whether a WORKLOAD_OPTIONS parameter applies."""
     facts = facts or {}
     shown = []
-    for key, value in params.items():
+    keys = sorted(params, key=lambda k: (ORDER.index(k) if k in ORDER else len(ORDER), k))
+    for key in keys:
+        value = params[key]
         if key in HIDDEN:
             continue
         if key in WORKLOAD_OPTIONS:

@@ -115,8 +115,19 @@ def _finish(cfg, run_dir: Path, mode, row: dict, steps, timeline, started_at, t_
     write_outputs(cfg, run_dir, mode, row, steps, timeline)
     row["wall_s"] = time.perf_counter() - t_start
     write_metrics(run_dir, row)
-    print(format_summary([row]), flush=True)
+    if not _multirun():  # a sweep prints every run's row once, at its end (RunGuard)
+        print(format_summary([row]), flush=True)
     return row
+
+
+def _multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:

@@ -181,14 +181,13 @@ def _plot_optimum(ax, optimum: pd.DataFrame, workload: str, naive_bytes: float |
     naive = rows["naive_peak_bytes"] if naive_bytes is None else naive_bytes
     rows = rows.assign(x=rows["budget_bytes"] / naive).sort_values("x")
     handles = []
-    for column, style, label in (
-        ("best_found_ratio", "k:+", "MILP best found"),
-        ("bound_ratio", "k--", "MILP lower bound"),
-        ("planner_ratio", ":x", "planner (predicted)"),
+    for column, style, color, label in (
+        ("best_found_ratio", ":+", "#000000", "MILP best found"),
+        ("bound_ratio", "--", "#000000", "MILP lower bound"),
+        ("planner_ratio", ":x", MODE_COLORS["tiny"], "planner (predicted)"),
     ):
         pts = rows.dropna(subset=[column])
         if not pts.empty:
-            color = mode_style("tiny")["color"] if label.startswith("planner") else None
             (line,) = ax.plot(
                 pts["x"], pts[column], style, label=label, linewidth=1, markersize=5, color=color
             )

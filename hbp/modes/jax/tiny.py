@@ -23,7 +23,7 @@ class JaxTinyMode:
 
     def __init__(
         self,
-        budget: float | int | str = 0.3,
+        budget: float | int | str = "min",
         block_size: int = 1,
         planner: str = "optimal",
         chunked_loss: bool = False,
