@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hbp.bench import distributed
+import hbp.bench.distributed as distributed
 from hbp.bench.config import (
     build_workload,
     check_writable,
