@@ -8,6 +8,7 @@ import pandas as pd
 from hbp.analysis.collect import (
     MIB,
     NAIVE_MODEL,
+    NAIVE_WITHOUT_CHUNKED_LOSS,
     format_table,
     mode_labels,
     naive_peak,
@@ -54,8 +55,11 @@ def summary_frame(rows) -> pd.DataFrame:
 
 def format_summary(rows) -> str:
     """The summary table as text; a last line says what naive is where the table has one."""
+    rows = list(rows)
     table = summary_frame(rows)
     text = format_table(table).to_string(index=False)
     if "naive MiB" in table:
-        text += f"\nnaive: {NAIVE_MODEL}, measured on a copy"
+        lm_head = any(row.get("workload_chunked_loss") is not None for row in rows)
+        model = NAIVE_MODEL + (NAIVE_WITHOUT_CHUNKED_LOSS if lm_head else "")
+        text += f"\nnaive: {model}, measured on a copy"
     return text

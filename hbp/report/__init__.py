@@ -31,7 +31,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from hbp.analysis.collect import collect, frameworks, ok_runs, to_markdown
+from hbp.analysis.collect import (
+    NAIVE_MODEL,
+    NAIVE_WITHOUT_CHUNKED_LOSS,
+    collect,
+    frameworks,
+    ok_runs,
+    to_markdown,
+)
 from hbp.analysis.pareto import pareto_table
 from hbp.report.pareto import plot_pareto
 
@@ -70,6 +77,12 @@ class Report:
         parts = []
         for workload, rows in self.table.groupby("workload", sort=False):
             parts += [f"## {workload}", to_markdown(rows.drop(columns="workload")), ""]
+        lm_head = (
+            "workload_chunked_loss" in self.runs
+            and self.runs["workload_chunked_loss"].notna().any()
+        )
+        model = NAIVE_MODEL + (NAIVE_WITHOUT_CHUNKED_LOSS if lm_head else "")
+        parts.append(f"naive: {model}; each run measures it on a copy")
         return "\n".join(parts).rstrip()
 
 
