@@ -56,19 +56,15 @@ def _params(label: str) -> dict[str, str]:
     return dict(_PARAM.findall(label.partition("(")[2]))
 
 
-def _point_labels(rows: pd.DataFrame) -> list[str]:
-    """What tells a mode's points apart: the parameters that vary among them (a budget shown
-    as its value alone); "" for a mode with one point, except a budget, always shown."""
+def _point_labels(rows: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """What tells a mode's points apart: (the parameters that vary among them, each point's
+    values of those, joined by ", "). A budget is always shown, even on a single point."""
     params = [_params(label) for label in rows["mode"]]
     keys = sorted({k for p in params for k in p})
     varying = [k for k in keys if len({p.get(k) for p in params}) > 1]
     if "budget" in keys and "budget" not in varying:
         varying.insert(0, "budget")
-    out = []
-    for p in params:
-        parts = [p[k] if k == "budget" else f"{k}={p[k]}" for k in varying if k in p]
-        out.append(", ".join(parts))
-    return out
+    return varying, [", ".join(p.get(k, "-") for k in varying) for p in params]
 
 
 def plot_pareto(table: pd.DataFrame, path: str | Path, optimum: pd.DataFrame | None = None) -> Path:
@@ -82,6 +78,7 @@ def plot_pareto(table: pd.DataFrame, path: str | Path, optimum: pd.DataFrame | N
         2, len(workloads), figsize=(4.6 * len(workloads) + 0.6, 8.2), squeeze=False
     )
     families_seen: list[str] = []
+    labelled: dict[str, list[str]] = {}  # family -> the parameters its point labels show
     extra_handles = []
     any_noisy = any_front = False
     for col, workload in enumerate(workloads):
@@ -117,13 +114,15 @@ def plot_pareto(table: pd.DataFrame, path: str | Path, optimum: pd.DataFrame | N
                     any_noisy = True
                     hollow = {**style, "linestyle": "", "markerfacecolor": "white"}
                     ax.plot(pts[noisy][x], pts[noisy][y], **hollow)
-                for (_, row), text in zip(pts.iterrows(), _point_labels(pts)):
-                    if text:
+                varying, texts = _point_labels(pts)
+                for k, ((_, row), text) in enumerate(zip(pts.iterrows(), texts)):
+                    if text:  # alternate above / below: neighbours with equal y stay legible
                         ax.annotate(
-                            text, (row[x], row[y]), xytext=(4, 4), textcoords="offset points",
-                            fontsize=7, color=style["color"],
+                            text, (row[x], row[y]), xytext=(4, 5 if k % 2 == 0 else -11),
+                            textcoords="offset points", fontsize=7, color=style["color"],
                         )  # fmt: skip
                 families_seen.append(family)
+                labelled.setdefault(family, varying)
             if y == top_y and "pareto" in drawn:
                 front = drawn[drawn["pareto"].fillna(False).astype(bool)].sort_values(x)
                 if len(front) > 1:
@@ -148,6 +147,11 @@ def plot_pareto(table: pd.DataFrame, path: str | Path, optimum: pd.DataFrame | N
     from matplotlib.lines import Line2D
 
     handles = mode_handles(sorted(dict.fromkeys(families_seen), key=_mode_order))
+    for handle in handles:
+        if labelled.get(handle.get_label()):
+            handle.set_label(
+                f"{handle.get_label()} (points: {', '.join(labelled[handle.get_label()])})"
+            )
     if any_front:
         handles.append(Line2D([], [], color="#888888", lw=2.5, alpha=0.35, label="Pareto front"))
     if any_noisy:

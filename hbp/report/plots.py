@@ -97,7 +97,10 @@ def plot_memory_timeline(
         ax.set_xlabel("planner event (forward, recompute, backward)", fontsize=8)
     from matplotlib.lines import Line2D
 
-    handles = mode_handles(timelines) + phase_handles()
+    phases = {p for t in timelines.values() if len(t) for p in t["phase"].unique()}
+    if planned is not None:
+        phases |= {event.split(":", 1)[0] for event, _ in planned.timeline}
+    handles = mode_handles(timelines) + phase_handles(p for p in PHASE_COLORS if p in phases)
     if planned is not None:
         handles.append(Line2D([], [], color="#333333", lw=0.9, ls="--", label="plan boundary"))
     for h in handles:
