@@ -14,8 +14,7 @@ from hbp.analysis.pareto import pareto_table
 from hbp.report.pareto import plot_pareto
 from hbp.report.plots import plot_frontier, plot_memory_timeline
 from hbp.report.style import MODE_COLORS, mode_style
-
-MIB = 2**20
+from hbp.units import MIB
 
 
 def colour_mask(image: np.ndarray, colour: str, tolerance: float = 0.03) -> np.ndarray:

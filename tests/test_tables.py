@@ -9,8 +9,7 @@ from hbp.analysis.collect import format_cell, to_markdown
 from hbp.analysis.labels import mode_label
 from hbp.analysis.pareto import pareto_table
 from hbp.bench.summary import format_summary, summary_frame
-
-MIB = 2**20
+from hbp.units import MIB
 
 
 def row(mode="tiny", workload="gpt2", peak=12.8, time_s=1.6078, p10=None, p90=None, **extra):

@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 
 from hbp.analysis.labels import mode_label
+from hbp.units import MIB
 
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.json"
-MIB = 1024 * 1024
 NOISY_SPREAD = 1.5  # p90 / p10 above this: the run's step time is noisy (hbp.report.style)
 DEFAULT_FRAMEWORK = "torch"  # what a metrics.json without a `framework` field ran on
 

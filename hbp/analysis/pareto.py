@@ -15,13 +15,13 @@ from pathlib import Path
 import pandas as pd
 
 from hbp.analysis.collect import (
-    MIB,
     NOISY_SPREAD,
     naive_reference,
     ok_runs,
     results_table,
     time_spread,
 )
+from hbp.units import MIB
 
 __all__ = ["pareto_flags", "pareto_table", "rank_peaks", "read_optimum"]
 

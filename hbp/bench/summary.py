@@ -6,7 +6,6 @@ from __future__ import annotations
 import pandas as pd
 
 from hbp.analysis.collect import (
-    MIB,
     NAIVE_MODEL,
     NAIVE_WITHOUT_CHUNKED_LOSS,
     format_table,
@@ -15,6 +14,7 @@ from hbp.analysis.collect import (
     time_range,
 )
 from hbp.telemetry.tables import jsonable
+from hbp.units import MIB
 
 
 def summary_frame(rows) -> pd.DataFrame:

@@ -9,9 +9,8 @@ from torch import nn
 
 from hbp.errors import ConfigError
 from hbp.integrations.torch import HCModule
+from hbp.units import MIB
 from hbp.workloads.base import Batch, Workload
-
-MIB = 1024 * 1024
 
 
 class TinyMode:

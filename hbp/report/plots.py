@@ -23,8 +23,7 @@ from hbp.report.style import (
     pyplot,
     save_figure,
 )
-
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def _shade_phases(ax, phases: pd.Series, x: pd.Series) -> None:
