@@ -90,3 +90,18 @@ def test_distributed_summary_has_world_size_and_rank_peaks():
 @pytest.mark.parametrize("value", [None, float("nan")])
 def test_missing_values_print_as_a_dash(value):
     assert format_cell("peak MiB", value) == "-"
+
+
+def test_the_plan_is_three_lines_that_call_nothing_naive():
+    from hbp.graph import synthetic
+    from hbp.modes.plan_text import plan_lines
+    from hbp.planner import plan
+
+    graph = synthetic.random_dag(12, seed=3, alias_prob=0.0)
+    text = plan_lines(
+        plan(graph, "min"), budget="min", planner="optimal", captured="12 nodes",
+        chunked_loss=False,
+    )  # fmt: skip
+    lines = text.splitlines()
+    assert len(lines) == 3 and "naive" not in text
+    assert lines[1].startswith("  predicted peak") and "(budget min)" in lines[1]

@@ -9,7 +9,6 @@ from torch import nn
 
 from hbp.errors import ConfigError
 from hbp.integrations.torch import HCModule
-from hbp.units import MIB
 from hbp.workloads.base import Batch, Workload
 
 
@@ -75,32 +74,23 @@ class TinyMode:
         return out
 
     def summary(self) -> str:
-        """The plan in three lines (printed by the bench before it measures; the whole plan
-        is the run's plan.json). The budget is a fraction of the step as this mode runs it
-        (the model with the chunked loss where it applies); the bench's one naive, against
-        which the summary compares, is mode=naive's model (NOTE [ One naive per run ])."""
+        """The plan in three lines (`hbp.modes.plan_text`), printed by the bench before it
+        measures; the whole plan is the run's plan.json."""
         if self.module is None or self.module.plan is None:
             return "tiny: not planned yet"
-        compiled, plan = self.module.compiled, self.module.plan
-        recomputed = sum(s.recompute for s in plan.segments)
-        depth = max((s.depth() for s in plan.segments), default=0)
-        model = "the step as tiny runs it" + (
-            ", with the chunked loss" if self.built_with_chunked_loss else ""
+        from hbp.modes.plan_text import plan_lines
+
+        compiled = self.module.compiled
+        captured = (
+            f"{compiled.captured.granularity}-level capture, {len(compiled.captured.graph)} "
+            f"nodes ({compiled.capture_time_s:.1f} s)"
         )
-        budget = f"budget {self.budget}" if not isinstance(self.budget, float) else (
-            f"budget {self.budget:g} of {model}"
-        )  # fmt: skip
-        return "\n".join(
-            [
-                f"tiny: {compiled.captured.granularity}-level capture, "
-                f"{len(compiled.captured.graph)} nodes ({compiled.capture_time_s:.1f} s); "
-                f"plan ({self.planner}, {compiled.plan_time_s:.1f} s): {len(plan.segments)} "
-                f"segments, {recomputed} recomputed, depth {depth} (the whole plan: plan.json)",
-                f"  predicted peak {plan.predicted_peak_bytes / MIB:.2f} MiB within "
-                f"{plan.budget_bytes / MIB:.2f} MiB ({budget})",
-                f"  predicted recompute {100 * plan.predicted_recompute_ratio:.1f}% of a plain "
-                "step's FLOPs",
-            ]
+        return plan_lines(
+            self.module.plan,
+            budget=self.budget,
+            planner=self.planner,
+            captured=captured,
+            chunked_loss=self.built_with_chunked_loss,
         )
 
     def artifacts(self) -> dict[str, str]:
