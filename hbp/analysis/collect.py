@@ -3,7 +3,7 @@
     frame = collect("outputs/multirun/2025-01-01/12-00-00")
     print(to_markdown(results_table(frame)))
 
-or from the shell (the README's results table is made this way):
+or from the shell (the tables of docs/results.md are made this way):
 
     python -m hbp.analysis.collect outputs/multirun/<date>/<time> --markdown
 """
@@ -89,10 +89,10 @@ def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
 
 
 def results_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The README table: per run, workload, mode (with its set parameters), peak MiB, the peak
-    relative to naive's of the same framework on the same workload and profile, GFLOPs,
-    recompute ratio, step time (median ms); first a `framework` column when some run is not
-    torch's. Rows in `frame` order."""
+    """The results table (docs/results.md): per run, workload, mode (with its set
+    parameters), peak MiB, the peak relative to naive's of the same framework on the same
+    workload and profile, GFLOPs, recompute ratio, step time (median ms); first a `framework`
+    column when some run is not torch's. Rows in `frame` order."""
     if frame.empty:
         return pd.DataFrame()
     ok = frame[frame.get("status", pd.Series("ok", index=frame.index)).fillna("ok") == "ok"]
