@@ -25,8 +25,7 @@ import torch
 import hbp
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.tracker import allocator_peak
-
-MIB = 2**20
+from hbp.units import MIB
 
 
 def _grads(model):
