@@ -33,8 +33,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Every README table: a loop over conf/experiment/* (python run.py experiment=<name>) plus the
-# scripts that are not bench runs (optimum, chunked CE, JAX); see experiments/bench.py.
+# Every table of docs/results.md: a loop over conf/experiment/* (python run.py
+# experiment=<name>) plus the scripts that are not bench runs (optimum, chunked CE, JAX); see experiments/bench.py.
 bench: $(STAMP)
 	$(BIN)/python experiments/bench.py $(BENCH_ARGS)
 
