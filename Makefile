@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 PIP_Q   := --quiet --disable-pip-version-check
 export WANDB_SILENT := true
 
-.PHONY: install run test test-fast lint bench sweep report clean gpu-check gpu-wheels
+.PHONY: install run test test-fast lint bench sweep notebooks clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,8 +33,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Every README table: a loop over conf/experiment/* (python run.py experiment=<name>) plus the
-# scripts that are not bench runs (optimum, chunked CE, JAX); see experiments/bench.py.
+# Every table of docs/results.md: a loop over conf/experiment/* (python run.py
+# experiment=<name>) plus the scripts that are not bench runs (optimum, chunked CE, JAX); see experiments/bench.py.
 bench: $(STAMP)
 	$(BIN)/python experiments/bench.py $(BENCH_ARGS)
 
@@ -76,6 +76,18 @@ else
 gpu-check: $(STAMP)
 	$(BIN)/python experiments/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 endif
+
+# The four notebooks, headless (jupyter execute; nothing is saved into the .ipynb files). Each
+# reads ONE sweep directory, HBP_SWEEP (default: a small sweep it makes in the temp dir), and
+# writes its figures to HBP_FIGURES (default: the temp dir):
+#   make sweep && make notebooks HBP_SWEEP=outputs/sweeps/quick HBP_FIGURES=outputs/figures
+notebooks: $(STAMP)
+	for nb in pareto memory_timeline frontier analysis; do \
+	  MPLBACKEND=Agg WANDB_MODE=disabled \
+	  $(if $(HBP_SWEEP),HBP_SWEEP=$(abspath $(HBP_SWEEP))) \
+	  $(if $(HBP_FIGURES),HBP_FIGURES=$(abspath $(HBP_FIGURES))) \
+	  $(BIN)/jupyter execute --timeout=600 notebooks/$$nb.ipynb || exit 1; \
+	done
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis build *.egg-info
