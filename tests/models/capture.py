@@ -126,3 +126,49 @@ class TiedLM(nn.Module):
         if self.head_first:
             loss = loss + (self.embed.weight * 1e-3).square().mean()
         return loss
+
+
+class MaskedMiddle(nn.Module):
+    """Two blocks around data-dependent ops: a boolean mask keeps the rows whose activations
+    sum above zero (`x[mask]`) and `nonzero` picks columns, then a second block and a loss.
+    Fake tensors cannot know how many rows or columns are kept (a graph break)."""
+
+    def __init__(self, width: int = 64, depth: int = 3):
+        super().__init__()
+        self.first = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+        )
+        self.second = nn.Sequential(
+            *(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+        )
+
+    def forward(self, x):
+        h = self.first(x)
+        h = h[h.sum(-1) > 0]
+        columns = torch.nonzero(h.mean(0) > 0).squeeze(-1)
+        h = self.second(h)
+        return h.index_select(1, columns).square().mean()
+
+
+def wav2vec2_bert_ctc() -> tuple[nn.Module, dict]:
+    """Wav2Vec2BertForCTC with `labels=`: the labels check (`labels.max() >= vocab_size`),
+    `masked_select` of the labels and CTC's loss depend on the labels' values. SpecAugment
+    (numpy random masks) and LayerDrop (a random branch per layer) are off: a graph cannot
+    repeat a forward's own random Python."""
+    t = _transformers()
+    config = t.Wav2Vec2BertConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=128,
+        output_hidden_size=64,
+        vocab_size=32,
+        feature_projection_input_dim=32,
+        conv_depthwise_kernel_size=3,
+        mask_time_prob=0.0,
+        layerdrop=0.0,
+    )
+    labels = torch.randint(1, 32, (2, 12))
+    labels[1, 9:] = -100
+    inputs = {"input_features": torch.randn(2, 100, 32), "labels": labels}
+    return t.Wav2Vec2BertForCTC(config), inputs

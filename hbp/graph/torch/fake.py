@@ -26,6 +26,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from hbp.graph.torch.breaks import REAL_RESULTS, RealResults
 from hbp.graph.torch.modes import MODES, enter_modes
 
 _aten = torch.ops.aten
@@ -171,7 +172,11 @@ def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
     """Run one node on fake values, in its own modes (`MODES`); a node whose Python needs a
     tensor's value (a host sync) is run again as torch.compile would see it."""
     modes = node.meta.get(MODES)
-    with enter_modes(modes) if modes else contextlib.nullcontext():
+    results = node.meta.get(REAL_RESULTS)
+    with (
+        enter_modes(modes) if modes else contextlib.nullcontext(),
+        RealResults(results) if results else contextlib.nullcontext(),
+    ):
         try:
             return _run_fx_node_once(node, root, faker, args, kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hbp.graph.ir import Graph, Node
+from hbp.graph.torch.breaks import REAL_RESULTS
 from hbp.graph.torch.captured import OP, CapturedGraph
 from hbp.graph.torch.fake import (
     _Faker,
@@ -798,6 +799,7 @@ def _profile_fx_node(
         cache is not None
         and node.op in ("call_function", "call_method")
         and not node.meta.get(MODES)
+        and not node.meta.get(REAL_RESULTS)  # its sizes are its own data's
     ):
         op = (node.op, node.target)
     with faker.mode:

@@ -33,6 +33,7 @@ import contextlib
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +43,13 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.fx._symbolic_trace import HAS_VARSTUFF
 
+from hbp.graph.torch.breaks import (
+    DATA_DEPENDENT,
+    REAL_RESULTS,
+    guard,
+    other_branch_raises,
+    record_real_results,
+)
 from hbp.graph.torch.fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
 from hbp.graph.torch.modes import MODES, ambient_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
@@ -142,6 +150,11 @@ class _ValueProxy(fx.Proxy):
         v = self._value()
         if isinstance(v, (bool, int, float)):  # a specialised Python value, not a tensor
             return bool(v)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:  # NOTE [ Data-dependent ops ]
+            taken = bool(self.tracer.real(self.node))
+            if other_branch_raises(sys._getframe(1), taken):
+                self.tracer.create_proxy("call_function", guard, (self, taken), {})
+                return taken
         return super().__bool__()
 
     def __getattr__(self, k: str):
@@ -176,8 +189,10 @@ class _ValueProxy(fx.Proxy):
 class _Tracer(fx.Tracer):
     """`torch.fx.Tracer` whose proxies carry fake values (see the module docstring)."""
 
-    def __init__(self, faker: _Faker, inputs: dict[str, Any]):
+    def __init__(self, faker: _Faker, inputs: dict[str, Any], real_inputs: dict[str, Any]):
         super().__init__(autowrap_modules=(math,))
+        self.real_inputs = real_inputs  # placeholder target -> the example's real value
+        self.reals: dict[fx.Node, Any] = {}  # real values computed (NOTE [ Data-dependent ops ])
         # Buffers read in traced (non-leaf) code become get_attr nodes: `self.buf.add_(1)` is
         # recorded, not run on the real buffer.
         self.proxy_buffer_attributes = True
@@ -264,11 +279,39 @@ class _Tracer(fx.Tracer):
         if modes != self.base_modes and kind != "placeholder":
             node.meta[MODES] = modes
         if kind == "placeholder":
-            key = target if target in self.inputs else target.rsplit("_", 1)[0]
-            self.values[node] = self.inputs.get(key, _MISSING)
+            self.values[node] = self.inputs.get(self._input_key(target), _MISSING)
         else:
             self.values[node] = self._compute(node)
         return proxy
+
+    def _input_key(self, target: str) -> str:
+        return target if target in self.inputs else target.rsplit("_", 1)[0]
+
+    def real(self, node: fx.Node, record: bool = False) -> Any:
+        """The node's value in the example's real run, with no autograd (its inputs' too,
+        kept: NOTE [ Data-dependent ops ]); with `record`, what each aten op returned is
+        recorded on the node (`REAL_RESULTS`)."""
+        if node in self.reals and not record:
+            return self.reals[node]
+        if node.op == "placeholder":
+            value = self.real_inputs[self._input_key(node.target)]
+        elif node.op == "get_attr":
+            value = _fetch_attr(self.root, node.target)
+        else:
+            args, kwargs = fx.node.map_aggregate(
+                (node.args, node.kwargs), lambda a: self.real(a) if isinstance(a, fx.Node) else a
+            )
+            self.computing = True
+            try:
+                value, results = record_real_results(
+                    lambda *a, **k: _run_fx_node(node, self.root, None, a, k), args, kwargs
+                )
+            finally:
+                self.computing = False
+            if record:
+                node.meta[REAL_RESULTS] = results
+        self.reals[node] = value
+        return value
 
     def _value(self, node: fx.Node) -> Any:
         if node not in self.values and node.op == "get_attr":
@@ -290,13 +333,25 @@ class _Tracer(fx.Tracer):
         if missing:
             return _MISSING
         args, kwargs = self.faker.tree((args, kwargs))  # real tensor constants -> fake
+        try:
+            return self._run_fake(node, args, kwargs)
+        except DATA_DEPENDENT:  # one real run tells the fake run what it cannot know
+            pass
+        except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
+            self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
+            return _MISSING
+        try:
+            self.real(node, record=True)
+            return self._run_fake(node, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
+            self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
+            return _MISSING
+
+    def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         self.computing = True
         try:
             with self.faker.mode:
                 return _run_fx_node(node, self.root, self.faker, args, kwargs)
-        except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
-            self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
-            return _MISSING
         finally:
             self.computing = False
 
@@ -453,21 +508,24 @@ def _trace(
 ) -> tuple[fx.GraphModule, list[str], _Tracer]:
     """Trace `module` specialised to `arguments` (forward parameter -> real value); return
     the graph module, the forward parameter of each placeholder and the finished tracer."""
-    concrete, inputs = {}, {}
+    concrete, inputs, real_inputs = {}, {}, {}
     for name, value in arguments.items():
         kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
             inputs["*" + name] = faker.tree(value, fresh=True)
+            real_inputs["*" + name] = value
         elif kind is inspect.Parameter.VAR_KEYWORD:
             inputs["**" + name] = faker.tree(value, fresh=True)
+            real_inputs["**" + name] = value
         elif value is None or type(value) in (bool, int, float, str):
             concrete[name] = value
             inputs[name] = value
         else:
             inputs[name] = faker.tree(value, fresh=True)
+        real_inputs.setdefault(name, value)
     for t in (*module.parameters(), *module.buffers()):
         faker.tensor(t)  # convert now: fx's patching during tracing makes it ~10x slower
-    tracer = _Tracer(faker, inputs)
+    tracer = _Tracer(faker, inputs, real_inputs)
     state = _ModuleState(module)
     try:
         with (
