@@ -3,7 +3,7 @@
     frame = collect("outputs/multirun/2025-01-01/12-00-00")
     print(to_markdown(results_table(frame)))
 
-or from the shell (the README's results table is made this way):
+or from the shell (the tables of docs/results.md are made this way):
 
     python -m hbp.analysis.collect outputs/multirun/<date>/<time> --markdown
 """
@@ -151,10 +151,10 @@ def time_range(runs: pd.DataFrame) -> list[str]:
 
 
 def results_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The README table: per run, workload, mode (with its set parameters that apply), peak
-    MiB, the peak relative to the run's naive (NOTE [ One naive per run ]), GFLOPs, recompute
-    ratio, step time (median ms) and its p10-p90 range; first a `framework` column when some
-    run is not torch's. Rows in `frame` order."""
+    """The results table (docs/results.md): per run, workload, mode (with its set parameters
+    that apply), peak MiB, the peak relative to the run's naive (NOTE [ One naive per run ]),
+    GFLOPs, recompute ratio, step time (median ms) and its p10-p90 range; first a `framework`
+    column when some run is not torch's. Rows in `frame` order."""
     if frame.empty:
         return pd.DataFrame()
     ok = ok_runs(frame)
