@@ -44,8 +44,8 @@ from trial_fourth_models import FOURTH  # this script's folder is on sys.path
 from trial_more_models import MORE
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.runtime.flops import TotalFlopCounterMode
-from hbp.runtime.tracker import allocator_peak
 from hbp.units import MIB
 
 OUT = Path("outputs/trial")
