@@ -42,10 +42,6 @@ LAYERS: dict[str, int] = {
     "": 11,  # hbp/__init__.py: the public API
 }
 
-# Cycles between top-level parts that are being removed elsewhere (the bench's telemetry and
-# report import each other); nothing else may join one.
-KNOWN_CYCLES: list[set[str]] = [{"telemetry", "report"}]
-
 # Packages whose files this repository keeps short (one concern per file).
 SHORT_FILES = ("hbp/graph/torch", "hbp/runtime/executors", "hbp/planner/milp.py")
 MAX_LINES = 600
@@ -142,7 +138,7 @@ def test_imports_go_down_the_layers():
 
 def test_no_cycle_between_parts_of_hbp():
     edges = part_edges()
-    cycles = [c for c in strongly_connected(edges) if c not in KNOWN_CYCLES]
+    cycles = strongly_connected(edges)
     detail = [
         pair for c in cycles for (a, b), pairs in edges.items() if {a, b} <= c for pair in pairs
     ]
