@@ -30,7 +30,8 @@ from hbp.analysis import naive_peak
 from hbp.analysis.liveness import GraphInfo
 from hbp.graph import synthetic
 from hbp.planner import min_feasible_peak, optimal_plan, plan
-from hbp.planner.milp import Schedule
+from hbp.planner.milp import solve
+from hbp.planner.schedule_model import Schedule
 from hbp.planner.stages import stage_signatures
 
 OUT = Path(__file__).resolve().parents[1] / "outputs" / "bench"
@@ -84,7 +85,7 @@ def dag_gaps(sizes: list[int], seeds: int = 40) -> list[str]:
             schedule = Schedule(graph)
             for k in range(4):
                 budget = minimum + k * (naive - minimum) // 4
-                opt = schedule.solve(budget, relax=False)
+                opt = solve(schedule, budget, relax=False)
                 if opt.recompute_flops is None:
                     continue
                 c0 = time.process_time()

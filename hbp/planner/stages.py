@@ -177,8 +177,8 @@ def stage_signature(model: CostModel, a: int, b: int) -> tuple:
         for name in (
             "storage_bytes", "is_input", "is_output", "grad_seed", "is_held", "seed_let_go",
             "receives_grad", "has_backward", "grad_bytes", "saves_output", "extra_bytes",
-            "param_grad_bytes", "save_event", "flops", "backward_flops", "forward_transient",
-            "backward_transient", "stop_flops", "runs_at_stop", "draws_random",
+            "param_grad_bytes", "save_event", "flops", "backward_flops", "forward_scratch_bytes",
+            "backward_scratch_bytes", "stop_flops", "runs_at_stop", "draws_random",
         )
     ]  # fmt: skip
     nodes = tuple(
@@ -269,8 +269,8 @@ def _stage_solver(
     own = (
         info.storage_bytes[a:b].sum()
         + info.extra_bytes[a:b].sum()
-        + info.forward_transient[a:b].max(initial=0)
-        + info.backward_transient[a:b].max(initial=0)
+        + info.forward_scratch_bytes[a:b].max(initial=0)
+        + info.backward_scratch_bytes[a:b].max(initial=0)
         + info.grad_bytes[a:b].max(initial=0)
     )
     top = float(pos.max()) if len(pos) else 0.0

@@ -10,8 +10,8 @@ dictionary (shallow), the *contents* of every dict or set it holds (parameters, 
 children, and the forward / pre / backward / state_dict hooks, which `register_*_hook`
 changes in place), each parameter's `requires_grad` and `.grad`, plus torch's global module
 hooks, grad mode, autocast state and default dtype. `restore()` puts all of it back and says
-what had changed. (RNG state: `hbp.graph.torch.fake._rng_preserved`; buffer values:
-`hbp.graph.torch.fallback._buffers_restored`.)
+what had changed. (RNG state: `hbp.graph.torch.fake.rng_preserved`; buffer values:
+`hbp.graph.torch.fallback.buffers_restored`.)
 """
 
 from __future__ import annotations
