@@ -141,6 +141,16 @@ def staged_plan(
 # they are counted from the stage's own base (the parameter gradients of the stages after
 # it, which differ between identical stages).
 
+# NOTE [ Signature of what the tables read ]
+# The signature holds a field as the tables read it, not as it is stored: the positional
+# bytes at backward events only where a node has a backward (elsewhere they are never read,
+# and on a captured transformer the nodes without backward in each layer, views of the
+# rotary tables and scalar constants, carry the parameter gradients of the layers after it:
+# every layer's signature differed), and a node's first input only as compared with
+# positions in the stage (a node without inputs, such as a constant, holds n, which reads as
+# "after the stage"). Captured stacks of identical layers then share their tables like
+# synthetic ones.
+
 
 def _staged_model(info: GraphInfo, stage_nodes: int, per_region: int, region: int) -> CostModel:
     """The cost model of staged planning: stage bounds, then window cuts within each stage
@@ -225,14 +235,16 @@ def stage_signature(model: CostModel, a: int, b: int) -> tuple:
         *scalars,
         nodes,
         tuple(described),
-        (model.pos_bwd[a:b] - base).tobytes(),
+        # read only at backward events (NOTE [ Signature of what the tables read ])
+        np.where(info.has_backward[a:b], model.pos_bwd[a:b] - base, 0.0).tobytes(),
         (model.pos_after[a : b + 1] - base).tobytes(),
         float(model.pos_after[last_before + 1] - base),
         model.out_pre[a : b + 1].tobytes(),
         np.where(model.last_save[a : b + 1] >= a, model.last_save[a : b + 1] - a, -1).tobytes(),
         (np.minimum(model.next_save[a : b + 1], b) - positions).tobytes(),
         (info.random_before[a : b + 1] - info.random_before[a]).tobytes(),
-        np.where(model.min_input[a:b] >= a, model.min_input[a:b] - a, -1).tobytes(),
+        # compared with positions e in [a, b] only (`min_input < e`): n (no input) as b
+        np.where(model.min_input[a:b] >= a, np.minimum(model.min_input[a:b], b) - a, -1).tobytes(),
         tuple(c - a for c in model.cuts[bisect_left(model.cuts, a) : bisect_right(model.cuts, b)]),
         float(model.pos_after[n] - base) if b == n else 0.0,
         model.out_total if b == n else 0,
