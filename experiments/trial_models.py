@@ -46,8 +46,8 @@ from trial_more_models import MORE
 import hbp
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.tracker import allocator_peak
+from hbp.units import MIB
 
-MIB = 2**20
 OUT = Path("outputs/trial")
 
 

@@ -7,8 +7,8 @@
     python -m hbp.estimate workload=gpt2 profile=small budgets=0.7,0.5,0.3,min
 
 From capture and simulation only, no training step: the module (and the loss, when given) is
-captured on fake tensors (`hbp.graph.torch_capture.capture`), each distinct op signature's
-kernel workspace is measured once on real tensors (`hbp.runtime.calibrate_scratch`: one op at a
+captured on fake tensors (`hbp.graph.torch.capture.capture`), each distinct op signature's
+kernel workspace is measured once on real tensors (`hbp.graph.torch.calibrate`: one op at a
 time, so never more memory than the largest op), and the simulator and the planner give:
 
 - `naive_peak_bytes`: the allocator's peak of the plain step (DESIGN.md "Metrics": above the
@@ -147,9 +147,9 @@ def estimate(
     Returns:
         An `Estimate`; `print` it for a table.
     """
-    from hbp.graph.torch_capture import capture
+    from hbp.graph.torch.calibrate import calibrate_scratch
+    from hbp.graph.torch.capture import capture
     from hbp.integrations.torch import _WithLoss  # one definition of "the step with its loss"
-    from hbp.runtime.calibrate_scratch import calibrate_scratch
 
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "an nn.Module")

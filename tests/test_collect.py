@@ -6,8 +6,7 @@ import pytest
 
 from hbp.analysis.collect import collect, main, results_table, to_markdown
 from hbp.telemetry.tables import write_error, write_metrics
-
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def make_run(root, name, workload, mode, peak_mib, flops, started, **mode_params):

@@ -1,5 +1,5 @@
 """A custom `torch.autograd.Function` in a captured forward keeps its own backward
-(NOTE [ Custom autograd Functions ] in hbp/graph/torch_trace.py).
+(NOTE [ Custom autograd Functions ] in hbp/graph/torch/trace.py).
 
 Found by the third trial (`experiments/trial_models.py bloom`): BLOOM's MLP applies
 `GeLUFunction`; the symbolic trace went into its forward, which `apply` runs with grad mode

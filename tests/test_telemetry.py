@@ -24,8 +24,7 @@ from hbp.telemetry.tables import (
     write_metrics,
 )
 from hbp.telemetry.wandb_logger import WandbLogger, resolve_wandb_mode
-
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def test_jsonable_converts_numbers_paths_and_non_finite():

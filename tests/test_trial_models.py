@@ -11,7 +11,7 @@
 - a convolution whose output gradient comes back transposed (Whisper's conv front end through
   a permute, SD3's patch embedding through a transpose, a flatten and `.to` its own dtype)
   copies it in its backward: the scratch calibration follows the gradient's layout back
-  (NOTE [ The layout of an output's gradient ] in hbp/runtime/calibrate_scratch.py).
+  (NOTE [ The layout of an output's gradient ] in hbp/graph/torch/calibrate.py).
 """
 
 from __future__ import annotations

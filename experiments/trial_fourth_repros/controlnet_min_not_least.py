@@ -17,11 +17,11 @@ import transformers
 from trial_fourth_models import controlnet
 
 import hbp
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch.capture import capture
 from hbp.planner import min_feasible_peak
 from hbp.planner import plan as make_plan
+from hbp.units import MIB
 
-MIB = 2**20
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from hbp.units import MIB
+
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.json"
-MIB = 1024 * 1024
 DEFAULT_FRAMEWORK = "torch"  # what a metrics.json without a `framework` field ran on
 
 

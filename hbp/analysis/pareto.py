@@ -19,8 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from hbp.analysis.collect import collect, naive_reference, results_table, to_markdown
-
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def pareto_table(frame: pd.DataFrame) -> pd.DataFrame:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def summary_frame(rows) -> pd.DataFrame:

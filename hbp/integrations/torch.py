@@ -7,8 +7,8 @@
 On the first call for an input signature (shapes, dtypes, devices, requires_grad, None-ness
 and values of non-tensor arguments, train/eval flags, grad and autocast modes, the
 parameters' identity, dtype, device and requires_grad) the module is captured
-(`hbp.graph.torch_capture.capture`), the least-recompute plan that fits the budget is made
-(`hbp.planner.plan`), and an executor is built (`hbp.runtime.executor`); all three are cached
+(`hbp.graph.torch.capture.capture`), the least-recompute plan that fits the budget is made
+(`hbp.planner.plan`), and an executor is built (`hbp.runtime.executors.segments`); all three are cached
 per signature. Under `torch.no_grad()` / `torch.inference_mode()`, or when nothing requires
 grad, the wrapped module just runs. In eval mode it also just runs (as HuggingFace's gradient
 checkpointing does), unless `plan_in_eval=True`: set it to fine-tune in eval mode (frozen
@@ -20,7 +20,7 @@ graph (activations, saved tensors, activation and parameter gradients; not the p
 themselves nor the inputs); int = bytes; str such as "64MiB" (a byte budget above the naive peak
 is met by the naive step: nothing is recomputed); "min" = the least the planner can reach.
 No plan fits -> `hbp.BudgetError` with `.minimum` (bytes). Kernel workspace counts: each op
-signature's is measured by the allocator at capture (`hbp.runtime.calibrate_scratch`).
+signature's is measured by the allocator at capture (`hbp.graph.torch.calibrate`).
 
 The step around the module (NOTE [ The step around the module ]): with `loss_fn`, `hc(x,
 targets=y)` returns `loss_fn(module(x), y)` and the plan covers the whole step; without it,
@@ -57,11 +57,11 @@ from torch.utils._pytree import tree_flatten
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
-from hbp.graph.torch_capture import MODULE, CapturedGraph, ambient_modes, capture
+from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, capture
 from hbp.planner import PLANNERS
 from hbp.planner.budget import parse_budget
 from hbp.planner.plan import MIB, Plan, Segment, any_pinned
-from hbp.runtime.executor import make_executor, per_call_plan
+from hbp.runtime.executors.segments import make_executor, per_call_plan
 from hbp.runtime.heap import return_freed_heap
 from hbp.runtime.tracker import (
     foreign_profiler_running,
@@ -236,7 +236,7 @@ class HCModule(nn.Module):
     # scheduler, not the plan, would decide what is saved and when it is freed (nested
     # recomputation flattened to one level). So torch.compile(hc) stops at HCModule's forward
     # (a graph break, `torch.compiler.disable`), and the forward runs the plan with each
-    # segment compiled on its own (`hbp.runtime.executor`, NOTE [ Compiled segments ]), as
+    # segment compiled on its own (`hbp.runtime.executors.segments`, NOTE [ Compiled segments ]), as
     # HCModule(..., compile=True) does. Code around the call (a compiled function that calls
     # hc and computes the loss) is compiled as usual.
     # Dynamo does not always trace forward: a frame entered under a dispatch mode (a FLOP
@@ -1018,9 +1018,9 @@ def _step_device(root: nn.Module | None, args, kwargs) -> torch.device:
 
 
 def _calibrate_scratch(captured: CapturedGraph, root: nn.Module, args, kwargs) -> bool:
-    """Kernel workspace per op, measured by the allocator (`hbp.runtime.calibrate_scratch`);
+    """Kernel workspace per op, measured by the allocator (`hbp.graph.torch.calibrate`);
     False when it could not be measured (a profiler is running)."""
-    from hbp.runtime.calibrate_scratch import calibrate_scratch
+    from hbp.graph.torch.calibrate import calibrate_scratch
 
     return calibrate_scratch(captured, args, kwargs) is not None
 

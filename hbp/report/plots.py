@@ -12,8 +12,8 @@ import pandas as pd
 from hbp.analysis.frontier import Frontier
 from hbp.analysis.simulate import Simulation
 from hbp.planner.plan import Plan
+from hbp.units import MIB
 
-MIB = 1024 * 1024
 PHASE_COLORS = {"forward": "tab:blue", "recompute": "tab:green", "backward": "tab:orange"}
 
 

@@ -26,7 +26,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from hbp.graph.torch_modes import MODES, enter_modes
+from hbp.graph.torch.modes import MODES, enter_modes
 
 _aten = torch.ops.aten
 

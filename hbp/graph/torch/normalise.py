@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hbp.graph.ir import Node
-from hbp.graph.torch_fake import _aten, _storage_key, _tensors
+from hbp.graph.torch.fake import _aten, _storage_key, _tensors
 
 # In-place ops whose out-of-place form is not `x = x.op(...)` (random fills, copies, resizes).
 _NOT_FUNCTIONAL = set(
@@ -29,7 +29,7 @@ _NOT_FUNCTIONAL = set(
 )
 
 if TYPE_CHECKING:  # the profile stage calls this one
-    from hbp.graph.torch_profile import _Profile
+    from hbp.graph.torch.profile import _Profile
 
 
 # Leaf activation/dropout modules with `inplace=True` -> (functional form, its arguments).

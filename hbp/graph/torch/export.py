@@ -1,7 +1,7 @@
 """Trace stage for eager-only Python: a module's forward captured by running it on fake tensors.
 
 `export_trace(module, args, kwargs) -> ExportedTrace` is the capture's second way to get an
-op-level fx graph, used where `torch.fx` symbolic tracing fails (hbp.graph.torch_capture
+op-level fx graph, used where `torch.fx` symbolic tracing fails (hbp.graph.torch.capture
 tries that first). Real models are written for eager PyTorch: decorated forwards
 (`functools.wraps`), `**kwargs`, `torch.is_tensor(x)` / `isinstance` / `len(x.shape)` on
 arguments, output dataclasses, attention-mask construction. A symbolic proxy cannot answer
@@ -24,7 +24,7 @@ What differs from a symbolic-traced graph, and what `_normalise` does about it:
 - Outputs: the forward's return value may hold objects pytree does not know (transformers'
   `DynamicCache` when `use_cache` is on). The module is exported through `_FlatOutputs`,
   which returns the tensors of the output as a flat tuple and keeps the rest as a template
-  (`OutputSlot`s where tensors were; objects rebuilt by `torch_capture.map_output`).
+  (`OutputSlot`s where tensors were; objects rebuilt by `hbp.graph.torch.outputs.map_output`).
 - `with torch.no_grad()` / `torch.autocast(...)` regions become higher-order ops around
   submodules: they are inlined, each node recording its modes in `MODES` as the symbolic
   tracer does, so a plan can cut inside them.
@@ -53,7 +53,7 @@ What differs from a symbolic-traced graph, and what `_normalise` does about it:
   are the caller's and the mask stays.
 
 Capturing does not change the module: parameters and buffers are fakes during the trace,
-Python attributes the forward assigns are put back by the caller (`torch_capture`), and the
+Python attributes the forward assigns are put back by the caller (`hbp.graph.torch.capture`), and the
 caller restores the RNG state.
 """
 
@@ -72,9 +72,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hbp.graph.torch_modes import MODES
-from hbp.graph.torch_outputs import OutputSlot, map_output
-from hbp.graph.torch_trace import function_apply_replaced
+from hbp.graph.torch.modes import MODES
+from hbp.graph.torch.outputs import OutputSlot, map_output
+from hbp.graph.torch.trace import function_apply_replaced
 
 __all__ = ["ExportedTrace", "eager_shortcuts", "export_trace", "OUTPUT_ROOT"]
 
@@ -116,7 +116,7 @@ class ExportedTrace:
 def export_trace(module: nn.Module, args: tuple, kwargs: dict, modes: tuple) -> ExportedTrace:
     """Trace `module(*args, **kwargs)` with non-strict `torch.export` and normalise the graph.
 
-    `modes` is `torch_capture.ambient_modes()` of the call: the base the inlined no-grad and
+    `modes` is `ambient_modes()` of the call: the base the inlined no-grad and
     autocast regions record their differences from. Raises whatever export raises (the
     capture then falls back)."""
     flat_module = _FlatOutputs(module)
@@ -139,7 +139,7 @@ def _custom_functions_refused():
     raises. Export records the ops of its forward and drops its backward, so the graph's
     gradient would be autograd's derivative of the forward, not the Function's (a
     straight-through estimator's identity would become round()'s zero); the capture falls
-    back instead (NOTE [ Custom autograd Functions ] in torch_trace says how the symbolic
+    back instead (NOTE [ Custom autograd Functions ] in hbp.graph.torch.trace says how the symbolic
     trace keeps them). Torch's own Functions pass: the ones torch.library generates for a
     custom op's registered autograd (transformers' `grouped_mm_fallback` for mixture-of-experts
     layers) run below the op, which the graph records as one node whose autograd kernel is

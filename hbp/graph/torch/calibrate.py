@@ -47,8 +47,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hbp.graph.ir import Node
-from hbp.graph.torch_capture import MODES, CapturedGraph, enter_modes
-from hbp.graph.torch_fallback import _buffers_restored
+from hbp.graph.torch.capture import MODES, CapturedGraph, enter_modes
+from hbp.graph.torch.fallback import _buffers_restored
 from hbp.runtime.tracker import allocator_peak, foreign_profiler_running
 
 __all__ = ["calibrate_scratch", "clear_cache"]
@@ -69,7 +69,7 @@ def calibrate_scratch(
     """Raise the scratch fields of `captured.graph`'s nodes to what the allocator measures.
 
     Args:
-        captured: an op-level capture (`hbp.graph.torch_capture.capture`); a module-level one
+        captured: an op-level capture (`hbp.graph.torch.capture.capture`); a module-level one
             is left as it is.
         args, kwargs: the call the capture was made for (`module(*args, **kwargs)`).
 

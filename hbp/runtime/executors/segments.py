@@ -60,9 +60,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from hbp.graph.torch_capture import MODULE, CapturedGraph
-from hbp.graph.torch_modes import MODES, enter_modes, exit_modes
+from hbp.graph.torch.capture import MODULE, CapturedGraph
+from hbp.graph.torch.modes import MODES, enter_modes, exit_modes
 from hbp.planner.plan import Plan, Segment
+from hbp.runtime.executors.schedule import ScheduleExecutor
 from hbp.runtime.recompute import (
     ReenterableContext,
     autocast_cache_disabled,
@@ -71,7 +72,6 @@ from hbp.runtime.recompute import (
     getattr_path,
     throwaway_attrs,
 )
-from hbp.runtime.schedule_executor import ScheduleExecutor
 
 _PASS = threading.local()
 _PINNING = threading.local()  # .segment: the key of the segment whose pin runs now

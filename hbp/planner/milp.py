@@ -320,7 +320,7 @@ class Schedule:
         each forward stage's own value) does, stage by stage: it packs each backward's needs
         at its node's last run before it, keeps only what is needed later and frees at last
         use. None if something needed is missing. `evaluate` charges these steps; the
-        schedule executor (`hbp.runtime.schedule_executor`) runs them."""
+        schedule executor (`hbp.runtime.executors.schedule`) runs them."""
         T, N = self.T, self.N
         comp = [[bool(R.get((t, i), 0)) for i in range(N)] for t in range(T)]
         for t, (_, kind, q) in enumerate(self.stages):

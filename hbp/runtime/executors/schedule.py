@@ -37,8 +37,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hbp.graph.torch_capture import MODES, CapturedGraph, enter_modes, exit_modes
-from hbp.planner.optimum import Schedule, StageSteps
+from hbp.graph.torch.capture import MODES, CapturedGraph, enter_modes, exit_modes
+from hbp.planner.milp import Schedule, StageSteps
 from hbp.planner.plan import Plan
 from hbp.planner.schedules import recomputations
 from hbp.runtime.recompute import (

@@ -6,7 +6,7 @@ runs (same kernels, same dropout draws, same BatchNorm buffers, same tied `Param
 receiving `.grad`). `torch.fx` keeps nn.Module leaves (Linear, Conv2d, BatchNorm2d, Dropout,
 ...) as `call_module` nodes that call the real submodule, and the `GraphModule` holds the very
 same parameter objects. Where it fails (decorated forwards, `**kwargs`, `torch.is_tensor` on
-arguments: real models), the export stage (`hbp.graph.torch_export`) runs the forward's Python
+arguments: real models), the export stage (`hbp.graph.torch.export`) runs the forward's Python
 on fake tensors instead.
 
 Two refinements over plain `torch.fx.symbolic_trace`:
@@ -42,9 +42,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.fx._symbolic_trace import HAS_VARSTUFF
 
-from hbp.graph.torch_fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
-from hbp.graph.torch_modes import MODES, ambient_modes
-from hbp.graph.torch_outputs import OutputSlot, map_output
+from hbp.graph.torch.fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
+from hbp.graph.torch.modes import MODES, ambient_modes
+from hbp.graph.torch.outputs import OutputSlot, map_output
 
 # Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
 _FACTORIES = (

@@ -4,7 +4,7 @@ The child module calls of one forward (recorded with forward hooks during a fake
 `no_grad` run if the fake run fails too), down to the repeated blocks (the items of an
 `nn.ModuleList` / `nn.Sequential` of two or more modules, at any depth: the cut points the
 libraries' own checkpointing uses), each profiled in isolation, as a chain of IR nodes. The
-forward is called with the caller's own arguments. `hbp.runtime.executor.ModuleCallExecutor`
+forward is called with the caller's own arguments. `hbp.runtime.executors.segments.ModuleCallExecutor`
 checkpoints whole calls (and runs of an nn.Sequential's children) by patching `forward`s."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from hbp.graph.ir import Graph, Node
-from hbp.graph.torch_captured import MODULE, CapturedGraph
-from hbp.graph.torch_fake import _call_module, _Faker, _rng_preserved, _storage_key, _tensors
-from hbp.graph.torch_norms import frozen_running_stats, stat_tracking_norms
-from hbp.graph.torch_profile import _charge_param_grads, _Profile, _profile_call, _record_transients
-from hbp.graph.torch_trace import _ModuleState
+from hbp.graph.torch.captured import MODULE, CapturedGraph
+from hbp.graph.torch.fake import _call_module, _Faker, _rng_preserved, _storage_key, _tensors
+from hbp.graph.torch.profile import _charge_param_grads, _Profile, _profile_call, _record_transients
+from hbp.graph.torch.running_stats import frozen_running_stats, stat_tracking_norms
+from hbp.graph.torch.trace import _ModuleState
 
 
 @dataclass

@@ -2,15 +2,15 @@
 
 `capture(module, args, kwargs) -> CapturedGraph` runs the stages in sequence, one file each:
 1. trace to an op-level fx graph specialised to the input signature: torch.fx symbolic
-   tracing (`torch_trace`), or, where that fails, the forward's Python run on fake tensors by
-   non-strict torch.export (`torch_export`);
-2. normalise in-place ops (`torch_normalise`) and
-3. profile every node on fake tensors into the IR (`torch_profile`);
-4. if every tracer fails, fall back to module-level cut points (`torch_fallback`), with a
+   tracing (`trace`), or, where that fails, the forward's Python run on fake tensors by
+   non-strict torch.export (`export`);
+2. normalise in-place ops (`normalise`) and
+3. profile every node on fake tensors into the IR (`profile`);
+4. if every tracer fails, fall back to module-level cut points (`fallback`), with a
    `hbp.errors.CaptureWarning` that says why.
-Shared pieces: fake values (`torch_fake`), output containers (`torch_outputs`), grad/autocast
-modes (`torch_modes`), FLOP formulas (`torch_flops`), running-statistics norms (`torch_norms`),
-the result type (`torch_captured`).
+Shared pieces: fake values (`fake`), output containers (`outputs`), grad/autocast
+modes (`modes`), FLOP formulas (`flops`), running-statistics norms (`running_stats`),
+the result type (`captured`).
 
 Capturing does not change the module: parameters and buffers are only read (fake copies are
 updated instead; a real no-grad run of the fallback puts buffer values back), attributes the
@@ -35,14 +35,14 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hbp.errors import CaptureWarning
-from hbp.graph.torch_captured import MODULE, OP, CapturedGraph
-from hbp.graph.torch_export import eager_shortcuts, export_trace
-from hbp.graph.torch_fake import _MISSING, _Faker, _rng_preserved
-from hbp.graph.torch_fallback import _buffers_restored, _capture_modules
-from hbp.graph.torch_modes import MODES, ambient_modes, enter_modes, exit_modes
-from hbp.graph.torch_outputs import OutputSlot, map_output
-from hbp.graph.torch_profile import _profile_graph
-from hbp.graph.torch_trace import _ModuleState, _same, _trace
+from hbp.graph.torch.captured import MODULE, OP, CapturedGraph
+from hbp.graph.torch.export import eager_shortcuts, export_trace
+from hbp.graph.torch.fake import _MISSING, _Faker, _rng_preserved
+from hbp.graph.torch.fallback import _buffers_restored, _capture_modules
+from hbp.graph.torch.modes import MODES, ambient_modes, enter_modes, exit_modes
+from hbp.graph.torch.outputs import OutputSlot, map_output
+from hbp.graph.torch.profile import _profile_graph
+from hbp.graph.torch.trace import _ModuleState, _same, _trace
 
 __all__ = [
     "MODES",
@@ -133,7 +133,7 @@ def _symbolic_trace(
 def _export_trace(
     module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
-    """Op level by running the forward on fake tensors (`hbp.graph.torch_export`); see
+    """Op level by running the forward on fake tensors (`hbp.graph.torch.export`); see
     NOTE [ One-time initialisation in forward ]."""
     kept: list[_Assignment] = []
     for attempt in range(2):

@@ -3,7 +3,7 @@
 For each node, on fake inputs whose `requires_grad` follows the real run:
 - `output_bytes`: bytes of new storage (0 when the output shares an input's storage: views,
   in-place results; `alias_of` names that input);
-- `flops`: `hbp.graph.torch_flops.TotalFlopCounterMode` (`FlopCounterMode` plus the formulas
+- `flops`: `hbp.graph.torch.flops.TotalFlopCounterMode` (`FlopCounterMode` plus the formulas
   for CPU flash attention and oneDNN's LSTM that the measured step counts too);
 - what backward keeps: the node runs under `torch.autograd.graph.saved_tensors_hooks` and
   each saved tensor is classified by storage identity: an input's storage -> `saved_inputs`,
@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hbp.graph.ir import Graph, Node
-from hbp.graph.torch_captured import OP, CapturedGraph
-from hbp.graph.torch_fake import (
+from hbp.graph.torch.captured import OP, CapturedGraph
+from hbp.graph.torch.fake import (
     _Faker,
     _fetch_attr,
     _RealStorageSizes,
@@ -44,10 +44,10 @@ from hbp.graph.torch_fake import (
     _storage_key,
     _tensors,
 )
-from hbp.graph.torch_flops import TotalFlopCounterMode
-from hbp.graph.torch_modes import MODES
-from hbp.graph.torch_normalise import _mutates_persistent, _out_of_place, _updated_running_stats
-from hbp.graph.torch_norms import stat_tracking_norms
+from hbp.graph.torch.flops import TotalFlopCounterMode
+from hbp.graph.torch.modes import MODES
+from hbp.graph.torch.normalise import _mutates_persistent, _out_of_place, _updated_running_stats
+from hbp.graph.torch.running_stats import stat_tracking_norms
 
 
 class _FakeLiveBytes(TorchDispatchMode):
@@ -615,7 +615,7 @@ def _record_transients(graph: Graph, profiles: dict[str, _Profile]) -> None:
       forward / backward runs, beyond what the event accounting already charges there: scratch
       inside composite ops (chunked logits, a leaf module's intermediates; in backward,
       intermediate gradients such as cross-entropy's log-softmax gradient). Kernel workspace
-      no tensor holds is added by `hbp.runtime.calibrate_scratch`.
+      no tensor holds is added by `hbp.graph.torch.calibrate`.
     - `flops_after_last_save` / `output_after_last_save`: what of a node does not run when a
       recompute pass early-stops at it (torch saves an op's inputs before the op runs and its
       outputs after): the FLOPs after its last saved tensor, and whether its output storage

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 
 from hbp.graph.ir import Graph, Node
-from hbp.graph.torch_outputs import OutputSlot, map_output
+from hbp.graph.torch.outputs import OutputSlot, map_output
 
 OP = "op"
 
@@ -46,7 +46,7 @@ class CapturedGraph:
             for the i-th value the graph returns (its output node returns a flat tuple).
         inlined_checkpoints: `torch.utils.checkpoint` calls in the forward, traced through.
         tracer: how the op-level graph was made: "fx" (symbolic tracing) or "export"
-            (non-strict torch.export, `hbp.graph.torch_export`); "" at module granularity.
+            (non-strict torch.export, `hbp.graph.torch.export`); "" at module granularity.
         in_spec: for "export" graphs, the pytree spec of `(args, kwargs)` whose leaves the
             placeholders are (None: placeholders are forward parameters, `input_names`).
     """
