@@ -10,7 +10,7 @@ import torch
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch.capture import capture
 from hbp.integrations.torch import _calibrate_scratch, _WithLoss
 from hbp.planner import plan
 from hbp.planner.dp import entry

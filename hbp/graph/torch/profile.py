@@ -330,9 +330,43 @@ def _classify_output(output, input_keys: dict[int, str], persistent_keys, owners
 # output is needed downstream) and the rest is taken from the first such node, inputs mapped
 # by position. Nodes that mutate an input, run outside autograd's normal path, or run in
 # their own modes (autocast, ...) are always profiled; so are call_module nodes (a module's
-# Python state is not in its signature). A replay whose output does not classify as the
+# Python state is not in its signature), but for stateless library modules (NOTE
+# [ Stateless library modules are profiled once ]). A replay whose output does not classify as the
 # first node's did (new bytes, aliasing) is profiled in full instead.
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+
+# NOTE [ Stateless library modules are profiled once ]
+# A call_module node's module may keep Python state its signature does not show, so it is
+# profiled in full, except for the torch.nn classes below: their forward reads only their
+# parameters and buffers (in the signature), the hyper-parameters their `repr` prints and
+# `training`. With no hooks on them, a transformer's Linear projections of every layer
+# after the first are then replayed like its functional ops.
+STATELESS_MODULES = (
+    nn.Linear,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.GELU,
+    nn.ReLU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Dropout,
+    nn.Identity,
+    nn.Conv1d,
+    nn.Conv2d,
+)
+
+
+def _stateless_module(module: nn.Module) -> bool:
+    """Whether `module` is one of `STATELESS_MODULES` exactly, without hooks."""
+    return (
+        type(module) in STATELESS_MODULES
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not getattr(module, "_backward_pre_hooks", None)
+    )
+
+
 PROFILE_CACHE = True  # off: every node profiled in full (tests compare the two)
 
 
@@ -391,6 +425,10 @@ class _ProfileCache:
                     )
                 elif isinstance(x, _PLAIN) or x is Ellipsis:
                     described.append((type(x), x))
+                elif isinstance(x, slice) and all(
+                    isinstance(v, (int, type(None))) for v in (x.start, x.stop, x.step)
+                ):  # `x[:, None]`, `x[..., :d]` (slices are not hashable before 3.12)
+                    described.append((slice, x.start, x.stop, x.step))
                 else:
                     return None
         except (TypeError, RuntimeError):  # symbolic sizes, ...
@@ -729,12 +767,12 @@ def _profile_fx_node(
         (node.args, node.kwargs), lambda a: values[a] if isinstance(a, fx.Node) else a
     )
     op = None
-    if (
-        cache is not None
-        and node.op in ("call_function", "call_method")
-        and not node.meta.get(MODES)
-    ):
-        op = (node.op, node.target)
+    if cache is not None and not node.meta.get(MODES):
+        if node.op in ("call_function", "call_method"):
+            op = (node.op, node.target)
+        elif node.op == "call_module" and _stateless_module(sub):
+            # NOTE [ Stateless library modules are profiled once ]
+            op = (node.op, type(sub), repr(sub), sub.training)
     with faker.mode:
         prof = _profile_call(
             lambda *a, **k: _run_fx_node(node, gm, faker, a, k),
