@@ -95,6 +95,32 @@ def staged_plan(
     None when no combination of stage options fits. `reuse`: solve identical stages once
     (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests); `pins`:
     whether recomputed segments may pin nodes (None: `PIN_VALUES`)."""
+    # NOTE [ Stage tables do not depend on the budget ]
+    settings = (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
+    known = info.__dict__.setdefault("_stage_tables", {})
+    if settings not in known:
+        known[settings] = _stage_tables(info, *settings)
+    cuts, stages, reps, options = known[settings]
+    choice = _allocate(options, budget_bytes, global_slots)
+    if choice is None:
+        return None
+    segments: list[Segment] = []
+    rebuilt: dict[tuple, list[Segment]] = {}  # (stage solved, option) -> its plan
+    with planning(len(cuts)):
+        for (a, _), (first, solver), opts, k in zip(stages, reps, options, choice):
+            plan = rebuilt.get((first, k))
+            if plan is None:
+                o = opts[k]
+                plan = rebuilt[first, k] = solver.top_plan(o.local_slots, start=first, row=o.row)
+            segments.extend(_shifted(s, a - first) for s in plan)
+    return segments
+
+
+def _stage_tables(
+    info: GraphInfo, stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins
+) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, Solver]], list[list[StageOption]]]:
+    """The budget-independent part of `staged_plan`: cuts, stages, per stage the stage solved
+    (its start and solver) and its options."""
     model = _staged_model(info, stage_nodes, per_region, region)
     cuts, bounds = model.cuts, model.bounds
     stages = list(zip(bounds[:-1], bounds[1:]))
@@ -113,20 +139,15 @@ def staged_plan(
             # of the stages after it), which differ between identical stages
             lift = _stage_base(model, a, b) - solver.offset
             options.append([replace(o, need_bytes=o.need_bytes + lift) for o in opts])
-    choice = _allocate(options, budget_bytes, global_slots)
-    if choice is None:
-        return None
-    segments: list[Segment] = []
-    rebuilt: dict[tuple, list[Segment]] = {}  # (stage solved, option) -> its plan
-    with planning(len(cuts)):
-        for (a, _), (first, solver), opts, k in zip(stages, reps, options, choice):
-            plan = rebuilt.get((first, k))
-            if plan is None:
-                o = opts[k]
-                plan = rebuilt[first, k] = solver.top_plan(o.local_slots, start=first, row=o.row)
-            segments.extend(_shifted(s, a - first) for s in plan)
-    return segments
+    return cuts, stages, reps, options
 
+
+# NOTE [ Stage tables do not depend on the budget ]
+# A staged plan's stages, their tables and options are the same at every budget; only the
+# allocation across stages (`_allocate`) and the plans rebuilt from the tables depend on it.
+# `optimal_plan` asks for staged plans several times per call (a tightened budget after an
+# overshoot, the bisection of a BudgetError's staged minimum), so the tables are kept on the
+# GraphInfo (`_stage_tables`, per setting) and live as long as it does.
 
 # NOTE [ Identical stages are solved once ]
 # Real models are stacks of identical layers, so most stages of a deep graph are copies of

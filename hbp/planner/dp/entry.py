@@ -549,8 +549,8 @@ def info_fingerprint(info: GraphInfo) -> str:
     """A digest of every GraphInfo field the planner reads (all but the node names)."""
     digest = hashlib.sha256()
     for name, value in sorted(vars(info).items()):
-        if name in ("names", "users"):  # labels; users follow from inputs
-            continue
+        if name in ("names", "users") or name.startswith("_"):  # labels; users follow
+            continue  # from inputs; private: tables kept on it (`hbp.planner.stages`)
         digest.update(name.encode())
         if isinstance(value, np.ndarray):
             digest.update(str(value.dtype).encode())
