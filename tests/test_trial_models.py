@@ -1,5 +1,5 @@
-"""Found by a new user's trial on architectures outside the other tests
-(`experiments/trial_models.py`), measured by the CPU allocator:
+"""Found on real architectures outside the other tests (the zoos of
+`experiments/real_models/`), measured by the CPU allocator:
 
 - transformers' attention masks under export: with no `attention_mask` passed, eager SDPA runs
   without a mask (or with `is_causal=True`) while a traced forward used to build the full

@@ -22,7 +22,13 @@ from torch.utils._pytree import tree_map
 from hbp.graph.ir import Graph, Node
 from hbp.graph.torch.captured import MODULE, CapturedGraph
 from hbp.graph.torch.fake import _call_module, _Faker, _rng_preserved, _storage_key, _tensors
-from hbp.graph.torch.profile import _charge_param_grads, _Profile, _profile_call, _record_transients
+from hbp.graph.torch.profile import (
+    _charge_out_of_place_sums,
+    _charge_param_grads,
+    _Profile,
+    _profile_call,
+    _record_transients,
+)
 from hbp.graph.torch.running_stats import frozen_running_stats, stat_tracking_norms
 from hbp.graph.torch.trace import _ModuleState
 
@@ -103,14 +109,16 @@ def _holding_blocks(module: nn.Module) -> set[int]:
 @contextlib.contextmanager
 def _buffers_restored(module: nn.Module) -> Iterator[None]:
     """Inside, a real forward may update buffers in place (running means, step counters);
-    their values before are put back on exit."""
-    saved = [(b, b.clone()) for b in module.buffers()]
+    the values of those it wrote are put back on exit (the others are not touched)."""
+    saved = [(b, b._version, b.clone()) for b in module.buffers()]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+            for b, version, value in saved:
+                # batch norm updates its running statistics without bumping their version
+                if b._version != version or not torch.equal(b, value):
+                    b.copy_(value)
 
 
 def _expand_sequential(
@@ -219,6 +227,7 @@ def _capture_modules(
         meta={"framework": "torch", "granularity": MODULE, "fallback_reason": reason},
     )
     _record_transients(graph, profiles)
+    _charge_out_of_place_sums(nodes, params_used, profiles)
     for node in graph.nodes:
         # A node here is a whole child call: the simulator's early stop inside the last node
         # (NOTE [ Early stop at the last pack ] in hbp/analysis/simulate.py) is modelled

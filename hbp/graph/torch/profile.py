@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -149,6 +150,9 @@ class _Profile:
     flops_after_last_save: float = 0.0
     output_after_last_save: bool = False
     draws_random: bool = False
+    # per parameter the node uses (in `params` order): its backward's gradient for it cannot
+    # take a second one in place (NOTE [ Gradients of a parameter used twice ])
+    param_grad_not_in_place: tuple[bool, ...] = ()
 
 
 def _leaf_rooted(value: Any) -> bool:
@@ -514,11 +518,71 @@ def _profile_backward(
     profile.backward_flops = float(fc.get_total_flops())
     profile.backward_peak_bytes = memory.peak
     out_grad_keys = {_storage_key(g) for g in grad_outputs}
+    # a parameter's gradient: its own, or that of the leaf made of it (fx passes the
+    # parameters of a call_function node as arguments)
+    by_storage: dict[tuple, torch.Tensor] = {}
+    for t, g in zip(wrt, grads):
+        if g is not None:
+            by_storage.setdefault((_storage_key(t), tuple(t.shape)), g)
+    param_grads = [by_storage.get((_storage_key(p), tuple(p.shape))) for p in params]
+    profile.param_grad_not_in_place = tuple(
+        g is not None and not _accumulates_in_place(g) for g in param_grads
+    )
     for t, g in zip(wrt, grads):
         input_name = names.get(_storage_key(t))
         if g is not None and input_name is not None:
             if _storage_key(g) in out_grad_keys:  # add, views, ...: the gradient passes through
                 profile.grad_passthrough.append(input_name)
+
+
+def _accumulates_in_place(grad: torch.Tensor) -> bool:
+    """Whether autograd's input buffer adds a later gradient into `grad` in place (its
+    `can_accumulate_inplace`): a dense, non-overlapping tensor that is not a view (a view's
+    base shares its storage: linear's weight gradient is the transpose of a matmul's result,
+    `sum`'s an expanded scalar)."""
+    return grad._base is None and is_non_overlapping_and_dense_or_false(grad)
+
+
+# NOTE [ Gradients of a parameter used twice ]
+# A parameter read by several nodes (a tied output head and input embedding) has one
+# AccumulateGrad node, which runs once all its gradient contributions have arrived: they are
+# summed in its input buffer first. The first contribution in backward order (from the last
+# user in forward order) is held there, charged to that user as the parameter's gradient
+# (`_charge_param_grads`; AccumulateGrad then steals the sum into `.grad`). Each later
+# contribution is made by its node's backward (its scratch, as profiled) and added: in place
+# into the held sum when autograd can (`_accumulates_in_place`), else out of place, a new
+# parameter-sized sum while both addends are still live (torch/csrc/autograd/input_buffer.cpp,
+# `accumulate`). A view is never added to in place: linear's weight gradient is one, so an
+# embedding tied to an output head gets its sum out of place. That new sum is charged as
+# backward scratch of the node whose contribution is added (an upper bound by the few bytes
+# that node's backward frees before the engine adds: its saved tensors and output gradient);
+# the sum is fresh, so contributions after it are added in place. Under a dispatch mode
+# (a memory tracker), autograd always adds out of place: the allocator is the reference.
+
+
+def _charge_out_of_place_sums(
+    nodes: list[Node], params_used: list[list[nn.Parameter]], profiles: dict[str, _Profile]
+) -> None:
+    """Charge the sums autograd makes out of place for parameters used by several nodes
+    (NOTE [ Gradients of a parameter used twice ])."""
+    users: dict[int, list[int]] = {}
+    sized: dict[int, nn.Parameter] = {}
+    for i, params in enumerate(params_used):
+        for p in params:
+            if p.requires_grad:
+                users.setdefault(id(p), []).append(i)
+                sized[id(p)] = p
+    for key, at in users.items():
+        at = list(dict.fromkeys(at))
+        if len(at) < 2:
+            continue
+        first = at[-1]  # its gradient comes first in backward
+        profile = profiles.get(nodes[first].name)
+        flags = profile.param_grad_not_in_place if profile is not None else ()
+        position = next(k for k, p in enumerate(params_used[first]) if id(p) == key)
+        if position < len(flags) and flags[position]:
+            p = sized[key]
+            nodes[at[-2]].backward_scratch_bytes += p.numel() * p.element_size()
 
 
 def _charge_param_grads(nodes: list[Node], params_used: list[list[nn.Parameter]]) -> None:
@@ -628,6 +692,7 @@ def _profile_graph(
         meta={"framework": "torch", "granularity": OP, "fx_nodes": len(gm.graph.nodes)},
     )
     _record_transients(graph, profiles)
+    _charge_out_of_place_sums(nodes, params_used, profiles)
     return CapturedGraph(
         graph=graph,
         gm=gm,

@@ -45,6 +45,7 @@ from torch.fx._symbolic_trace import HAS_VARSTUFF
 from hbp.graph.torch.fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
 from hbp.graph.torch.modes import MODES, ambient_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
+from hbp.graph.torch.state import ForwardSideEffect, same_value
 
 # Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
 _FACTORIES = (
@@ -490,7 +491,7 @@ def _trace(
         if not isinstance(value, (fx.Proxy, torch.Tensor)) and not name.startswith(leaves)
     ]
     if python_state:
-        raise TypeError(
+        raise ForwardSideEffect(
             f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced graph "
             "would not repeat that side effect on later calls"
         )
@@ -529,7 +530,7 @@ class _ModuleState:
             for k, d in dicts.items():
                 before.update({f"{k}:{n}": v for n, v in d.items()})
             for key, value in now.items():
-                if key in self._DICTS or (key in before and _same(before[key], value)):
+                if key in self._DICTS or (key in before and same_value(before[key], value)):
                     continue
                 if not prefix and key.startswith("_tensor_constant"):
                     continue
@@ -542,19 +543,6 @@ class _ModuleState:
                 getattr(m, k).update(d)
                 m.__dict__[k] = getattr(m, k)
         return changed
-
-
-def _same(before: Any, after: Any) -> bool:
-    """Whether assigning `after` over `before` changed nothing (the same object, or an equal
-    plain Python value: torch.export re-assigns copies of a module's plain dicts)."""
-    if before is after:
-        return True
-    if type(before) is not type(after) or isinstance(before, (torch.Tensor, nn.Module)):
-        return False
-    try:
-        return bool(before == after)
-    except Exception:  # noqa: BLE001 - no meaningful equality
-        return False
 
 
 def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
