@@ -309,7 +309,8 @@ def _classify_output(output, input_keys: dict[int, str], persistent_keys, owners
 # output is needed downstream) and the rest is taken from the first such node, inputs mapped
 # by position. Nodes that mutate an input, run outside autograd's normal path, or run in
 # their own modes (autocast, ...) are always profiled; so are call_module nodes (a module's
-# Python state is not in its signature). A replay whose output does not classify as the
+# Python state is not in its signature), but for stateless library modules (NOTE
+# [ Stateless library modules are profiled once ]). A replay whose output does not classify as the
 # first node's did (new bytes, aliasing) is profiled in full instead.
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
 PROFILE_CACHE = True  # off: every node profiled in full (tests compare the two)
@@ -370,6 +371,10 @@ class ProfileCache:
                     )
                 elif isinstance(x, _PLAIN) or x is Ellipsis:
                     described.append((type(x), x))
+                elif isinstance(x, slice) and all(
+                    isinstance(v, (int, type(None))) for v in (x.start, x.stop, x.step)
+                ):  # `x[:, None]`, `x[..., :d]` (slices are not hashable before 3.12)
+                    described.append((slice, x.start, x.stop, x.step))
                 else:
                     return None
         except (TypeError, RuntimeError):  # symbolic sizes, ...
