@@ -4,7 +4,7 @@ Train with less activation memory: `hbp.HCModule(model, budget=0.3)` wraps any n
 its training step stays within a memory budget with the least recomputation; the JAX
 counterpart is `hbp.jax.height_compressed_grad(fun, budget=...)`.
 
-Public API (DESIGN.md): HCModule, BudgetError, measure_step, estimate, ops.chunked_cross_entropy,
+Public API (docs/architecture.md): HCModule, BudgetError, measure_step, estimate, ops.chunked_cross_entropy,
 jax.height_compressed, jax.height_compressed_grad. Heavy submodules load on first use, so
 `import hbp` stays cheap and does not import jax.
 """

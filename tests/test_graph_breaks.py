@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.graph.torch.breaks import GraphBreakGuardError
 from hbp.graph.torch.capture import OP, capture
-from hbp.runtime.tracker import allocator_peak
 from tests.models.capture import MaskedMiddle, wav2vec2_bert_ctc
 
 

@@ -11,7 +11,7 @@ import torch
 import hbp
 from hbp.analysis import simulate
 from hbp.graph.torch.capture import OP, capture
-from hbp.runtime.tracker import allocator_peak
+from hbp.allocator import allocator_peak
 from tests.models.capture import TiedLM, moonshine
 
 

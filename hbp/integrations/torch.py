@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hbp.allocator import foreign_profiler_running, profiler_peak_bytes, release_results
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
@@ -61,13 +62,9 @@ from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, captur
 from hbp.planner import PLANNERS
 from hbp.planner.budget import parse_budget
 from hbp.planner.plan import MIB, Plan, Segment, any_pinned
-from hbp.runtime.executors.segments import make_executor, per_call_plan
+from hbp.runtime.executors import make_executor
+from hbp.runtime.executors.module_calls import per_call_plan
 from hbp.runtime.heap import return_freed_heap
-from hbp.runtime.tracker import (
-    foreign_profiler_running,
-    profiler_peak_bytes,
-    release_results,
-)
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
@@ -953,7 +950,7 @@ class _StepPeakProbe:
     """The allocator's peak from `__init__` to `end()`, above the level at `__init__`.
 
     CUDA: max_memory_allocated, read in `end()`. CPU: a profiler with memory events
-    (`hbp.runtime.tracker.profiler_peak_bytes`); `end()` runs inside the autograd engine (a
+    (`hbp.allocator.profiler_peak_bytes`); `end()` runs inside the autograd engine (a
     queued callback), where a profiler cannot be stopped for good (the engine restores the
     thread's profiler state when backward returns), so it marks the end with a 1-byte
     allocation and `stop()`, called at the module's next call or when
@@ -969,7 +966,7 @@ class _StepPeakProbe:
             torch.cuda.reset_peak_memory_stats(device)
             self._base = torch.cuda.memory_allocated(device)
             return
-        from hbp.runtime.tracker import close_open_windows, hold_open
+        from hbp.allocator import close_open_windows, hold_open
 
         close_open_windows()  # another module's measurement still recording: CPU profilers
         self._profiler = torch.profiler.profile(  # do not nest

@@ -1,13 +1,16 @@
 """Capture a PyTorch module's training step into hbp's IR (`hbp.graph.ir.Graph`).
 
-`capture(module, args, kwargs) -> CapturedGraph` runs the stages in sequence, one file each:
+`capture(module, args, kwargs, calibrate=False) -> CapturedGraph` runs the stages in
+sequence, one file each:
 1. trace to an op-level fx graph specialised to the input signature: torch.fx symbolic
    tracing (`trace`), or, where that fails, the forward's Python run on fake tensors by
    non-strict torch.export (`export`);
 2. normalise in-place ops (`normalise`) and
-3. profile every node on fake tensors into the IR (`profile`);
+3. profile every node on fake tensors into the IR (`profile`; one op call: `op_profile`);
 4. if every tracer fails, fall back to module-level cut points (`fallback`), with a
-   `hbp.errors.CaptureWarning` that says why.
+   `hbp.errors.CaptureWarning` that says why;
+5. with `calibrate=True`, measure each op's kernel workspace with the allocator on real
+   tensors (`calibrate`).
 Shared pieces: what an attempt must put back (`state`), fake values (`fake`), output containers
 (`outputs`), grad/autocast modes (`modes`), FLOP formulas (`flops`), running-statistics norms
 (`running_stats`), the result type (`captured`).
@@ -37,15 +40,16 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hbp.errors import CaptureWarning
+from hbp.graph.torch.calibrate import calibrate_scratch
 from hbp.graph.torch.captured import MODULE, OP, CapturedGraph
 from hbp.graph.torch.export import eager_shortcuts, export_trace
-from hbp.graph.torch.fake import _MISSING, _Faker, _rng_preserved
-from hbp.graph.torch.fallback import _buffers_restored, _capture_modules
+from hbp.graph.torch.fake import MISSING, Faker, rng_preserved
+from hbp.graph.torch.fallback import buffers_restored, capture_modules
 from hbp.graph.torch.modes import MODES, ambient_modes, enter_modes, exit_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
-from hbp.graph.torch.profile import _profile_graph
-from hbp.graph.torch.state import ForwardSideEffect, ModelState, same_value
-from hbp.graph.torch.trace import _ModuleState, _trace
+from hbp.graph.torch.profile import profile_graph
+from hbp.graph.torch.state import ForwardSideEffect, ModelState, ModuleState, same_value
+from hbp.graph.torch.trace import trace_module
 
 __all__ = [
     "MODES",
@@ -61,13 +65,19 @@ __all__ = [
 ]
 
 
-def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> CapturedGraph:
+def capture(
+    module: nn.Module, args: tuple = (), kwargs: dict | None = None, *, calibrate: bool = False
+) -> CapturedGraph:
     """Capture `module(*args, **kwargs)` (training step: grad enabled, current train/eval
     flags) into hbp's IR. Falls back to module-level cut points, with a `CaptureWarning`,
     where op-level capture fails. Whatever fails, the module's state (attributes, hooks,
     parameters, buffers, train flags) and torch's (RNG, global hooks, grad mode, autocast,
     default dtype) are as they were, but for a first-call set-up the forward does when called
-    for real (NOTE [ One-time initialisation in forward ])."""
+    for real (NOTE [ One-time initialisation in forward ]).
+
+    `calibrate=True` also measures each op's kernel workspace with the allocator, on real
+    tensors (the scratch calibration stage, `hbp.graph.torch.calibrate`), into the nodes'
+    scratch fields; `CapturedGraph.scratch_measured` says whether it could."""
     start = time.perf_counter()
     kwargs = dict(kwargs or {})
     signature = inspect.signature(module.forward)
@@ -77,8 +87,8 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
     # the capture's fake computations.
     with (
         _disable_current_modes(),
-        _rng_preserved(module, bound.arguments),
-        _buffers_restored(module),
+        rng_preserved(module, bound.arguments),
+        buffers_restored(module),
         torch.enable_grad(),
         eager_shortcuts(bound.arguments),
     ):
@@ -94,7 +104,7 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
             )
             state = ModelState(module)
             try:
-                captured = _capture_modules(
+                captured = capture_modules(
                     module, bound, signature, "; ".join(failures), args, kwargs
                 )
             finally:
@@ -103,6 +113,8 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
     captured.graph.rng_state_bytes = _rng_state_bytes(module, bound.arguments)
     captured.capture_time_s = time.perf_counter() - start
     captured.graph.meta["capture_time_s"] = captured.capture_time_s
+    if calibrate:
+        captured.scratch_measured = calibrate_scratch(captured, args, kwargs) is not None
     return captured
 
 
@@ -125,9 +137,9 @@ def _symbolic_trace(
     module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
     """Op level by torch.fx symbolic tracing, specialised to this call (module docstring)."""
-    faker = _Faker()
-    gm, input_names, tracer = _trace(module, bound.arguments, signature, faker)
-    captured = _profile_graph(gm, module, bound.arguments, input_names, signature, faker)
+    faker = Faker()
+    gm, input_names, tracer = trace_module(module, bound.arguments, signature, faker)
+    captured = profile_graph(gm, module, bound.arguments, input_names, signature, faker)
     captured.output_template = tracer.output_template
     captured.inlined_checkpoints = tracer.inlined_checkpoints
     captured.tracer = "fx"
@@ -139,9 +151,9 @@ def _export_trace(
 ) -> CapturedGraph:
     """Op level by running the forward on fake tensors (`hbp.graph.torch.export`)."""
     assigned: list[str] = []
-    state = _ModuleState(module)
+    state = ModuleState(module)
     try:
-        with _buffers_restored(module), _python_assignments_recorded(module, assigned):
+        with buffers_restored(module), _python_assignments_recorded(module, assigned):
             exported = export_trace(module, args, kwargs, ambient_modes())
     finally:
         changed = state.restore()
@@ -152,9 +164,9 @@ def _export_trace(
             f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced "
             "graph would not repeat that side effect on later calls"
         )
-    faker = _Faker()
+    faker = Faker()
     inputs = exported.inputs
-    captured = _profile_graph(exported.gm, module, inputs, list(inputs), signature, faker)
+    captured = profile_graph(exported.gm, module, inputs, list(inputs), signature, faker)
     captured.output_template = exported.output_template
     captured.in_spec = exported.in_spec
     captured.tracer = "export"
@@ -271,7 +283,7 @@ def _python_assignments_recorded(module: nn.Module, out: list[str]) -> Iterator[
 
     def recording(mod: nn.Module, name: str, value: Any) -> None:
         path = paths.get(id(mod))
-        before = mod.__dict__.get(name, _MISSING)
+        before = mod.__dict__.get(name, MISSING)
         if (
             path is not None
             and not isinstance(value, (torch.Tensor, nn.Module))

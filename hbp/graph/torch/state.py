@@ -10,8 +10,9 @@ dictionary (shallow), the *contents* of every dict or set it holds (parameters, 
 children, and the forward / pre / backward / state_dict hooks, which `register_*_hook`
 changes in place), each parameter's `requires_grad` and `.grad`, plus torch's global module
 hooks, grad mode, autocast state and default dtype. `restore()` puts all of it back and says
-what had changed. (RNG state: `hbp.graph.torch.fake._rng_preserved`; buffer values:
-`hbp.graph.torch.fallback._buffers_restored`.)
+what had changed. (RNG state: `hbp.graph.torch.fake.rng_preserved`; buffer values:
+`hbp.graph.torch.fallback.buffers_restored`.) `ModuleState(module)`: the attributes a
+traced forward assigned, put back after the trace.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.modules.module as module_globals
 from torch import nn
 
-__all__ = ["ForwardSideEffect", "ModelState", "same_value"]
+__all__ = ["ForwardSideEffect", "ModelState", "ModuleState", "same_value"]
 
 
 class ForwardSideEffect(TypeError):
@@ -175,3 +176,44 @@ def same_value(before: Any, after: Any) -> bool:
         return bool(before == after)
     except Exception:  # noqa: BLE001 - no meaningful equality
         return False
+
+
+class ModuleState:
+    """The attributes of a module and of every submodule (`__dict__`, parameters, buffers,
+    children), to put back after tracing: traced code runs the forward's Python, so
+    `self.count += 1` or `self.cache = x` would otherwise leave proxies and counts behind,
+    and fx stores tensor constants on the root."""
+
+    def __init__(self, module: nn.Module):
+        self.saved = [
+            (name, m, dict(m.__dict__), {k: dict(getattr(m, k)) for k in self._DICTS})
+            for name, m in module.named_modules(remove_duplicate=True)
+        ]
+
+    _DICTS = ("_parameters", "_buffers", "_modules")
+
+    def restore(self) -> list[tuple[str, Any]]:
+        """Put every attribute back; return (qualified name, assigned value) of each attribute
+        the forward assigned (fx's own tensor constants on the root excluded)."""
+        changed: list[tuple[str, Any]] = []
+        for prefix, m, attrs, dicts in self.saved:
+            now = dict(m.__dict__)
+            for k in self._DICTS:
+                now.update({f"{k}:{n}": v for n, v in getattr(m, k).items()})
+            before = dict(attrs)
+            for k, d in dicts.items():
+                before.update({f"{k}:{n}": v for n, v in d.items()})
+            for key, value in now.items():
+                if key in self._DICTS or (key in before and same_value(before[key], value)):
+                    continue
+                if not prefix and key.startswith("_tensor_constant"):
+                    continue
+                name = key.split(":")[-1]
+                changed.append((f"{prefix}.{name}" if prefix else name, value))
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            for k, d in dicts.items():
+                getattr(m, k).clear()
+                getattr(m, k).update(d)
+                m.__dict__[k] = getattr(m, k)
+        return changed

@@ -50,10 +50,10 @@ from hbp.graph.torch.breaks import (
     other_branch_raises,
     record_real_results,
 )
-from hbp.graph.torch.fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
+from hbp.graph.torch.fake import MISSING, Faker, fetch_attr, run_fx_node
 from hbp.graph.torch.modes import MODES, ambient_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
-from hbp.graph.torch.state import ForwardSideEffect, same_value
+from hbp.graph.torch.state import ForwardSideEffect, ModuleState
 
 # Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
 _FACTORIES = (
@@ -79,7 +79,7 @@ class _ValueProxy(fx.Proxy):
     """An fx Proxy that knows its node's fake value: shape queries return concrete values."""
 
     def _value(self) -> Any:
-        return self.tracer.values.get(self.node, _MISSING)
+        return self.tracer.values.get(self.node, MISSING)
 
     def _tensor(self) -> torch.Tensor | None:
         v = self._value()
@@ -129,7 +129,7 @@ class _ValueProxy(fx.Proxy):
 
     def __len__(self):
         v = self._value()
-        if v is _MISSING or not hasattr(v, "__len__"):
+        if v is MISSING or not hasattr(v, "__len__"):
             return super().__len__()
         return len(v)
 
@@ -168,7 +168,7 @@ class _ValueProxy(fx.Proxy):
             try:
                 attr = getattr(v, k)
             except Exception:  # noqa: BLE001
-                attr = _MISSING
+                attr = MISSING
             if attr is None or isinstance(attr, _CONCRETE_TYPES):
                 return attr
         return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
@@ -189,7 +189,7 @@ class _ValueProxy(fx.Proxy):
 class _Tracer(fx.Tracer):
     """`torch.fx.Tracer` whose proxies carry fake values (see the module docstring)."""
 
-    def __init__(self, faker: _Faker, inputs: dict[str, Any], real_inputs: dict[str, Any]):
+    def __init__(self, faker: Faker, inputs: dict[str, Any], real_inputs: dict[str, Any]):
         super().__init__(autowrap_modules=(math,))
         self.real_inputs = real_inputs  # placeholder target -> the example's real value
         self.reals: dict[fx.Node, Any] = {}  # real values computed (NOTE [ Data-dependent ops ])
@@ -279,7 +279,7 @@ class _Tracer(fx.Tracer):
         if modes != self.base_modes and kind != "placeholder":
             node.meta[MODES] = modes
         if kind == "placeholder":
-            self.values[node] = self.inputs.get(self._input_key(target), _MISSING)
+            self.values[node] = self.inputs.get(self._input_key(target), MISSING)
         else:
             self.values[node] = self._compute(node)
         return proxy
@@ -296,7 +296,7 @@ class _Tracer(fx.Tracer):
         if node.op == "placeholder":
             value = self.real_inputs[self._input_key(node.target)]
         elif node.op == "get_attr":
-            value = _fetch_attr(self.root, node.target)
+            value = fetch_attr(self.root, node.target)
         else:
             args, kwargs = fx.node.map_aggregate(
                 (node.args, node.kwargs), lambda a: self.real(a) if isinstance(a, fx.Node) else a
@@ -304,7 +304,7 @@ class _Tracer(fx.Tracer):
             self.computing = True
             try:
                 value, results = record_real_results(
-                    lambda *a, **k: _run_fx_node(node, self.root, None, a, k), args, kwargs
+                    lambda *a, **k: run_fx_node(node, self.root, None, a, k), args, kwargs
                 )
             finally:
                 self.computing = False
@@ -317,10 +317,10 @@ class _Tracer(fx.Tracer):
         if node not in self.values and node.op == "get_attr":
             self.computing = True  # a real attribute, not the parameter proxy fx would give
             try:
-                self.values[node] = self.faker.tree(_fetch_attr(self.root, node.target))
+                self.values[node] = self.faker.tree(fetch_attr(self.root, node.target))
             finally:
                 self.computing = False
-        return self.values.get(node, _MISSING)
+        return self.values.get(node, MISSING)
 
     def _compute(self, node: fx.Node) -> Any:
         if node.op == "get_attr":
@@ -331,7 +331,7 @@ class _Tracer(fx.Tracer):
             lambda a: self._lookup(a, missing) if isinstance(a, fx.Node) else a,
         )
         if missing:
-            return _MISSING
+            return MISSING
         args, kwargs = self.faker.tree((args, kwargs))  # real tensor constants -> fake
         try:
             return self._run_fake(node, args, kwargs)
@@ -339,25 +339,25 @@ class _Tracer(fx.Tracer):
             pass
         except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
             self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
-            return _MISSING
+            return MISSING
         try:
             self.real(node, record=True)
             return self._run_fake(node, args, kwargs)
         except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
             self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
-            return _MISSING
+            return MISSING
 
     def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         self.computing = True
         try:
             with self.faker.mode:
-                return _run_fx_node(node, self.root, self.faker, args, kwargs)
+                return run_fx_node(node, self.root, self.faker, args, kwargs)
         finally:
             self.computing = False
 
     def _lookup(self, node: fx.Node, missing: list) -> Any:
         v = self._value(node)
-        if v is _MISSING:
+        if v is MISSING:
             missing.append(node)
         return v
 
@@ -503,8 +503,8 @@ def _function_apply(cls: type) -> Callable:
     return _FUNCTION_APPLIES[cls]
 
 
-def _trace(
-    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: _Faker
+def trace_module(
+    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: Faker
 ) -> tuple[fx.GraphModule, list[str], _Tracer]:
     """Trace `module` specialised to `arguments` (forward parameter -> real value); return
     the graph module, the forward parameter of each placeholder and the finished tracer."""
@@ -526,7 +526,7 @@ def _trace(
     for t in (*module.parameters(), *module.buffers()):
         faker.tensor(t)  # convert now: fx's patching during tracing makes it ~10x slower
     tracer = _Tracer(faker, inputs, real_inputs)
-    state = _ModuleState(module)
+    state = ModuleState(module)
     try:
         with (
             tracer.recording_factories(),
@@ -560,47 +560,6 @@ def _trace(
             target = node.target.lstrip("*")
             input_names.append(target if target in arguments else target.rsplit("_", 1)[0])
     return gm, input_names, tracer
-
-
-class _ModuleState:
-    """The attributes of a module and of every submodule (`__dict__`, parameters, buffers,
-    children), to put back after tracing: traced code runs the forward's Python, so
-    `self.count += 1` or `self.cache = x` would otherwise leave proxies and counts behind,
-    and fx stores tensor constants on the root."""
-
-    def __init__(self, module: nn.Module):
-        self.saved = [
-            (name, m, dict(m.__dict__), {k: dict(getattr(m, k)) for k in self._DICTS})
-            for name, m in module.named_modules(remove_duplicate=True)
-        ]
-
-    _DICTS = ("_parameters", "_buffers", "_modules")
-
-    def restore(self) -> list[tuple[str, Any]]:
-        """Put every attribute back; return (qualified name, assigned value) of each attribute
-        the forward assigned (fx's own tensor constants on the root excluded)."""
-        changed: list[tuple[str, Any]] = []
-        for prefix, m, attrs, dicts in self.saved:
-            now = dict(m.__dict__)
-            for k in self._DICTS:
-                now.update({f"{k}:{n}": v for n, v in getattr(m, k).items()})
-            before = dict(attrs)
-            for k, d in dicts.items():
-                before.update({f"{k}:{n}": v for n, v in d.items()})
-            for key, value in now.items():
-                if key in self._DICTS or (key in before and same_value(before[key], value)):
-                    continue
-                if not prefix and key.startswith("_tensor_constant"):
-                    continue
-                name = key.split(":")[-1]
-                changed.append((f"{prefix}.{name}" if prefix else name, value))
-            m.__dict__.clear()
-            m.__dict__.update(attrs)
-            for k, d in dicts.items():
-                getattr(m, k).clear()
-                getattr(m, k).update(d)
-                m.__dict__[k] = getattr(m, k)
-        return changed
 
 
 def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
