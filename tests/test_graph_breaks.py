@@ -142,3 +142,24 @@ def test_a_ctc_model_is_captured_around_its_data_dependent_ops_below_transformer
     labels[0, 0] = 10_000  # out of the vocabulary: the library's check fails
     with pytest.raises(GraphBreakGuardError):
         hc(**{**inputs, "labels": labels})
+
+
+class _InPlaceOnInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.neg_()  # the caller's tensor, changed once per call; the mask reads the change
+        return self.body(x[x.sum(-1) > 0]).sum()
+
+
+def test_the_real_run_of_a_graph_break_follows_in_place_ops_and_leaves_the_inputs_alone():
+    x = torch.ones(16, 8)
+    x[:3] = -1  # negated: 3 rows kept (13 before)
+    before = x.clone()
+    captured = capture(_InPlaceOnInput(), (x,))
+    assert captured.granularity == OP
+    assert torch.equal(x, before)
+    mask = next(n for n in captured.graph.nodes if n.op == "getitem")
+    assert mask.output_bytes == 3 * 8 * 4

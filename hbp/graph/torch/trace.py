@@ -42,6 +42,7 @@ import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.fx._symbolic_trace import HAS_VARSTUFF
+from torch.utils._pytree import tree_map
 
 from hbp.graph.torch.breaks import (
     DATA_DEPENDENT,
@@ -290,16 +291,25 @@ class _Tracer(fx.Tracer):
     def real(self, node: fx.Node, record: bool = False) -> Any:
         """The node's value in the example's real run, with no autograd (its inputs' too,
         kept: NOTE [ Data-dependent ops ]); with `record`, what each aten op returned is
-        recorded on the node (`REAL_RESULTS`)."""
+        recorded on the node (`REAL_RESULTS`). Every node before it runs first, in order:
+        an in-place op (`x.mul_(2)`) is a node the later ones do not name."""
         if node in self.reals and not record:
             return self.reals[node]
-        if node.op == "placeholder":
-            value = self.real_inputs[self._input_key(node.target)]
+        for earlier in node.graph.nodes:
+            if earlier is node:
+                break
+            if earlier not in self.reals and earlier.op != "output":
+                self._real_one(earlier)
+        return self._real_one(node, record)
+
+    def _real_one(self, node: fx.Node, record: bool = False) -> Any:
+        if node.op == "placeholder":  # a copy: in-place ops must not change the caller's
+            value = tree_map(_cloned, self.real_inputs[self._input_key(node.target)])
         elif node.op == "get_attr":
             value = fetch_attr(self.root, node.target)
         else:
             args, kwargs = fx.node.map_aggregate(
-                (node.args, node.kwargs), lambda a: self.real(a) if isinstance(a, fx.Node) else a
+                (node.args, node.kwargs), lambda a: self.reals[a] if isinstance(a, fx.Node) else a
             )
             self.computing = True
             try:
@@ -538,6 +548,7 @@ def trace_module(
         gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
     finally:  # fx stores tensor constants on the traced module; forwards assign attributes
         changed = state.restore()
+        tracer.reals.clear()
     # Leaf modules (run, not traced) may cache Python state of their own (an RNN's
     # `_flat_weights`): only traced code's assignments are side effects the graph loses.
     leaves = tuple(
@@ -560,6 +571,10 @@ def trace_module(
             target = node.target.lstrip("*")
             input_names.append(target if target in arguments else target.rsplit("_", 1)[0])
     return gm, input_names, tracer
+
+
+def _cloned(x: Any) -> Any:
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
 
 
 def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
