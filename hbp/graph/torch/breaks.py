@@ -77,9 +77,12 @@ class _TensorMeta:
 _JUMP_LIMIT = 64  # instructions of the other branch read before it counts as not raising
 
 
-def other_branch_raises(frame: types.FrameType, taken: bool) -> bool:
+def other_branch_raises(frame: types.FrameType, taken: bool | None) -> bool:
     """Whether, in `frame` stopped at a conditional jump on a value that is `taken`, the
-    branch not taken runs straight (no jump, no return) to a `raise`."""
+    branch not taken runs straight (no jump, no return) to a `raise`; for `taken=None`,
+    whether either branch does."""
+    if taken is None:
+        return other_branch_raises(frame, True) or other_branch_raises(frame, False)
     instructions = list(dis.get_instructions(frame.f_code))
     at = next((i for i, ins in enumerate(instructions) if ins.offset == frame.f_lasti), None)
     if at is None or at + 1 >= len(instructions):

@@ -151,9 +151,10 @@ class _ValueProxy(fx.Proxy):
         v = self._value()
         if isinstance(v, (bool, int, float)):  # a specialised Python value, not a tensor
             return bool(v)
-        if isinstance(v, torch.Tensor) and v.numel() == 1:  # NOTE [ Data-dependent ops ]
+        frame = sys._getframe(1)  # NOTE [ Data-dependent ops ]: a real run if a side raises
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and other_branch_raises(frame, None):
             taken = bool(self.tracer.real(self.node))
-            if other_branch_raises(sys._getframe(1), taken):
+            if other_branch_raises(frame, taken):
                 self.tracer.create_proxy("call_function", guard, (self, taken), {})
                 return taken
         return super().__bool__()
