@@ -17,8 +17,18 @@ forms: `hbp.planner.budget`.
 from __future__ import annotations
 
 from hbp.graph.torch_capture import MODULE
-from hbp.integrations.torch.enable import disable, enable
+from hbp.integrations.torch.enable import disable, enable, engine_of, is_enabled
 from hbp.integrations.torch.module import DEFAULT_BUDGET, HCModule
 from hbp.integrations.torch.planning import Compiled, plan_summary
 
-__all__ = ["DEFAULT_BUDGET", "MODULE", "Compiled", "HCModule", "disable", "enable", "plan_summary"]
+__all__ = [
+    "DEFAULT_BUDGET",
+    "MODULE",
+    "Compiled",
+    "HCModule",
+    "disable",
+    "enable",
+    "engine_of",
+    "is_enabled",
+    "plan_summary",
+]

@@ -102,19 +102,17 @@ class ClosedLoop:
 
     def _run_measured(self, compiled, executor, args, kwargs, in_compiled_region):
         device = step_device(compiled.root, args, kwargs)
-        calibrate = self.calibrate
-        if calibrate is None:  # measure where the segments run compiled
-            calibrate = executor is not compiled.executor
+        calibrate = self.calibrate is not False  # on by default, on CPU as on CUDA
         if device.type == "cpu" and in_compiled_region and calibrate:
             # NOTE [ No CPU measurement inside torch.compile(hc) ]
-            self._warn_once(
-                "compiled-region-cpu",
-                "HCModule: a torch.compile(hc) step on CPU cannot be measured by the allocator "
-                "(a profiler started inside the compiled caller's region corrupts its "
-                "results), so the closed loop is off and compiled kernels' buffers may take "
-                "the step above the budget; HCModule(model, budget, compile=True) compiles the "
-                "same segments and keeps the loop.",
-            )
+            if self.calibrate:
+                self._warn_once(
+                    "compiled-region-cpu",
+                    "HCModule: a torch.compile(hc) step on CPU cannot be measured by the "
+                    "allocator (a profiler started inside the compiled caller's region corrupts "
+                    "its results), so the closed loop is off there; HCModule(model, budget, "
+                    "compile=True) compiles the same segments and keeps the loop.",
+                )
             calibrate = False
         if compiled.settled or not (device.type == "cuda" or calibrate):
             return executor(*args, **kwargs)
@@ -146,12 +144,18 @@ class ClosedLoop:
     def _finish_probe(self) -> None:
         """Read a measured step whose backward has ended (see `StepPeakProbe`); drop one
         whose backward never ran."""
+        measured = self._stop_probe()
+        if measured is not None:
+            self._step_measured(*measured)
+
+    def _stop_probe(self):
+        """(compiled, peak) of a measured step whose backward has ended, else None; the
+        measurement is over either way."""
         if self._probe is None:
-            return
+            return None
         (probe, compiled), self._probe = self._probe, None
         peak = probe.stop()
-        if peak is not None:
-            self._step_measured(compiled, peak)
+        return None if peak is None else (compiled, peak)
 
     def _step_measured(self, compiled, peak: int) -> None:
         """A measured step peaked at `peak` bytes; above the budget, plan again for the
@@ -164,7 +168,8 @@ class ClosedLoop:
         compiled.measured_peak_bytes = self._measured_peak_bytes = peak
         compiled.measurements += 1
         excess = peak - compiled.budget_bytes
-        if excess <= 0 or compiled.measurements > MAX_REPLANS:
+        # "min": no plan goes lower; the measured figure is the least for this step
+        if excess <= 0 or compiled.measurements > MAX_REPLANS or self._budget.is_min:
             compiled.settled = True
             return
         unseen = peak - compiled.plan.predicted_peak_bytes

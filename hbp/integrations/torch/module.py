@@ -22,7 +22,7 @@ from hbp.planner.budget import Budget
 from hbp.planner.plan import Plan
 
 #: The budget of `HCModule(model)` and `hbp.enable(model)` when none is given.
-DEFAULT_BUDGET = 0.3
+DEFAULT_BUDGET = "50%act"
 
 # NOTE [ A call of HCModule ]
 # On the first training call for an input signature (shapes, dtypes, devices, requires_grad,
@@ -80,24 +80,22 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
             targets=y)` (or a tuple of targets) returns the loss, and the plan covers the
             whole step: the loss, its backward and the gradients flowing back into the module
             (see NOTE [ The step around the module ]). `hc(*inputs)` still returns the output.
-        calibrate: on CPU, measure the first training step of each signature with the
-            allocator (profiler memory events: slower, once) and plan again if it is above
-            the budget. None (default): only where `compile` is set, whose compiled kernels
-            allocate otherwise than the plan's eager cost model (never on CPU inside
-            torch.compile(hc): NOTE [ No CPU measurement inside torch.compile(hc) ]). On
-            CUDA the first step is always measured (it costs nothing).
+        calibrate: measure the first training step of each signature with the allocator
+            and plan again if it is above the budget (the closed loop, closed_loop.py). None
+            (default) or True: on, on CUDA (at no cost) and on CPU (profiler memory events:
+            slower, once per signature; off inside torch.compile(hc) on CPU, NOTE [ No CPU
+            measurement inside torch.compile(hc) ]). False: off on CPU.
         compile: run each segment of the plan through `torch.compile`: True, or a dict of
             `torch.compile` keyword arguments (`{"backend": "aot_eager"}`, `{"mode": ...}`).
             `torch.compile(hc)` does the same with the default options (NOTE [ torch.compile
             of an HCModule ]).
         keeps_outputs: whether the caller keeps the module's outputs alive until backward
-            ends. None (default): assume so for the first step, see which outputs the caller
-            let go when its backward ends, and plan again for the next steps without them
-            (NOTE [ Outputs the caller lets go ]). True: always assume so. False: the caller
-            keeps none of them once backward has started (`loss_fn(hc(x), y).backward()`),
-            and keeps no output backward does not start from at all (a HuggingFace output's
-            logits in `model(**batch).loss.backward()`, transformers' Trainer); a caller that
-            keeps them needs that much more.
+            ends. None (default): assume it lets go of those backward does not start from
+            (`model(**batch).loss.backward()`, Trainer, `loss_fn(hc(x), y).backward()`), see
+            when backward ends which it keeps, and plan again from the next step if it keeps
+            more (one warning; NOTE [ Outputs the caller lets go ]). True: count every output
+            until backward ends. False: outputs backward starts from too are let go once
+            backward has started.
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
@@ -189,9 +187,13 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if self.loss_fn is not None and "targets" in kwargs:
             return self._forward_with_loss(args, kwargs, compiled_segments)
         if not self._plans_for(args, kwargs):
-            return self.module(*args, **kwargs)
+            return self._plain(*args, **kwargs)
         compiled = self._prepare(args, kwargs, compiled_segments=compiled_segments)
         return self._run(compiled, args, kwargs, compiled_segments)
+
+    def _plain(self, *args, **kwargs):
+        """The module's own call, without a plan."""
+        return self.module(*args, **kwargs)
 
     def prepare(self, *args, **kwargs) -> Plan:
         """Capture and plan for these inputs as a training step (grad enabled, current
@@ -253,8 +255,11 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         """Run the executor (`compiled_segments`: a torch.compile(hc) call); measure the step
         with the allocator while the closed loop is open (NOTE [ The step around the
         module ]); see which outputs the caller keeps (NOTE [ Outputs the caller lets go ])."""
-        self._finish_probe()
-        self._outputs_observed(compiled)
+        measured = self._stop_probe()
+        if self._outputs_observed(compiled) and measured and measured[0] is compiled:
+            measured = None  # planned again for the outputs the caller keeps: measure anew
+        if measured is not None:
+            self._step_measured(*measured)
         if compiled_segments and compiled.pins:
             self._plan_without_pins(compiled)
         executor = self._executor(compiled, compiled_segments)

@@ -10,24 +10,25 @@ from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
+from hbp.planner.plan import MIB
 
 # NOTE [ Outputs the caller lets go ]
-# The first step counts the module's outputs as alive until backward ends: the caller may keep
-# them (`out = model(x); loss_fn(out, y).backward()`). Often it does not. With
+# Whether the caller keeps the module's outputs until backward ends changes the step's peak by
+# their size in every segment's backward. The usual step lets them go: with
 # `model(**batch).loss.backward()` (transformers' Trainer too) the logits are gone before
 # backward starts; with `loss_fn(hc(x), y).backward()` the output goes once backward has passed
-# the loss. Counting them anyway costs their size in every segment's backward (README "Outputs
-# the caller lets go"). Which it is shows when backward ends: the module's own references are
-# gone by then, so an output still alive is the caller's. HCModule then plans again with
-# `Graph.held_outputs` = the outputs still alive, each other output counted until nothing in the
-# step needs it. Outputs backward starts from stay counted: the caller computed its loss from
-# them, and that loss's memory (which the plan does not see) is there while they are; letting
-# them go would hand their room to recompute savings and put the caller's loss over the budget
-# (tests/test_step_budget.py's tied LM). It keeps watching; an output the caller keeps again is
-# counted again from the next step, with a warning (that step may have been over the budget by
-# its size). keeps_outputs=True/False fixes the assumption instead (False: from the first step,
-# outputs backward starts from too, counted until backward has started: with loss_fn, or when
-# the caller's loss is small).
+# the loss. So the first step of a signature is planned that way (keeps_outputs=None, the
+# default): `Graph.held_outputs` = the outputs backward starts from, each other output counted
+# until nothing in the step needs it. Outputs backward starts from stay counted until backward
+# ends: the caller computed its loss from them, and that loss's memory (which the plan does not
+# see) is there while they are (tests/test_step_budget.py's tied LM). Which outputs the caller
+# keeps shows when backward ends: the module's own references are gone by then, so an output
+# still alive is the caller's (`out = model(x); out.loss.backward(); log(out.logits)`). HCModule
+# then plans again counting them, from the next step, with one warning (that step may have
+# been above the budget by their size); where no plan fits with them, it plans the least and
+# the warning names the way out. keeps_outputs=True/False fixes the assumption instead (True:
+# every output counted until backward ends; False: outputs backward starts from too are let go
+# once backward has started: with loss_fn, or when the caller's loss is small).
 
 
 def grad_leaves(executor, output) -> list[torch.Tensor]:
@@ -70,40 +71,48 @@ class WatchedOutputs:
         for t in leaves:
             t.register_hook(on_grad)
 
-    def _outputs_observed(self, compiled) -> None:
-        """Plan again when the last step showed outputs the plan counts wrongly."""
+    def _outputs_observed(self, compiled) -> bool:
+        """Plan again when the last step showed outputs the plan counts wrongly; whether it
+        did."""
         seen, compiled.outputs_seen = compiled.outputs_seen, None
         if seen is None:
-            return
+            return False
         compiled.outputs_watched = True
         graph = compiled.captured.graph
         held = set(graph.outputs) if graph.held_outputs is None else set(graph.held_outputs)
         kept = (seen | graph.backward_seeds()) & set(graph.outputs)
         if graph.held_outputs is None and kept >= set(graph.outputs):
-            return  # the caller keeps them all: the plan is right
+            return False  # the caller keeps them all: the plan is right
         if graph.held_outputs is not None and kept <= held:
-            return
-        again = graph.held_outputs is not None
-        graph.held_outputs = [o for o in graph.outputs if o in kept]
-        if again:
+            return False
+        more = sorted(kept - held)
+        previous, graph.held_outputs = graph.held_outputs, [o for o in graph.outputs if o in kept]
+        if previous is not None:
             warnings.warn(
-                f"HCModule: the caller now keeps outputs it let go before "
-                f"({', '.join(sorted(kept - held))}); the last step may have been above the "
-                "budget by their size. Planned again with them; pass keeps_outputs=True to "
-                "always count them.",
+                f"HCModule: the caller keeps {', '.join(more)} alive until backward ends; the "
+                "last step counted them as let go and may have been above the budget by their "
+                "size. Planned again with them; keeps_outputs=True counts them from the start.",
                 UserWarning,
                 stacklevel=5,
             )
-        target = "min"
-        if not self._budget.is_min:  # a budget above the new naive peak is that peak
-            target = min(compiled.plan.budget_bytes, simulate(graph).peak_bytes)
+        naive = simulate(graph).peak_bytes
+        compiled.naive_peak_bytes = naive
         try:
-            self._replan(compiled, target)
-        except BudgetError:  # cannot happen when outputs are let go; keep the plan otherwise
-            return
-        if self._budget.is_min:
-            compiled.budget_bytes = compiled.plan.budget_bytes
+            self._replan(compiled, self._target(compiled.captured, naive, compiled.device))
+        except BudgetError as err:
+            self._replan(compiled, "min")
+            compiled.settled = True  # the loop cannot do better than the least plan
+            warnings.warn(
+                f"HCModule: with {', '.join(more)} kept by the caller until backward ends, no "
+                f"plan fits {err.budget / MIB:.2f} MiB (the least is {err.minimum / MIB:.2f} "
+                "MiB): planned for the least. Let them go before backward, or raise the budget.",
+                UserWarning,
+                stacklevel=5,
+            )
+            return True
+        compiled.budget_bytes = compiled.plan.budget_bytes
         # the new plan spends what the outputs held on less recompute: memory the plan does
-        # not see (the caller's loss) may now cross the budget, so the closed loop (on CUDA,
-        # or with calibrate=True) measures the next step again
+        # not see (the caller's loss) may now cross the budget, so the closed loop measures
+        # the next step again
         compiled.settled, compiled.measurements = False, 0
+        return True

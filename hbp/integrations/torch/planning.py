@@ -52,6 +52,7 @@ class Compiled:
     outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
     scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
     pins: bool = True  # plans may pin values (False: its segments run compiled)
+    device: Any = None  # where the step runs
 
 
 #: Libraries whose own forward hooks are part of their models (transformers collects
@@ -187,14 +188,19 @@ class Planning:
         captured = capture(root, args, kwargs)
         scratch_measured = _calibrate_scratch(captured, root, args, kwargs)
         graph = captured.graph
-        if self.keeps_outputs is False and captured.granularity != MODULE:
+        if captured.granularity == MODULE and not captured.tracer:
+            captured.tracer = "module"  # every op-level tracer failed
+        elif self.keeps_outputs is False:
             graph.held_outputs = []  # the outputs backward starts from are held regardless
+        elif self.keeps_outputs is None:  # NOTE [ Outputs the caller lets go ]
+            graph.held_outputs = sorted(graph.backward_seeds(), key=graph.index)
         naive = simulate(graph).peak_bytes
         start = time.perf_counter()
         # compiled segments run without pins (NOTE [ Running pinned values ]) or explicit
         # schedules (NOTE [ Explicit schedules ]): `pins` stands for both
         pins = not (compiled_segments or self.compile is not False)
-        target = self._target(captured, naive, step_device(root, args, kwargs))
+        device = step_device(root, args, kwargs)
+        target = self._target(captured, naive, device)
         if captured.granularity == MODULE:
             plan = self._module_level_plan(captured, naive, target)
         else:
@@ -221,6 +227,7 @@ class Planning:
         self._warn_about(captured, executor)
         compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
         compiled.root, compiled.budget_bytes = root, plan.budget_bytes
+        compiled.device = device
         compiled.scratch_measured, compiled.pins = scratch_measured, pins
         if not scratch_measured:
             warnings.warn(
@@ -236,24 +243,23 @@ class Planning:
 
     def _budget_error_without_outputs(self, graph, err: BudgetError) -> BudgetError:
         """`err`, saying so when the budget fits once the caller lets go of the outputs
-        backward does not start from (NOTE [ Outputs the caller lets go ])."""
+        backward starts from once backward has started (NOTE [ Outputs the caller lets go ])."""
         from hbp.planner import plan as make_plan
 
-        if self.keeps_outputs is not None or graph.held_outputs is not None:
+        if self.keeps_outputs is not None or graph.held_outputs == []:
             return err
-        graph.held_outputs = []
+        held, graph.held_outputs = graph.held_outputs, []
         try:
             make_plan(graph, err.budget, block_size=self.block_size, planner=self.planner)
         except BudgetError:
             return err
         finally:
-            graph.held_outputs = None
+            graph.held_outputs = held
         return BudgetError(
             err.budget,
             err.minimum,
-            "counting the outputs as kept by the caller until backward ends; it fits if the "
-            "caller lets go of them before backward (`model(**batch).loss.backward()`): "
-            "pass keeps_outputs=False",
+            "counting the outputs backward starts from as kept until backward ends; it fits if "
+            "the caller lets go of them once backward has started: pass keeps_outputs=False",
         )
 
     def _target(self, captured: CapturedGraph, naive: int, device=None) -> int | str:
