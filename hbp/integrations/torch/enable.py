@@ -13,7 +13,8 @@ reads to keep a batch's columns) and hands training calls to an engine, an HCMod
 model kept in `model.__dict__` (not a submodule: no state_dict key, no `.modules()` entry).
 Calls without grad (`generate`, evaluation under `torch.no_grad()`) run the original forward.
 The engine's capture and its module-level executor call the model again; those inner calls
-(the engine is `inside`) run the original forward too. `disable` puts back the forward the
+(the engine is `inside`) run the original forward too, and the capture runs without the model's
+own forward hooks (they run once, around the enabled forward, as nn.Module calls them). `disable` puts back the forward the
 instance had (none, or one set by another library before). Enabling an enabled model with the
 same budget and options does nothing; with others it replaces the engine.
 """
@@ -62,13 +63,15 @@ class _Engine(HCModule):
         finally:
             self.inside = False
 
-    def _warn_about(self, captured, executor) -> None:
+    def _compile(self, *args, **kwargs):
+        """Capture and plan without the model's own forward hooks: they run around the
+        enabled forward (nn.Module's call) as usual, so the graph must not hold them too."""
         hooks = self.module._forward_hooks, self.module._forward_pre_hooks
         saved = [dict(h) for h in hooks]
-        for h in hooks:  # the model's own hooks run around the enabled forward as usual
+        for h in hooks:
             h.clear()
         try:
-            super()._warn_about(captured, executor)
+            return super()._compile(*args, **kwargs)
         finally:
             for h, items in zip(hooks, saved):
                 h.update(items)
