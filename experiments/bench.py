@@ -56,9 +56,9 @@ def matrix(quick: bool) -> None:
         if quick and mode == "tiny":
             overrides.append("mode.budget=0.5,0.2")  # replaces the experiment's sweep
         experiment(f"matrix_{mode}", *overrides)
-    from hbp.analysis.pareto import write_report
+    from hbp.report.pareto import write_pareto
 
-    table = write_report(OUT / "matrix", OUT)
+    table = write_pareto(OUT / "matrix", OUT)
     print(f"wrote {OUT / 'pareto.md'} ({len(table)} runs)")
 
 
@@ -73,9 +73,9 @@ def script(name: str, *args: str) -> None:
 def optimum(quick: bool) -> None:
     script("bench_optimum.py", *(["--quick"] if quick else []))
     if (OUT / "matrix").exists():  # redraw the Pareto report with the optimum's frontier
-        from hbp.analysis.pareto import write_report
+        from hbp.report.pareto import write_pareto
 
-        write_report(OUT / "matrix", OUT)
+        write_pareto(OUT / "matrix", OUT)
 
 
 def jax_part(quick: bool) -> None:

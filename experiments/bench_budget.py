@@ -26,9 +26,8 @@ import torch
 import hbp
 from hbp.errors import BudgetError
 from hbp.runtime.tracker import MemoryTracker, allocator_peak
+from hbp.units import MIB
 from hbp.workloads import build
-
-MIB = 2**20
 
 
 def _value(text: str):

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 
 from hbp.ops.chunked_ce import _chunked_cross_entropy, default_chunk_size
 from hbp.runtime.tracker import MemoryTracker
-
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def naive_loss(hidden, weight, target):

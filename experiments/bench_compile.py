@@ -24,9 +24,8 @@ import torch._inductor.config as inductor_config
 
 import hbp
 from hbp.runtime.tracker import allocator_peak
+from hbp.units import MIB
 from hbp.workloads import build
-
-MIB = 2**20
 
 
 def main() -> None:

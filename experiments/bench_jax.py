@@ -36,7 +36,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-MIB = 2**20
+from hbp.units import MIB
+
 BUDGET = 0.3
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = (

@@ -44,9 +44,9 @@ from hbp import HCModule  # noqa: E402
 from hbp.modes.library_checkpoint import LibraryCheckpointMode  # noqa: E402
 from hbp.runtime.flops import TotalFlopCounterMode  # noqa: E402
 from hbp.runtime.tracker import allocator_peak  # noqa: E402
+from hbp.units import MIB  # noqa: E402
 from hbp.workloads import build  # noqa: E402
 
-MIB = 1024 * 1024
 MODELS = ("gpt2", "llama", "bert", "t5", "vit", "diffusers_unet")
 FIT_TOLERANCE = 1.05  # issue 9: "fits" = measured peak <= 1.05x the library's peak
 OUT = Path("outputs/bench/library_checkpoint")

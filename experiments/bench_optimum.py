@@ -47,7 +47,7 @@ def tiny_graph(workload: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from hbp.bench import build_workload
-    from hbp.graph.torch_capture import capture
+    from hbp.graph.torch.capture import capture
 
     torch.set_num_threads(1)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -61,7 +61,7 @@ def run(graphs: dict, label: str, spans, time_limit: float, max_values: int) -> 
     from hbp.analysis import naive_peak
     from hbp.optimum import frontier
     from hbp.planner import min_feasible_peak
-    from hbp.planner.optimum import Schedule
+    from hbp.planner.milp import Schedule
 
     rows = []
     for workload, overrides in graphs.items():

@@ -30,7 +30,7 @@ from hbp.analysis import naive_peak
 from hbp.analysis.liveness import GraphInfo
 from hbp.graph import synthetic
 from hbp.planner import min_feasible_peak, optimal_plan, plan
-from hbp.planner.optimum import Schedule
+from hbp.planner.milp import Schedule
 from hbp.planner.stages import stage_signatures
 
 OUT = Path(__file__).resolve().parents[1] / "outputs" / "bench"

@@ -32,7 +32,7 @@ BUDGETS = (1.0, 0.5, 0.25, "min")
 
 
 def workload_graph(name: str, profile: str, **overrides) -> Graph:
-    from hbp.graph.torch_capture import capture
+    from hbp.graph.torch.capture import capture
     from hbp.integrations.torch.loss import WithLoss
     from hbp.workloads import build
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from hbp.units import MIB
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "outputs" / "bench" / "gpt2_medium"
-MIB = 1024 * 1024
 
 
 def run(name: str, overrides: list[str], common: list[str]) -> dict:

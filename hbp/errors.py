@@ -3,7 +3,7 @@ the field and the accepted values."""
 
 from __future__ import annotations
 
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 class HBPError(Exception):

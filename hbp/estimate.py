@@ -7,8 +7,8 @@
     python -m hbp.estimate workload=gpt2 profile=small budgets=0.7,0.5,0.3,min
 
 From capture and simulation only, no training step: the module (and the loss, when given) is
-captured on fake tensors (`hbp.graph.torch_capture.capture`), each distinct op signature's
-kernel workspace is measured once on real tensors (`hbp.runtime.calibrate_scratch`: one op at a
+captured on fake tensors (`hbp.graph.torch.capture.capture`), each distinct op signature's
+kernel workspace is measured once on real tensors (`hbp.graph.torch.calibrate`: one op at a
 time, so never more memory than the largest op), and the simulator and the planner give:
 
 - `naive_peak_bytes`: the allocator's peak of the plain step (DESIGN.md "Metrics": above the
@@ -41,7 +41,7 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.planner import min_feasible_peak
 from hbp.planner import plan as make_plan
 from hbp.planner.budget import Budget
-from hbp.planner.plan import MIB
+from hbp.units import MIB
 
 __all__ = ["Estimate", "FrontierPoint", "estimate", "main"]
 
@@ -140,9 +140,9 @@ def estimate(
     Returns:
         An `Estimate`; `print` it for a table.
     """
-    from hbp.graph.torch_capture import capture
+    from hbp.graph.torch.calibrate import calibrate_scratch
+    from hbp.graph.torch.capture import capture
     from hbp.integrations.torch.loss import WithLoss  # one definition of "the step with its loss"
-    from hbp.runtime.calibrate_scratch import calibrate_scratch
 
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "an nn.Module")
@@ -230,7 +230,7 @@ class _ModuleLevel:
     `active` is False for op-level captures."""
 
     def __init__(self, captured, block_size: int, planner: str):
-        from hbp.graph.torch_capture import MODULE
+        from hbp.graph.torch.capture import MODULE
 
         self.captured, self.block_size, self.planner = captured, block_size, planner
         self.active = captured.granularity == MODULE
@@ -241,7 +241,7 @@ class _ModuleLevel:
     def plan(self, naive_peak_bytes: int, budget_bytes: int | None):
         """The module-level plan for `budget_bytes` (None: the least)."""
         from hbp.planner.module_level import module_level_plan
-        from hbp.runtime.executor import per_call_plan
+        from hbp.runtime.executors.segments import per_call_plan
 
         return module_level_plan(
             self.captured,

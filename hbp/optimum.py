@@ -26,7 +26,7 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph import synthetic
 from hbp.graph.ir import Graph
 from hbp.planner import min_feasible_peak, optimal_plan, parse_budget
-from hbp.planner.optimum import Schedule
+from hbp.planner.milp import Schedule
 from hbp.planner.plan import Plan
 
 GENERATORS = {
@@ -55,7 +55,7 @@ def load_graph(spec: str) -> Graph:
 
 def capture_workload(name: str, profile: str) -> Graph:
     """The op-level graph of a workload's model on its batch (imports torch)."""
-    from hbp.graph.torch_capture import capture  # the CLI may use torch; the planner never
+    from hbp.graph.torch.capture import capture  # the CLI may use torch; the planner never
     from hbp.workloads import build
 
     wl = build(name, profile)
@@ -85,7 +85,7 @@ def compare(
     `schedule` (`Schedule(graph, mode=mode)`) and `naive` (`simulate(graph)`) may be passed
     in when comparing at several budgets, so that they are built once. `warm_start`: the
     MILP starts from the planner's plan (NOTE [ Starting from the planner's schedule ] in
-    hbp.planner.optimum), so its best schedule is never worse than the plan's.
+    hbp.planner.milp), so its best schedule is never worse than the plan's.
     """
     naive = naive or simulate(graph)
     if budget == "min":
@@ -126,7 +126,7 @@ def compare(
 
 def _starts(graph: Graph, plan: Plan | None, warm_start: bool) -> list[Plan]:
     """The plans the MILP starts from (NOTE [ Starting from the planner's schedule ] in
-    hbp.planner.optimum): the planner's, and the planner's without pins (a pin is dearer as a
+    hbp.planner.milp): the planner's, and the planner's without pins (a pin is dearer as a
     schedule than as planned)."""
     if not warm_start or plan is None:
         return []

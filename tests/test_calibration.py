@@ -1,5 +1,5 @@
 """Calibration: the simulator's predicted step peak (`Plan.predicted_peak_bytes`, from the
-captured graph, kernel workspace calibrated by `hbp.runtime.calibrate_scratch`) against the
+captured graph, kernel workspace calibrated by `hbp.graph.torch.calibrate`) against the
 allocator's peak (`peak_bytes`, DESIGN.md "Metrics") when HCModule executes that plan, on
 models not in the repo (fast) and on the four workloads (slow), naive and under budgets.
 Contract: within 3%, and the measured peak within 1.05x the budget."""

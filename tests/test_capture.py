@@ -1,4 +1,4 @@
-"""Capture (hbp.graph.torch_capture): sizes from real shapes, what backward keeps, aliasing,
+"""Capture (hbp.graph.torch.capture): sizes from real shapes, what backward keeps, aliasing,
 FLOPs, shape specialisation, the module-level fallback, and no change to the module's state.
 
 Expected numbers are worked out by hand (float32: 4 bytes per element)."""
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hbp.errors import CaptureWarning
-from hbp.graph.torch_capture import MODULE, OP, capture
+from hbp.graph.torch.capture import MODULE, OP, capture
 
 F32 = 4
 B, D, H = 8, 16, 32
@@ -353,7 +353,7 @@ class Decorated(nn.Module):
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_a_decorated_forward_is_traced_through_its_wrapper(plain):
-    # NOTE [ Decorated forwards ] in hbp.graph.torch_trace: fx used to fail on the wrapper
+    # NOTE [ Decorated forwards ] in hbp.graph.torch.trace: fx used to fail on the wrapper
     # ("co_varnames is too small"), and a model export cannot take fell to module level
     import hbp
 

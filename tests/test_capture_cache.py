@@ -1,4 +1,4 @@
-"""NOTE [ Identical nodes are profiled once ] (hbp.graph.torch_profile): a capture that takes a
+"""NOTE [ Identical nodes are profiled once ] (hbp.graph.torch.profile): a capture that takes a
 repeated node's profile from its first occurrence gives the same IR, node for node, as one
 that profiles every node, on real architectures (repeated layers, dropout, in-place ops,
 aliases, BatchNorm's running statistics)."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from hbp.graph import torch_profile
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch import profile as profile_stage
+from hbp.graph.torch.capture import capture
 from tests.models.real import REAL_CASE
 
 
@@ -39,15 +39,15 @@ class ConvNet(nn.Module):
 def captured_both_ways(monkeypatch, model, args, kwargs):
     graphs, hits = [], []
     made = []
-    init = torch_profile._ProfileCache.__init__
+    init = profile_stage._ProfileCache.__init__
 
     def recording_init(self):
         init(self)
         made.append(self)
 
-    monkeypatch.setattr(torch_profile._ProfileCache, "__init__", recording_init)
+    monkeypatch.setattr(profile_stage._ProfileCache, "__init__", recording_init)
     for cached in (True, False):
-        monkeypatch.setattr(torch_profile, "PROFILE_CACHE", cached)
+        monkeypatch.setattr(profile_stage, "PROFILE_CACHE", cached)
         torch.manual_seed(0)
         graphs.append(capture(model, args, kwargs).graph)
         hits.append(made[-1].hits if cached else 0)

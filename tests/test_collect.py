@@ -6,8 +6,7 @@ import pytest
 
 from hbp.analysis.collect import collect, main, results_table, to_markdown
 from hbp.telemetry.tables import write_error, write_metrics
-
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def make_run(root, name, workload, mode, peak_mib, flops, started, **mode_params):
@@ -105,7 +104,7 @@ def test_results_table_relates_each_run_to_naive(runs):
     lines = markdown.splitlines()
     assert lines[0].startswith("| workload | mode | peak MiB | peak / naive |")
     assert lines[1].startswith("|---|---|---:|")
-    assert "| gpt2 | checkpoint(segments=2) | 10 | 0.25 |" in lines[3]
+    assert "| gpt2 | checkpoint(segments=2) | 10.00 | 0.250 |" in lines[3]
 
 
 def test_command_line(runs, capsys):

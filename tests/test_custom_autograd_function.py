@@ -1,7 +1,7 @@
 """A custom `torch.autograd.Function` in a captured forward keeps its own backward
-(NOTE [ Custom autograd Functions ] in hbp/graph/torch_trace.py).
+(NOTE [ Custom autograd Functions ] in hbp/graph/torch/trace.py).
 
-Found by the third trial (`experiments/trial_models.py bloom`): BLOOM's MLP applies
+Found on BLOOM (`python experiments/real_models/run.py bloom`): BLOOM's MLP applies
 `GeLUFunction`; the symbolic trace went into its forward, which `apply` runs with grad mode
 off, so the MLP's first Linear and the norm before it got no gradient at all, silently (and
 the memory of that branch was not counted: 1.066x the budget at "min"). Under torch.export,

@@ -1,4 +1,4 @@
-"""The plan executor (hbp.runtime.executor) on hand-made plans: exact outputs and gradients,
+"""The plan executor (hbp.runtime.executors.segments) on hand-made plans: exact outputs and gradients,
 recomputation that really happens (and only where planned), memory equal to the simulator's
 prediction (measured with the live-storage tracker), BatchNorm statistics and other buffers
 updated once, in-place mutation of segment inputs, and the module-level fallback."""
@@ -12,9 +12,14 @@ from torch import nn
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import CaptureWarning
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch.capture import capture
 from hbp.planner.plan import Plan, Segment
-from hbp.runtime.executor import ModuleCallExecutor, PlanExecutor, make_executor, per_call_plan
+from hbp.runtime.executors.segments import (
+    ModuleCallExecutor,
+    PlanExecutor,
+    make_executor,
+    per_call_plan,
+)
 from hbp.runtime.tracker import MemoryTracker
 
 D, T, NB = 32, 16, 4

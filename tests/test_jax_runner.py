@@ -61,7 +61,7 @@ def run_modes(root: Path, workload: str, tiny_budget: str) -> dict:
     """mode -> metrics row of `workload` under framework=jax (run.py multiruns into root,
     logger=table); "stdout" -> the last multirun's output."""
     base = ("-m", "framework=jax", f"workload={workload}", *FAST, f"output_root={root}")
-    if tiny_budget == "0.3":  # tiny's default
+    if tiny_budget == "min":  # tiny's default
         calls = [("mode=" + ",".join(MODES),)]
     else:  # mode.budget is tiny's key only
         calls = [("mode=naive,checkpoint",), ("mode=tiny", f"mode.budget={tiny_budget}")]

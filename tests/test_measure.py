@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hbp.errors import ConfigError
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch.capture import capture
 from hbp.runtime import (
     Timer,
     count_flops,

@@ -1,6 +1,7 @@
-"""The notebooks run top to bottom (nbclient) on an outputs dir made here: analysis.ipynb,
-pareto.ipynb, memory_timeline.ipynb, frontier.ipynb; and one makes its own small sweep when
-the outputs dir is empty.
+"""The notebooks run top to bottom (nbclient) on one sweep directory made here (HBP_SWEEP):
+analysis.ipynb, pareto.ipynb, memory_timeline.ipynb, frontier.ipynb; they write their
+figures where HBP_FIGURES says and nowhere else; and one makes its own small sweep when the
+sweep directory is empty.
 
 The kernel is this interpreter (a kernelspec written to a temporary JUPYTER_PATH), so the
 notebook sees the same hbp, torch and pandas as the tests, whatever kernels the machine has.
@@ -72,9 +73,10 @@ def kernel(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_analysis_notebook_executes(outputs, kernel, tmp_path, monkeypatch):
-    figure = tmp_path / "figures" / "peak_vs_step_time.png"
-    monkeypatch.setenv("HBP_OUTPUTS", str(outputs))
-    monkeypatch.setenv("HBP_FIGURE", str(figure))
+    figures = tmp_path / "figures"
+    monkeypatch.setenv("HBP_SWEEP", str(outputs / "runs"))
+    monkeypatch.setenv("HBP_OPTIMUM", str(outputs / "bench" / "optimum.csv"))
+    monkeypatch.setenv("HBP_FIGURES", str(figures))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
@@ -94,10 +96,12 @@ def test_analysis_notebook_executes(outputs, kernel, tmp_path, monkeypatch):
         return "".join(parts)
 
     code = [c for c in notebook.cells if c.cell_type == "code"]
-    assert f"4 runs under {outputs}" in text(code[0])
+    assert f"4 runs in {outputs / 'runs'}" in text(code[0])
     assert "checkpoint" in text(code[1]) and "synthetic_dag" in text(code[1])
-    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (figure.parent / "memory_timeline.png").exists()
+    assert (figures / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (figures / "memory_timeline_gpt2.png").exists()
+    assert (figures / "memory_timeline_synthetic_dag.png").exists()
+    assert not list(outputs.rglob("*.png"))  # nothing written into the sweep
     solved = sum(r["status"] == "optimal" for r in rows_of(outputs))
     assert f"{solved} of 2 solved to optimality" in text(code[-2])
     markdown = text(code[-1])
@@ -114,12 +118,13 @@ def sweep_outputs(tmp_path_factory):
                 "config", ["workload=synthetic_dag", f"mode={mode}", "steps=1", "warmup=0"]
             )
         bench.run(cfg, root / "sweeps" / "quick" / mode)
-    return root
+    return root / "sweeps" / "quick"
 
 
 def execute(name: str, kernel: str, outputs: Path, figures: Path, monkeypatch) -> list[str]:
-    """Run notebooks/<name>.ipynb against `outputs`; the text output of each code cell."""
-    monkeypatch.setenv("HBP_OUTPUTS", str(outputs))
+    """Run notebooks/<name>.ipynb on the sweep directory `outputs`; the text output of each
+    code cell."""
+    monkeypatch.setenv("HBP_SWEEP", str(outputs))
     monkeypatch.setenv("HBP_FIGURES", str(figures))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -144,7 +149,8 @@ def execute(name: str, kernel: str, outputs: Path, figures: Path, monkeypatch) -
 def test_memory_timeline_notebook(sweep_outputs, kernel, tmp_path, monkeypatch):
     texts = execute("memory_timeline", kernel, sweep_outputs, tmp_path, monkeypatch)
     assert "synthetic_dag" in texts[1] and "checkpoint" in texts[1]
-    assert (tmp_path / "memory_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = tmp_path / "memory_timeline_synthetic_dag.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for mode in ("naive", "checkpoint", "tiny"):
         assert re.search(rf"{mode}: peak +[\d.]+ MiB in (forward|backward) at op \d+", texts[3])
 
@@ -154,17 +160,17 @@ def test_frontier_notebook(sweep_outputs, kernel, tmp_path, monkeypatch):
     texts = execute("frontier", kernel, sweep_outputs, tmp_path, monkeypatch)
     assert "naive peak" in texts[1] and "lower bound" in texts[1]
     assert "plan cuts: [" in texts[2]
-    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "frontier_synthetic_dag.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
 def test_pareto_notebook_makes_its_own_small_sweep_when_outputs_is_empty(
     kernel, tmp_path, monkeypatch
 ):
-    empty = tmp_path / "outputs"
+    empty = tmp_path / "sweep"
     texts = execute("pareto", kernel, empty, tmp_path / "figures", monkeypatch)
-    assert "no runs under" in texts[0] and f"3 runs under {empty}" in texts[0]
-    assert len(list((empty / "sweeps" / "quick").glob("*/metrics.json"))) == 3
+    assert "no runs in" in texts[0] and f"3 runs in {empty}" in texts[0]
+    assert len(list(empty.glob("*/metrics.json"))) == 3
     assert "| naive | - | " in texts[1] and "| checkpoint |" in texts[1] and "tiny(" in texts[1]
     assert "pareto front:" in texts[2]
     assert (tmp_path / "figures" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

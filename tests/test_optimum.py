@@ -8,7 +8,7 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph import synthetic
 from hbp.optimum import compare, main
 from hbp.planner import min_feasible_peak, optimal_plan
-from hbp.planner.optimum import Schedule, all_schedules, brute_force
+from hbp.planner.milp import Schedule, all_schedules, brute_force
 
 TINY = [
     synthetic.chain(3, seed=0),

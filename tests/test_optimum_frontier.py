@@ -7,7 +7,7 @@ from hbp.analysis import naive_peak
 from hbp.graph import synthetic
 from hbp.optimum import frontier
 from hbp.planner import min_feasible_peak
-from hbp.planner.optimum import Schedule
+from hbp.planner.milp import Schedule
 
 
 def test_an_optimal_solve_reports_itself_as_best_found_and_bound():

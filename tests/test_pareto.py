@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hbp.analysis.pareto import write_report
+from hbp.report.pareto import write_pareto as write_report
 
 
 def _run(root, name, mode, peak, time, budget=None, workload="gpt2", status="ok"):
@@ -56,7 +56,7 @@ def test_report_draws_the_optimum_frontier(tmp_path):
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from hbp.analysis.pareto import _plot_optimum
+    from hbp.report.pareto import _plot_optimum
 
     runs, report = tmp_path / "runs", tmp_path / "report"
     _run(runs, "a", "naive", 100 * 2**20, 1.0)

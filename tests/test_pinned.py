@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hbp.analysis.simulate import simulate
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch.capture import capture
 from hbp.planner.plan import Plan, Segment
-from hbp.runtime.executor import PlanExecutor
+from hbp.runtime.executors.segments import PlanExecutor
 from hbp.runtime.tracker import allocator_peak
 
 D = 64

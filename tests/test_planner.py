@@ -29,8 +29,7 @@ from hbp.planner import (
 from hbp.planner.cuts import cut_choices
 from hbp.planner.dp import solver
 from hbp.planner.plan import Plan, Segment
-
-MIB = 2**20
+from hbp.units import MIB
 
 
 @pytest.fixture(autouse=True)

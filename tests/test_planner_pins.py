@@ -189,7 +189,7 @@ def test_small_cost_models_offer_every_node_as_a_pin(monkeypatch):
     from hbp.analysis import naive_peak
     from hbp.planner import min_feasible_peak
     from hbp.planner.dp import cost_model
-    from hbp.planner.optimum import Schedule
+    from hbp.planner.milp import Schedule
 
     graph = synthetic.random_dag(7, seed=32, alias_prob=0.0)
     budget = min_feasible_peak(graph)[0]

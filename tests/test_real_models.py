@@ -28,7 +28,7 @@ from models.real import REAL_CASE, REAL_CASES, own_checkpointing
 import hbp
 from hbp.analysis import simulate
 from hbp.errors import BudgetError, CaptureWarning
-from hbp.graph import torch_capture
+from hbp.graph.torch import capture as capture_stage
 from hbp.planner import optimal_plan
 from hbp.planner.plan import Segment
 
@@ -82,7 +82,7 @@ def _module_level(monkeypatch):
     def unavailable(*args, **kwargs):
         raise RuntimeError("op-level capture switched off by the test")
 
-    monkeypatch.setattr(torch_capture, "_TRACERS", (unavailable,))
+    monkeypatch.setattr(capture_stage, "_TRACERS", (unavailable,))
 
 
 @pytest.mark.parametrize(

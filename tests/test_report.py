@@ -47,8 +47,30 @@ def test_report_writes_parquet_table_and_plots(runs, capsys):
     results = pd.read_parquet(runs / "results.parquet")
     assert len(results) == 5 and (results["status"] == "error").sum() == 1
     assert set(results["mode"]) == {"naive", "checkpoint", "tiny"}
-    for name in ("pareto.png", "memory_timeline.png", "frontier.png"):
+    for name in ("pareto.png", "memory_timeline_synthetic_dag.png", "frontier_synthetic_dag.png"):
         assert (runs / name).read_bytes()[:8] == PNG, name
+        assert (runs / name).stat().st_mode & 0o777 == 0o666 & ~current_umask(), name
+    assert "skipped memory_timeline_gpt2.png: no run with a timeline" in out
+
+
+def current_umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_report_draws_only_the_workloads_named(runs, tmp_path, capsys):
+    assert main([str(runs), "--out", str(tmp_path), "--workload", "synthetic_dag"]) == 0
+    written = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert written == [
+        "frontier_synthetic_dag.png",
+        "memory_timeline_synthetic_dag.png",
+        "pareto.png",
+    ]
+    assert main([str(runs), "--out", str(tmp_path), "--workload", "resnet"]) == 2
+    assert "no finished run of workload resnet" in capsys.readouterr().err
 
 
 def test_comparison_table_has_ratios_to_naive(runs):
@@ -58,9 +80,12 @@ def test_comparison_table_has_ratios_to_naive(runs):
     assert dag.loc["naive", "peak / naive"] == 1 and dag.loc["naive", "time / naive"] == 1
     assert dag.loc["checkpoint", "peak / naive"] < 1 and dag.loc["tiny", "peak / naive"] < 1
     assert dag.loc["checkpoint", "recompute ratio"] > 0
-    assert dag.loc["tiny", "budget"] == "0.3"
+    assert dag.loc["tiny", "budget"] == "min" and dag.loc["naive", "budget"] == "-"
     assert {"budget", "peak MiB", "recompute ratio", "step ms", "time / naive"} <= set(table)
-    assert not report.skipped
+    assert not [name for name in report.skipped if "synthetic_dag" in name]
+    # one timed step: no p10-p90 range; synthetic_dag has no LM head: no chunked_loss in labels
+    assert set(dag["p10-p90 ms"]) == {"-"}
+    assert not any("chunked_loss" in label for label in report.table["mode"])
     assert (runs / "elsewhere" / "results.parquet").exists()
 
 
@@ -75,6 +100,6 @@ def test_plots_without_timelines_or_graphs_are_skipped_with_a_reason(runs, tmp_p
     only.mkdir()
     (only / "metrics.json").write_text((runs / "gpt2_naive_none" / "metrics.json").read_text())
     report = write_report(tmp_path)
-    assert "no naive/checkpoint/tiny run with a timeline" in report.skipped["memory_timeline.png"]
-    assert "graph.json" in report.skipped["frontier.png"]
+    assert "no run with a timeline" in report.skipped["memory_timeline_gpt2.png"]
+    assert "graph.json" in report.skipped["frontier_gpt2.png"]
     assert (tmp_path / "pareto.png").exists()

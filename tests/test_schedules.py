@@ -1,4 +1,4 @@
-"""Explicit schedules (hbp.planner.schedules, hbp.runtime.schedule_executor): the planner
+"""Explicit schedules (hbp.planner.schedules, hbp.runtime.executors.schedule): the planner
 takes the programme's schedule only where it recomputes less than the DP's plan, the schedule
 fits its budget with everything it needs, and the executor runs it with autograd's own
 gradients (bitwise) and the predicted peak (live-storage tracker)."""
@@ -12,13 +12,13 @@ from hbp.analysis import naive_peak
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.graph import synthetic
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch.capture import capture
 from hbp.planner import min_feasible_peak, plan
-from hbp.planner.optimum import Schedule
+from hbp.planner.milp import Schedule
 from hbp.planner.plan import Plan
 from hbp.planner.schedules import recomputations, schedule_plan
-from hbp.runtime.executor import make_executor
-from hbp.runtime.schedule_executor import ScheduleExecutor
+from hbp.runtime.executors.schedule import ScheduleExecutor
+from hbp.runtime.executors.segments import make_executor
 from hbp.runtime.tracker import MemoryTracker
 
 

@@ -1,4 +1,4 @@
-"""Kernel workspace (`hbp.runtime.calibrate_scratch`): convolutions, depthwise convolutions,
+"""Kernel workspace (`hbp.graph.torch.calibrate`): convolutions, depthwise convolutions,
 norms and attention allocate memory inside their kernels that no tensor holds. After
 calibration the simulator predicts the allocator's peak of the executed plan within 3%, plans
 keep the allocator's peak within 1.05x the budget, and `BudgetError.minimum` is a budget the
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hbp
-import hbp.runtime.calibrate_scratch as calibrate
+import hbp.graph.torch.calibrate as calibrate
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
-from hbp.graph.torch_capture import capture
+from hbp.graph.torch.capture import capture
 from hbp.runtime.tracker import allocator_peak
 
 
@@ -69,7 +69,7 @@ class Upsampler(nn.Module):
     """A diffusers-style decoder piece: an attention-like (B, HW, C) result reshaped back to an
     image (channels-last strides), upsampled and convolved channels-last, then GroupNorm, whose
     backward hands the convolution a row-major gradient (NOTE [ The layout of an output's
-    gradient ] in hbp/runtime/calibrate_scratch.py)."""
+    gradient ] in hbp/graph/torch/calibrate.py)."""
 
     def __init__(self, c=32):
         super().__init__()
@@ -260,10 +260,10 @@ def test_a_slice_of_a_concatenations_gradient_is_measured_in_exported_graphs_too
     # measured with a gradient of its own (channels-last) layout, missing the copy its
     # backward makes of the real one (diffusers' UNet2DModel channels-last at "min": 1.095x
     # the budget by the allocator).
-    from hbp.graph import torch_capture
+    from hbp.graph.torch import capture as capture_stage
 
     if tracer == "export":
-        monkeypatch.setattr(torch_capture, "_TRACERS", (torch_capture._export_trace,))
+        monkeypatch.setattr(capture_stage, "_TRACERS", (capture_stage._export_trace,))
     torch.manual_seed(0)
     module = CatUpBlock().to(memory_format=torch.channels_last)
     inputs = (

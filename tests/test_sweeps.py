@@ -69,7 +69,7 @@ def test_every_experiment_and_sweep_composes_into_a_valid_multirun(group, name, 
 def test_sweep_params_and_command_line_overrides():
     cfg = hydra_cfg("sweep=block_size", "profile=medium")
     assert cfg.mode.name == "checkpoint" and cfg.profile.name == "medium"
-    assert cfg.hydra.sweeper.params["mode.block_size"] == "1,2,3,4,6"
+    assert cfg.hydra.sweeper.params["mode.block_size"] == "1,2,3,4,5,6"
     cfg = hydra_cfg("sweep=all_modes")
     assert set(cfg.hydra.sweeper.params.mode.split(",")) >= {"naive", "checkpoint", "tiny"}
     cfg = hydra_cfg("experiment=matrix_tiny")

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hbp.runtime.tracker import MemoryTracker, allocator_peak, measure_callable_peak, phase
+from hbp.units import MIB
 
-MIB = 1024 * 1024
 F32 = 4
 
 

@@ -1,5 +1,5 @@
-"""Found by a new user's trial on architectures outside the other tests
-(`experiments/trial_models.py`), measured by the CPU allocator:
+"""Found on real architectures outside the other tests (the zoos of
+`experiments/real_models/`), measured by the CPU allocator:
 
 - transformers' attention masks under export: with no `attention_mask` passed, eager SDPA runs
   without a mask (or with `is_causal=True`) while a traced forward used to build the full
@@ -11,7 +11,7 @@
 - a convolution whose output gradient comes back transposed (Whisper's conv front end through
   a permute, SD3's patch embedding through a transpose, a flatten and `.to` its own dtype)
   copies it in its backward: the scratch calibration follows the gradient's layout back
-  (NOTE [ The layout of an output's gradient ] in hbp/runtime/calibrate_scratch.py).
+  (NOTE [ The layout of an output's gradient ] in hbp/graph/torch/calibrate.py).
 """
 
 from __future__ import annotations

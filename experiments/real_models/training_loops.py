@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 import hbp
 from hbp.runtime.tracker import allocator_peak
+from hbp.units import MIB
 
-MIB = 2**20
 VOCAB, BATCH, TOKENS = 1024, 4, 128
 
 

@@ -3,7 +3,7 @@
     frame = collect("outputs/multirun/2025-01-01/12-00-00")
     print(to_markdown(results_table(frame)))
 
-or from the shell (the README's results table is made this way):
+or from the shell (the tables of docs/results.md are made this way):
 
     python -m hbp.analysis.collect outputs/multirun/<date>/<time> --markdown
 """
@@ -17,11 +17,15 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+
+from hbp.analysis.labels import mode_label
+from hbp.units import MIB
 
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.json"
-MIB = 1024 * 1024
+NOISY_SPREAD = 1.5  # p90 / p10 above this: the run's step time is noisy (hbp.report.style)
 DEFAULT_FRAMEWORK = "torch"  # what a metrics.json without a `framework` field ran on
 
 
@@ -88,41 +92,84 @@ def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
     )
 
 
+# NOTE [ One naive per run ]
+# "naive" is plain autograd on the workload as mode=naive builds it: the workload's own loss
+# (gpt2: the full LM head, without hbp's chunked loss), same seed, same batch. Every run
+# measures it on a copy (`naive_peak_bytes`, the allocator's peak; hbp.bench.step), so a run's
+# ratio to naive needs no naive run beside it; a naive run's own peak is the same number. The
+# printed summary, the plan line the bench prints and the report all use this one naive. A
+# mode that builds the workload differently (tiny's chunked loss) is compared against it too:
+# what the chunked loss saves is part of what the mode saves.
+NAIVE_MODEL = "plain autograd on the workload as mode=naive builds it"
+NAIVE_WITHOUT_CHUNKED_LOSS = " (without the chunked loss)"
+
+
+def naive_peak(runs: pd.DataFrame) -> pd.Series:
+    """Each run's naive peak in bytes (NOTE [ One naive per run ]): its own measured
+    `naive_peak_bytes`, else the naive run's peak on the same workload, profile and framework,
+    else NaN."""
+    own = runs.get("naive_peak_bytes", pd.Series(math.nan, index=runs.index)).astype(float)
+    return own.fillna(naive_reference(runs, "peak_bytes"))
+
+
+def mode_labels(runs: pd.DataFrame) -> list[str]:
+    """`hbp.analysis.labels.mode_label` of every run of a collected frame."""
+    params = [c for c in runs.columns if c.startswith("config.mode.") and c != "config.mode.name"]
+    facts = [c for c in runs.columns if c.startswith("workload_")]
+    labels = []
+    for _, row in runs.iterrows():
+        mode_params = {c.removeprefix("config.mode."): row[c] for c in params}
+        labels.append(mode_label(row["mode"], mode_params, {c: row[c] for c in facts}))
+    return labels
+
+
+def ok_runs(frame: pd.DataFrame) -> pd.DataFrame:
+    """The finished runs of a collected frame (status "ok" or no status)."""
+    return frame[frame.get("status", pd.Series("ok", index=frame.index)).fillna("ok") == "ok"]
+
+
+def time_spread(runs: pd.DataFrame) -> pd.Series:
+    """p90 / p10 of each run's timed steps; NaN with one timed step (no spread to show)."""
+    p10 = runs.get("step_time_p10", pd.Series(math.nan, index=runs.index)).astype(float)
+    p90 = runs.get("step_time_p90", pd.Series(math.nan, index=runs.index)).astype(float)
+    steps = runs.get("steps", pd.Series(2, index=runs.index)).fillna(2).astype(float)
+    return (p90 / p10).where((steps > 1) & (p10 > 0))
+
+
+def time_range(runs: pd.DataFrame) -> list[str]:
+    """Each run's "p10-p90" in ms, "(noisy)" after it where p90 / p10 > NOISY_SPREAD, "-" for
+    one timed step."""
+    spread = time_spread(runs)
+    out = []
+    for (_, row), s in zip(runs.iterrows(), spread):
+        if s != s:
+            out.append("-")
+            continue
+        text = f"{row['step_time_p10'] * 1e3:.1f}-{row['step_time_p90'] * 1e3:.1f}"
+        out.append(text + (" (noisy)" if s > NOISY_SPREAD else ""))
+    return out
+
+
 def results_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The README table: per run, workload, mode (with its set parameters), peak MiB, the peak
-    relative to naive's of the same framework on the same workload and profile, GFLOPs,
-    recompute ratio, step time (median ms); first a `framework` column when some run is not
-    torch's. Rows in `frame` order."""
+    """The results table (docs/results.md): per run, workload, mode (with its set parameters
+    that apply), peak MiB, the peak relative to the run's naive (NOTE [ One naive per run ]),
+    GFLOPs, recompute ratio, step time (median ms) and its p10-p90 range; first a `framework`
+    column when some run is not torch's. Rows in `frame` order."""
     if frame.empty:
         return pd.DataFrame()
-    ok = frame[frame.get("status", pd.Series("ok", index=frame.index)).fillna("ok") == "ok"]
-    mode_params = sorted(
-        c for c in ok.columns if c.startswith("config.mode.") and c != "config.mode.name"
-    )
-
-    def label(row) -> str:
-        shown = []
-        for column in mode_params:
-            value = row[column]
-            if value is None or value is False or (isinstance(value, float) and math.isnan(value)):
-                continue
-            if isinstance(value, float) and value.is_integer():  # ints turned float by NaNs
-                value = int(value)
-            shown.append(f"{column.removeprefix('config.mode.')}={value}")
-        return f"{row['mode']}({', '.join(shown)})" if shown else row["mode"]
-
-    naive_peak = naive_reference(ok, "peak_bytes")
+    ok = ok_runs(frame)
     table = pd.DataFrame(
         {
             "workload": ok["workload"].to_numpy(),
-            "mode": [label(row) for _, row in ok.iterrows()],
+            "mode": mode_labels(ok),
             "peak MiB": (ok["peak_bytes"] / MIB).to_numpy(),
-            "peak / naive": (ok["peak_bytes"] / naive_peak).to_numpy(),
-            "GFLOPs": (ok["flops"] / 1e9).to_numpy(),
+            "peak / naive": (ok["peak_bytes"] / naive_peak(ok)).to_numpy(),
+            "GFLOPs": (ok["flops"].astype(float) / 1e9).to_numpy(),
             "recompute ratio": ok.get("recompute_ratio", pd.Series(math.nan, index=ok.index))
             .astype(float)
             .to_numpy(),
             "step ms": (ok["step_time_s"] * 1e3).to_numpy(),
+            "p10-p90 ms": time_range(ok),
         }
     )
     if (frameworks(ok) != DEFAULT_FRAMEWORK).any():
@@ -130,24 +177,58 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def to_markdown(table: pd.DataFrame, digits: int = 3) -> str:
-    """A GitHub-flavoured markdown table; floats with `digits` significant digits (whole
-    numbers from 10**digits up), NaN as "-"."""
+# Fixed formats per column (never "1.61e+03"): sizes and times with a fixed number of
+# decimals, ratios with three, gradient errors in scientific notation.
+COLUMN_FORMATS = {
+    "MiB": "{:.2f}",
+    "ratio": "{:.3f}",
+    "/ naive": "{:.3f}",
+    "peak / naive": "{:.3f}",
+    "GFLOPs": "{:.2f}",
+    "ms": "{:.1f}",
+    "grad err": "{:.1e}",
+    "recompute": "{:.3f}",
+    "world": "{:.0f}",
+}
 
-    def cell(value) -> str:
-        if isinstance(value, float):
-            if math.isnan(value):
-                return "-"
-            return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
-        return str(value)
 
+def format_cell(column: str, value) -> str:
+    """`value` of `column` as the tables print it: NaN / None as "-", booleans as yes / "",
+    floats by COLUMN_FORMATS (the longest key that `column` ends with; else 3 decimals)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else ""
+    if isinstance(value, (float, np.floating)):
+        keys = [k for k in COLUMN_FORMATS if str(column).endswith(k)]
+        return (COLUMN_FORMATS[max(keys, key=len)] if keys else "{:.3f}").format(float(value))
+    if isinstance(value, (np.integer,)):
+        return str(int(value))
+    return str(value)
+
+
+def format_table(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with every cell as the text `format_cell` gives it."""
+    return pd.DataFrame(
+        {c: [format_cell(c, v) for v in table[c]] for c in table.columns}, index=table.index
+    )
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """A GitHub-flavoured markdown table, cells formatted by `format_cell`."""
     header = "| " + " | ".join(map(str, table.columns)) + " |"
     rule = (
         "|"
-        + "|".join("---:" if pd.api.types.is_numeric_dtype(table[c]) else "---" for c in table)
+        + "|".join(
+            "---:"
+            if pd.api.types.is_numeric_dtype(table[c]) and not pd.api.types.is_bool_dtype(table[c])
+            else "---"
+            for c in table
+        )
         + "|"
     )
-    body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(False)]
+    cells = format_table(table)
+    body = ["| " + " | ".join(row) + " |" for row in cells.itertuples(index=False)]
     return "\n".join([header, rule, *body])
 
 
@@ -174,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(to_markdown(table))
     else:
-        print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        print(format_table(table).to_string(index=False))
     if args.errors and "status" in frame:
         failed = frame[frame["status"] == "error"]
         for _, row in failed.iterrows():

@@ -8,8 +8,7 @@ from hbp.analysis.frontier import Frontier, frontier
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.graph.ir import Graph
-
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 def _mib(x: float) -> str:

@@ -121,7 +121,7 @@ FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 # A recomputed segment S, at any depth, may pin nodes (`Segment.pinned`): its checkpoint runs
 # with `context_fn` = torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`)
 # whose policy answers MUST_SAVE for the ops of a pinned node (NOTE [ Running pinned values ]
-# in hbp/runtime/executor.py). A pin is stored by the pass that runs S's forward last before
+# in hbp/runtime/executors/segments.py). A pin is stored by the pass that runs S's forward last before
 # S's own recompute pass: the original forward for a top-level S, the recompute pass of S's
 # parent for a nested one (the *storing pass*). What torch does with them
 # (torch/utils/checkpoint.py, `_CachingTorchDispatchMode` and `_CachedTorchDispatchMode`),
@@ -151,7 +151,7 @@ FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 # NOTE [ Generator states of checkpoints ]
 # A recomputed segment with a node that draws random numbers runs through
 # `checkpoint(..., preserve_rng_state=True)` (NOTE [ Random state of recomputed segments ] in
-# hbp/runtime/executor.py), and every such checkpoint call copies the CPU generator's state
+# hbp/runtime/executors/segments.py), and every such checkpoint call copies the CPU generator's state
 # (`GraphInfo.rng_state_bytes` bytes, a CPU tensor: counted on a CPU step, 0 on CUDA). The
 # copy lives in the checkpoint's frame, which the tensors its segment saved hold (and the
 # frames of the checkpoints nested in it, through their saved inputs). So, per random

@@ -24,7 +24,7 @@ whole resolved config, nested; `hbp.analysis.collect` flattens it into `config.*
 
 Layout (one concern per module): `config` (validation, device, threads, the workload),
 `rundir` (run directories, run keys, resuming a sweep), `step` (driving the measurement),
-`runner` (`run`: one run end to end), `jax_config` and `jax_run` (framework=jax: its checks,
+`runner` (`run`: one run end to end), `workload_options` (the workload's overrides), `jax_config` and `jax_run` (framework=jax: its checks,
 and the JAX step's measurement, NOTE [ JAX step metrics ]), `summary` (the printed table), `cli` (Hydra glue: `hydra_main`,
 `RunGuard`). Only run.py (and tests) import this package; the library never
 does.
@@ -35,7 +35,6 @@ from __future__ import annotations
 from hbp.bench.cli import RunGuard, hydra_main
 from hbp.bench.config import (
     MAX_AUTO_THREADS,
-    MODE_WORKLOAD_OPTIONS,
     build_workload,
     check_writable,
     launcher_cpus_per_task,
@@ -43,7 +42,6 @@ from hbp.bench.config import (
     resolve_device,
     resolve_threads,
     validate,
-    workload_overrides,
 )
 from hbp.bench.rundir import (
     default_run_dir,
@@ -60,7 +58,8 @@ from hbp.bench.step import (
     reference_checks,
     time_optimizer_step,
 )
-from hbp.bench.summary import format_summary, mode_label, summary_frame
+from hbp.bench.summary import format_summary, summary_frame
+from hbp.bench.workload_options import MODE_WORKLOAD_OPTIONS, workload_overrides
 
 __all__ = [
     "GRAD_TOLERANCE",
@@ -76,7 +75,6 @@ __all__ = [
     "launcher_cpus_per_task",
     "max_relative_grad_error",
     "measure_steps",
-    "mode_label",
     "parallel_jobs",
     "reference_checks",
     "register_resolvers",

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from hbp.bench.workload_options import workload_overrides
 from hbp.errors import ConfigError
 from hbp.modes import MODES, build_mode
 from hbp.telemetry import LOGGERS
@@ -18,9 +19,6 @@ from hbp.telemetry import LOGGERS
 DEVICES = ("auto", "cpu", "cuda")
 FRAMEWORKS = ("torch", "jax")
 MAX_AUTO_THREADS = 16
-# Mode options that change how the workload is built (only passed to workloads that have the
-# field, and only where the workload config leaves it null).
-MODE_WORKLOAD_OPTIONS = ("chunked_loss",)
 
 
 def _is_int(value) -> bool:
@@ -110,20 +108,6 @@ def check_writable(path) -> None:
         why = f"{ancestor} is on a read-only filesystem"
     if why:
         raise ConfigError("output_root", str(path), f"a writable directory ({why})")
-
-
-def workload_overrides(cfg, with_mode_options: bool = True) -> dict:
-    """Keyword overrides for `hbp.workloads.build`: the workload config's non-null fields and,
-    with `with_mode_options`, the mode's MODE_WORKLOAD_OPTIONS (e.g. chunked_loss) for fields
-    the workload has and leaves null."""
-    fields = OmegaConf.to_container(cfg.workload, resolve=True)
-    fields.pop("name", None)
-    overrides = {k: v for k, v in fields.items() if v is not None}
-    if with_mode_options:
-        for key in MODE_WORKLOAD_OPTIONS:
-            if key in fields and fields[key] is None and cfg.mode.get(key) is not None:
-                overrides[key] = cfg.mode.get(key)
-    return overrides
 
 
 def build_workload(cfg, with_mode_options: bool = True):

@@ -7,7 +7,7 @@ import logging
 
 from omegaconf import OmegaConf
 
-from hbp.bench.config import workload_overrides
+from hbp.bench.workload_options import workload_overrides
 from hbp.errors import ConfigError
 
 JAX_DEVICES = ("auto", "cpu", "cuda", "cuda:N")

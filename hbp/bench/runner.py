@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hbp.bench import distributed
+import hbp.bench.distributed as distributed
 from hbp.bench.config import (
     build_workload,
     check_writable,
@@ -115,8 +115,19 @@ def _finish(cfg, run_dir: Path, mode, row: dict, steps, timeline, started_at, t_
     write_outputs(cfg, run_dir, mode, row, steps, timeline)
     row["wall_s"] = time.perf_counter() - t_start
     write_metrics(run_dir, row)
-    print(format_summary([row]), flush=True)
+    if not _multirun():  # a sweep prints every run's row once, at its end (RunGuard)
+        print(format_summary([row]), flush=True)
     return row
+
+
+def _multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def summary_row(cfg, mode, workload, measured, device: torch.device) -> dict:
@@ -164,14 +175,30 @@ def write_outputs(cfg, run_dir: Path, mode, row: dict, steps, timeline) -> None:
     if hasattr(mode, "artifacts"):
         write_artifacts(run_dir, mode.artifacts())
     context = sweep_context(cfg, run_dir)
-    for logger in make_loggers(cfg.logger, run_dir, run_name=run_dir.name, **context):
+    loggers = make_loggers(cfg.logger, run_dir, run_name=run_dir.name, **context)
+    figures = {}
+    if any(getattr(logger, "wants_figures", False) for logger in loggers):
+        figures = _figures(run_dir, row, timeline, context["sweep_dir"])
+    for logger in loggers:
         try:
-            logger.log_run(row, steps, timeline)
+            logger.log_run(row, steps, timeline, figures=figures)
         except Exception as error:
             if logger.name == "table":
                 raise
             log.warning("logger %s failed: %s: %s", logger.name, type(error).__name__, error)
             row.setdefault("logger_errors", []).append(f"{logger.name}: {error}")
+
+
+def _figures(run_dir: Path, row: dict, timeline, sweep_dir) -> dict:
+    """`hbp.report.run_figures`; a figure that fails is left out with one warning: figures
+    never cost the run."""
+    try:
+        from hbp.report import run_figures
+
+        return run_figures(run_dir, row, timeline, sweep_dir)
+    except Exception as error:  # noqa: BLE001 - a figure never costs the run
+        log.warning("figures left out: %s: %s", type(error).__name__, error)
+        return {}
 
 
 def sweep_context(cfg, run_dir: Path) -> dict:

@@ -17,10 +17,10 @@ import torch
 
 from hbp.bench.config import build_workload, workload_overrides
 from hbp.telemetry.samplers import GpuSampler, RssSampler
+from hbp.units import MIB
 
 log = logging.getLogger("hbp.bench")
 
-MIB = 1024 * 1024
 GRAD_TOLERANCE = 1e-4
 
 

@@ -5,7 +5,7 @@ topological order (the order the forward runs them). Each node describes one val
 operation with what the memory model needs: the bytes of the new storage it creates, its
 forward FLOPs, which values its backward keeps alive (saved tensors), and the parameter
 gradients its backward creates. Nothing here imports torch or jax: torch capture
-(`hbp.graph.torch_capture`) and jaxpr capture fill the same structure, and the planner and
+(`hbp.graph.torch.capture`) and jaxpr capture fill the same structure, and the planner and
 the analysis work on it alone.
 
 Units: bytes for every size, FLOPs (multiply-add = 2 FLOPs) for every cost.
@@ -80,7 +80,7 @@ class Node:
         draws_random: the op draws from the random number generator (dropout, `torch.rand`):
             a recomputed segment that contains it must replay the generator's state, which
             costs memory (NOTE [ Random state of recomputed segments ] in
-            hbp/runtime/executor.py); segments without such ops replay nothing.
+            hbp/runtime/executors/segments.py); segments without such ops replay nothing.
     """
 
     name: str
@@ -137,18 +137,18 @@ class Graph:
             backward starts); None: every output that requires grad. A HuggingFace-style
             output with a scalar `loss` is trained through the loss alone: its logits are an
             output, but their gradient comes only through the loss (NOTE [ Where backward
-            starts ] in hbp/graph/torch_capture.py).
+            starts ] in hbp/graph/torch/capture.py).
         held_outputs: the outputs the caller keeps alive until the step's backward ends;
             None: all of them (the safe assumption, `out = model(x); loss_fn(out,
             y).backward()`). An output not listed is freed once nothing in the step needs it
             (`model(**batch).loss.backward()` drops the logits before backward), or, if
             backward starts from it, once backward has started (`loss_fn(model(x),
             y).backward()`): NOTE [ Outputs the caller lets go ] in
-            hbp/integrations/torch.py.
+            hbp/integrations/torch/outputs.py.
         rng_state_bytes: bytes of one copy of the random number generator's state, counted
             in the memory the step's peak is measured in: a recomputed segment that draws
             random numbers keeps copies of it (NOTE [ Random state of recomputed segments ]
-            in hbp/runtime/executor.py). The torch capture records the CPU generator's state
+            in hbp/runtime/executors/segments.py). The torch capture records the CPU generator's state
             size for a step on the CPU and 0 on CUDA (the states live in host memory); 0 for
             JAX (random keys are values of the graph).
         meta: provenance of the capture (framework, granularity, timings, warnings); memory

@@ -22,7 +22,7 @@ class TinyMode:
 
     def __init__(
         self,
-        budget: float | int | str = 0.3,
+        budget: float | int | str = "min",
         block_size: int = 1,
         planner: str = "optimal",
         chunked_loss: bool = True,
@@ -36,11 +36,13 @@ class TinyMode:
         self.planner = planner
         self.chunked_loss = bool(chunked_loss)
         self.module: HCModule | None = None
+        self.built_with_chunked_loss = False  # the workload has the option and was built with it
 
     def apply(self, workload: Workload, batch: Batch) -> nn.Module:
         """Wrap the model in HCModule and plan for the batch's training signature (raises
         `hbp.BudgetError` when no plan fits)."""
         workload.model.train()
+        self.built_with_chunked_loss = bool(dict(workload.config).get("chunked_loss", False))
         self.module = HCModule(
             workload.model, self.budget, block_size=self.block_size, planner=self.planner
         )
@@ -72,10 +74,24 @@ class TinyMode:
         return out
 
     def summary(self) -> str:
-        """The plan, readable (printed by the bench before it measures)."""
+        """The plan in three lines (`hbp.modes.plan_text`), printed by the bench before it
+        measures; the whole plan is the run's plan.json."""
         if self.module is None or self.module.plan is None:
             return "tiny: not planned yet"
-        return self.module.summary()
+        from hbp.modes.plan_text import plan_lines
+
+        compiled = self.module.compiled
+        captured = (
+            f"{compiled.captured.granularity}-level capture, {len(compiled.captured.graph)} "
+            f"nodes ({compiled.capture_time_s:.1f} s)"
+        )
+        return plan_lines(
+            self.module.plan,
+            budget=self.budget,
+            planner=self.planner,
+            captured=captured,
+            chunked_loss=self.built_with_chunked_loss,
+        )
 
     def artifacts(self) -> dict[str, str]:
         """plan.json and graph.json (the captured graph in hbp's IR, the input of

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch import Tensor
 
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 #: `chunk_size=None` picks the number of rows whose float32 logits take about this many
 #: bytes (see `default_chunk_size` for the measured trade-off).

@@ -16,7 +16,7 @@ from hbp.errors import BudgetError
 from hbp.planner.plan import Plan, Segment
 
 if TYPE_CHECKING:  # the planner imports no torch
-    from hbp.graph.torch_captured import CapturedGraph
+    from hbp.graph.torch.captured import CapturedGraph
 
 __all__ = ["checkpointed_calls", "module_level_plan"]
 
@@ -57,7 +57,7 @@ def module_level_plan(
         naive_peak_bytes: its plain step's simulated peak.
         budget_bytes: the budget; None for the least memory reachable ("min").
         executable: `executable(plan, captured)` is the plan the module-level executor really
-            runs (whole calls checkpointed: `hbp.runtime.executor.per_call_plan`).
+            runs (whole calls checkpointed: `hbp.runtime.executors.segments.per_call_plan`).
         block_size, planner: as for `hbp.planner.plan`.
 
     Raises:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-MIB = 1024 * 1024
+from hbp.units import MIB
 
 
 @dataclass

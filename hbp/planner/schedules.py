@@ -3,11 +3,11 @@
 A plan of segments (checkpoints, nested, with pinned values) holds a recomputed segment's
 input until the segment's backward ends. Some schedules recompute less: they recompute a value
 for one backward, let it go, and recompute it again for a later one (NOTE [ Explicit
-schedules ]). `schedule_plan` solves the Checkmate-style programme of `hbp.planner.optimum`
+schedules ]). `schedule_plan` solves the Checkmate-style programme of `hbp.planner.milp`
 (node mode: a backward's saved tensors come from its own node's last run, which is what torch
 can execute) on graphs of at most `MAX_VALUES` forward values, starting from the DP's plan,
 and returns its schedule as a `Plan` when it recomputes less than that plan.
-`hbp.runtime.schedule_executor` runs such plans.
+`hbp.runtime.executors.schedule` runs such plans.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import Simulation
 from hbp.graph.ir import Graph
-from hbp.planner.optimum import Schedule, forward_values
+from hbp.planner.milp import Schedule, forward_values
 from hbp.planner.plan import Plan, Segment, StageRecompute
 
 # NOTE [ Explicit schedules ]

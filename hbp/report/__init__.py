@@ -1,22 +1,26 @@
-"""The report of a directory of runs: one table file, the comparison table and the plots.
+"""The report of a directory of runs: one table file, the comparison table and the figures.
 
-    python -m hbp.report outputs/sweeps/quick        # or any dir of runs (searched recursively)
+    python -m hbp.report outputs/sweeps/quick                  # or any dir of runs (recursive)
+    python -m hbp.report outputs/sweeps/quick --workload gpt2  # only gpt2's timeline/frontier
 
 `write_report(root)` gathers every run under `root` (`hbp.analysis.collect`: metrics.json, and
 error.json rows for the failed ones) into `root/results.parquet`, builds the comparison table
-(`hbp.analysis.pareto.pareto_table`: per workload, mode with its parameters, budget, peak,
-recompute, step time, ratios to naive, the Pareto flag) and writes beside it:
+(`comparison_table`: per workload, mode with the parameters that apply, budget, peak,
+recompute, step time and its p10-p90 range, ratios to naive, the Pareto flag; NOTE [ One
+naive per run ] in hbp.analysis.collect) and writes beside it, every figure in the one style
+of `hbp.report.style`:
 
-- `pareto.png`: per workload, every mode's points, peak / naive against step time / naive and
-  against recompute (`hbp.analysis.pareto.plot_pareto`);
-- `memory_timeline.png`: one step of naive vs checkpoint vs tiny on one workload (live bytes
-  over op index, forward/backward shaded) and the tiny run's plan, simulated, with its
-  segment boundaries marked (`plots.plot_memory_timeline`);
-- `frontier.png`: the frontier-width profile of that run's captured graph (graph.json), the
-  plan's cuts marked (`hbp.analysis.frontier`, `plots.plot_frontier`).
+- `pareto.png`: per workload, every mode's points, peak against step time and against
+  recompute (`hbp.report.pareto.plot_pareto`);
+- `memory_timeline_<workload>.png`, for every workload (or those named): one step of each
+  mode that recorded a timeline (its lowest-peak run; live bytes over op index, forward and
+  backward shaded) and the tiny run's plan, simulated, with its segment boundaries marked
+  (`plots.plot_memory_timeline`);
+- `frontier_<workload>.png`: the frontier-width profile of that workload's captured graph
+  (graph.json of a tiny run), the plan's cuts marked (`plots.plot_frontier`).
 
-A plot whose inputs are missing (no timelines: runs logged with logger=none; no tiny run: no
-graph) is skipped with a line saying why.
+A figure whose inputs are missing (no timelines: runs logged with logger=none; no tiny run:
+no graph) is not written; `Report.skipped` says why.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from hbp.analysis.collect import collect, frameworks, to_markdown
-from hbp.analysis.pareto import pareto_table, plot_pareto
+from hbp.analysis.collect import (
+    NAIVE_MODEL,
+    NAIVE_WITHOUT_CHUNKED_LOSS,
+    collect,
+    frameworks,
+    ok_runs,
+    to_markdown,
+)
+from hbp.analysis.pareto import pareto_table
+from hbp.report.pareto import plot_pareto
 
 __all__ = [
     "Report",
@@ -37,19 +49,21 @@ __all__ = [
     "plot_graph",
     "plot_timeline",
     "results_frame",
+    "run_figures",
     "runs_or_quick_sweep",
     "write_report",
 ]
 
 RESULTS_FILE = "results.parquet"
 TIMELINE_FILE = "memory_timeline.parquet"
-TIMELINE_MODES = ("naive", "checkpoint", "tiny")
+PLAN_FILE = "plan.json"
+GRAPH_FILE = "graph.json"
 
 
 @dataclass
 class Report:
     """What `write_report` made: the runs (one row each), the comparison table, the files
-    written and the plots skipped (name -> why)."""
+    written and the figures skipped (name -> why)."""
 
     runs: pd.DataFrame
     table: pd.DataFrame
@@ -63,6 +77,12 @@ class Report:
         parts = []
         for workload, rows in self.table.groupby("workload", sort=False):
             parts += [f"## {workload}", to_markdown(rows.drop(columns="workload")), ""]
+        lm_head = (
+            "workload_chunked_loss" in self.runs
+            and self.runs["workload_chunked_loss"].notna().any()
+        )
+        model = NAIVE_MODEL + (NAIVE_WITHOUT_CHUNKED_LOSS if lm_head else "")
+        parts.append(f"naive: {model}; each run measures it on a copy")
         return "\n".join(parts).rstrip()
 
 
@@ -83,23 +103,40 @@ def results_frame(root: str | Path) -> pd.DataFrame:
     return frame
 
 
+def _budget_text(value) -> str:
+    """A mode's budget as the table shows it: "0.3", "min", "64MiB"; "-" for none."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    if isinstance(value, str):
+        try:  # JSON text from results_frame
+            value = json.loads(value)
+        except ValueError:
+            return value
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
 def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """`pareto_table` of the finished runs with the mode's budget as its own column."""
+    """`pareto_table` of the finished runs with the mode's budget as its own column ("-"
+    for a mode without one)."""
     table = pareto_table(runs)
     if table.empty:
         return table
-    ok = runs[runs.get("status", pd.Series("ok", index=runs.index)).fillna("ok") == "ok"]
-    budget = ok.get("config.mode.budget", pd.Series(None, index=ok.index))
-    table.insert(
-        table.columns.get_loc("mode") + 1, "budget", [None if v != v else str(v) for v in budget]
-    )
+    budget = ok_runs(runs).get("config.mode.budget")
+    values = [None] * len(table) if budget is None else list(budget)
+    table.insert(table.columns.get_loc("mode") + 1, "budget", [_budget_text(v) for v in values])
     return table
 
 
-def write_report(root: str | Path, out: str | Path | None = None) -> Report:
-    """Collect the runs under `root` and write results.parquet, pareto.png,
-    memory_timeline.png and frontier.png into `out` (default: `root`). Raises
-    FileNotFoundError when `root` does not exist or holds no finished run."""
+def write_report(
+    root: str | Path, out: str | Path | None = None, workloads: list[str] | None = None
+) -> Report:
+    """Collect the runs under `root` and write results.parquet, pareto.png and, per workload
+    (all, or those in `workloads`), memory_timeline_<workload>.png and
+    frontier_<workload>.png into `out` (default: `root`). Raises FileNotFoundError when
+    `root` does not exist or holds no finished run, ValueError for a workload it has none
+    of."""
     from hbp.telemetry.tables import write_parquet
 
     root = Path(root)
@@ -108,55 +145,76 @@ def write_report(root: str | Path, out: str | Path | None = None) -> Report:
     table = comparison_table(runs) if not runs.empty else pd.DataFrame()
     if table.empty:
         raise FileNotFoundError(f"no finished runs under {root}")
+    present = list(dict.fromkeys(table["workload"]))
+    chosen = list(workloads) if workloads else present
+    unknown = [w for w in chosen if w not in present]
+    if unknown:
+        raise ValueError(
+            f"no finished run of workload {', '.join(unknown)} under {root}: "
+            f"it has {', '.join(present)}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     report = Report(runs, table)
     report.files.append(write_parquet(out / RESULTS_FILE, runs))
-    report.files.append(plot_pareto(table, out / "pareto.png"))
-    _timeline_and_frontier(report, out)
+    report.files.append(plot_pareto(table[table["workload"].isin(chosen)], out / "pareto.png"))
+    for workload in chosen:
+        for stem, plot in (("memory_timeline", plot_timeline), ("frontier", plot_graph)):
+            name = f"{stem}_{workload}.png"
+            made = plot(runs, out / name, workload=workload)
+            if isinstance(made, Path):
+                report.files.append(made)
+            else:
+                report.skipped[name] = made
     return report
 
 
-def _ok_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    return runs[runs.get("status", pd.Series("ok", index=runs.index)).fillna("ok") == "ok"]
-
-
-def _timeline_and_frontier(report: Report, out: Path) -> None:
-    for name, plot in (("memory_timeline.png", plot_timeline), ("frontier.png", plot_graph)):
-        made = plot(report.runs, out / name)
-        if isinstance(made, Path):
-            report.files.append(made)
-        else:
-            report.skipped[name] = made
-
-
-def plot_timeline(runs: pd.DataFrame, path: str | Path) -> Path | str:
-    """memory_timeline.png of the workload with the most of naive / checkpoint / tiny runs that
-    have a timeline (tiny: its lowest peak), the tiny run's plan simulated below. Returns the
-    path, or why there is no plot."""
+def plot_timeline(runs: pd.DataFrame, path: str | Path, workload: str | None = None) -> Path | str:
+    """The memory timeline figure of `workload` (default: the workload with the most modes
+    that have a timeline): one panel per mode with a timeline (its lowest-peak run), the tiny
+    run's plan simulated below. Returns the path, or why there is no figure."""
+    from hbp.analysis.collect import mode_labels
     from hbp.report.plots import plot_memory_timeline
 
-    ok = _ok_runs(runs)
+    ok = ok_runs(runs)
     ok = ok[frameworks(ok) == "torch"]  # JAX runs have no per-op timeline
     has = ok[[(Path(d) / TIMELINE_FILE).exists() for d in ok["run_dir"]]] if len(ok) else ok
-    has = has[has["mode"].isin(TIMELINE_MODES)]
+    if workload is not None:
+        has = has[has["workload"] == workload]
     if has.empty:
-        return "no naive/checkpoint/tiny run with a timeline (logger=table or wandb)"
-    workload = has.groupby("workload", sort=False)["mode"].nunique().idxmax()
+        return "no run with a timeline (runs logged with logger=table or wandb)"
+    if workload is None:
+        workload = has.groupby("workload", sort=False)["mode"].nunique().idxmax()
     rows = has[has["workload"] == workload].sort_values("peak_bytes", kind="stable")
-    chosen = [rows[rows["mode"] == m].iloc[0] for m in TIMELINE_MODES if (rows["mode"] == m).any()]
+    chosen = rows.drop_duplicates("mode")
+    order = ["naive", "checkpoint", "tiny"]
+    chosen = chosen.iloc[
+        sorted(range(len(chosen)), key=lambda i: (order + [chosen["mode"].iloc[i]]).index(
+            chosen["mode"].iloc[i]
+        ))
+    ]  # fmt: skip
+    labels = mode_labels(chosen)
     timelines = {
-        _label(run): pd.read_parquet(Path(run["run_dir"]) / TIMELINE_FILE) for run in chosen
+        label: pd.read_parquet(Path(run["run_dir"]) / TIMELINE_FILE)
+        for label, (_, run) in zip(labels, chosen.iterrows())
     }
+    tiny = [Path(d) for d, m in zip(chosen["run_dir"], chosen["mode"]) if m == "tiny"]
     plan = planned = None
-    tiny = [Path(run["run_dir"]) for run in chosen if run["mode"] == "tiny"]
-    if tiny and (tiny[0] / "plan.json").exists() and (tiny[0] / "graph.json").exists():
-        from hbp.analysis.simulate import simulate
-
-        graph, plan = load_graph(tiny[0])
-        # an explicit schedule's timeline is not the simulator's (NOTE [ Explicit schedules ])
-        planned = None if plan.schedule else simulate(graph, plan)
-    title = f"{workload} ({chosen[0]['profile']}): one training step per mode"
+    if tiny:
+        plan, planned = _planned(tiny[0])
+    title = f"{workload} ({chosen['profile'].iloc[0]}): one training step per mode"
     return plot_memory_timeline(timelines, path, title=title, plan=plan, planned=planned)
+
+
+def _planned(run_dir: Path):
+    """(Plan, its Simulation) of a run with plan.json and graph.json; (plan, None) for an
+    explicit schedule (its timeline is not the simulator's: NOTE [ Explicit schedules ]);
+    (None, None) without them."""
+    if not (run_dir / PLAN_FILE).is_file() or not (run_dir / GRAPH_FILE).is_file():
+        return None, None
+    from hbp.analysis.simulate import simulate
+
+    graph, plan = load_graph(run_dir)
+    return plan, (None if plan.schedule else simulate(graph, plan))
 
 
 def load_graph(run_dir: str | Path):
@@ -165,57 +223,93 @@ def load_graph(run_dir: str | Path):
     from hbp.planner.plan import Plan
 
     run_dir = Path(run_dir)
-    graph = Graph.from_json(run_dir / "graph.json")
-    plan_file = run_dir / "plan.json"
+    graph = Graph.from_json(run_dir / GRAPH_FILE)
+    plan_file = run_dir / PLAN_FILE
     plan = Plan.from_dict(json.loads(plan_file.read_text())) if plan_file.exists() else None
     return graph, plan
 
 
-def plot_graph(runs: pd.DataFrame, path: str | Path) -> Path | str:
-    """frontier.png: the frontier-width profile of the first run's captured graph, the plan's
-    cuts marked. Returns the path, or why there is no plot."""
+def plot_graph(runs: pd.DataFrame, path: str | Path, workload: str | None = None) -> Path | str:
+    """The frontier-width profile of `workload`'s captured graph (its first run with a
+    graph.json; default: the first such run of any workload), the plan's cuts marked.
+    Returns the path, or why there is no figure."""
     from hbp.analysis.frontier import frontier
     from hbp.planner import min_feasible_peak
     from hbp.report.plots import plot_frontier
 
-    ok = _ok_runs(runs)
-    with_graph = [Path(d) for d in ok["run_dir"] if (Path(d) / "graph.json").exists()]
+    ok = ok_runs(runs)
+    if workload is not None:
+        ok = ok[ok["workload"] == workload]
+    with_graph = [Path(d) for d in ok["run_dir"] if (Path(d) / GRAPH_FILE).exists()]
     if not with_graph:
         return "no run with a captured graph (graph.json: mode=tiny)"
     graph, plan = load_graph(with_graph[0])
     row = ok[ok["run_dir"] == str(with_graph[0])].iloc[0]
     title = (
-        f"{row['workload']} ({row['profile']}): frontier-width profile, {len(graph)} nodes; "
-        f"dashed: the plan's cuts at budget {row.get('config.mode.budget')}"
+        f"{row['workload']} ({row['profile']}): frontier-width profile, {len(graph)} nodes, "
+        f"plan at budget {_budget_text(row.get('config.mode.budget'))}"
     )
     cuts = plan.cut_points() if plan is not None else None
     minimum = min_feasible_peak(graph)[0]
     return plot_frontier(frontier(graph, min_peak_bytes=minimum), path, title=title, cuts=cuts)
 
 
-def _label(run: pd.Series) -> str:
-    budget = run.get("config.mode.budget")
-    return f"{run['mode']} (budget {budget})" if run["mode"] == "tiny" else str(run["mode"])
+def run_figures(
+    run_dir: str | Path, summary: dict, timeline: pd.DataFrame, sweep_dir: Path | None = None
+) -> dict[str, Path]:
+    """The figures of one finished run for its loggers (wandb), written into `run_dir`:
+    `memory_timeline` (the run's step; its plan simulated below where there is one) and
+    `pareto` (the run with the other runs of its sweep; left out for a run alone, which
+    has no trade-off to show)."""
+    from hbp.analysis.collect import mode_labels
+    from hbp.report.plots import plot_memory_timeline
+    from hbp.telemetry.tables import jsonable
+
+    run_dir = Path(run_dir)
+    row = pd.json_normalize([jsonable(summary)], sep=".")
+    figures = {}
+    if timeline is not None and not timeline.empty:
+        plan, planned = _planned(run_dir)
+        figures["memory_timeline"] = plot_memory_timeline(
+            {mode_labels(row)[0]: timeline},
+            run_dir / "memory_timeline.png",
+            title=f"{summary.get('workload')} ({summary.get('profile')})",
+            plan=plan,
+            planned=planned,
+        )
+    frames = [row]
+    if sweep_dir is not None and Path(sweep_dir).is_dir():
+        others = collect(sweep_dir)
+        if not others.empty and "run_dir" in others:
+            others = others[others["run_dir"] != str(run_dir)]
+        frames.insert(0, others)
+    runs = pd.concat([f for f in frames if not f.empty], ignore_index=True)
+    table = pareto_table(runs)
+    if len(table) > 1:
+        figures["pareto"] = plot_pareto(table, run_dir / "pareto.png")
+    return figures
 
 
 QUICK_SWEEP = ("-m", "sweep=quick", "workload=synthetic_dag", "steps=1", "warmup=0")
 
 
-def runs_or_quick_sweep(outputs: str | Path) -> pd.DataFrame:
-    """The finished runs under `outputs` (`collect`); when there are none, first a small sweep
-    into it (run.py's `sweep=quick` on synthetic_dag, one step each: naive, checkpoint and
-    tiny, about half a minute on a CPU). What the notebooks start with."""
+def runs_or_quick_sweep(sweep_dir: str | Path) -> pd.DataFrame:
+    """The finished runs of one sweep directory (`collect`); when it holds none, first a
+    small sweep into it (run.py's `sweep=quick` on synthetic_dag, one step each: naive,
+    checkpoint and tiny, about half a minute on a CPU). What the notebooks start with."""
     import os
     import subprocess
     import sys
 
-    outputs = Path(outputs)
-    runs = collect(outputs) if outputs.is_dir() else pd.DataFrame()
+    sweep_dir = Path(sweep_dir)
+    runs = collect(sweep_dir) if sweep_dir.is_dir() else pd.DataFrame()
     if not runs.empty:
         return runs
     run_py = Path(__file__).resolve().parents[2] / "run.py"
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
-    command = [sys.executable, str(run_py), *QUICK_SWEEP, f"output_root={outputs.absolute()}"]
-    print("no runs under", outputs, "- running:", " ".join(command[1:]), flush=True)
+    command = [
+        sys.executable, str(run_py), *QUICK_SWEEP, f"hydra.sweep.dir={sweep_dir.absolute()}",
+    ]  # fmt: skip
+    print("no runs in", sweep_dir, "- running:", " ".join(command[1:]), flush=True)
     subprocess.run(command, cwd=run_py.parent, env=env, check=True, capture_output=True)
-    return collect(outputs)
+    return collect(sweep_dir)

@@ -1,5 +1,5 @@
-"""python -m hbp.report <dir> [--out DIR]: results.parquet, the comparison table and the plots
-of every run under <dir> (see hbp.report)."""
+"""python -m hbp.report <dir> [--out DIR] [--workload NAME ...]: results.parquet, the
+comparison table and the figures of every run under <dir> (see hbp.report)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hbp.report",
         description="Gather the bench runs under ROOT into ROOT/results.parquet, print the "
-        "comparison table and write pareto.png, memory_timeline.png and frontier.png.",
+        "comparison table and write pareto.png and, per workload, memory_timeline_<workload>.png "
+        "and frontier_<workload>.png.",
     )
     parser.add_argument("root", help="a directory of runs, e.g. outputs/sweeps/quick")
     parser.add_argument("--out", help="where the files go (default: ROOT)")
+    parser.add_argument(
+        "--workload",
+        action="append",
+        metavar="NAME",
+        help="draw the timeline and frontier of this workload only (repeatable; default: "
+        "every workload under ROOT)",
+    )
     args = parser.parse_args(argv)
     from hbp.report import write_report
 
     try:
-        report = write_report(args.root, args.out)
-    except FileNotFoundError as error:
+        report = write_report(args.root, args.out, workloads=args.workload)
+    except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     failed = (report.runs.get("status") == "error").sum() if "status" in report.runs else 0

@@ -5,7 +5,7 @@ everything that runs inside the call: forward, the autograd engine's backward an
 recomputation. Ops without a formula (elementwise, reductions) count 0, as in
 `FlopCounterMode`.
 
-The formulas and `TotalFlopCounterMode` live with the capture (`hbp.graph.torch_flops`), which
+The formulas and `TotalFlopCounterMode` live with the capture (`hbp.graph.torch.flops`), which
 counts every node with them; every counter here uses the same ones, so predicted and measured
 FLOPs follow one definition.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from torch.utils.flop_counter import FlopCounterMode
 
-from hbp.graph.torch_flops import FLOP_FORMULAS, TotalFlopCounterMode
+from hbp.graph.torch.flops import FLOP_FORMULAS, TotalFlopCounterMode
 
 __all__ = [
     "FLOP_FORMULAS",

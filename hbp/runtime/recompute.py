@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hbp.graph.torch_norms import frozen_running_stats, stat_tracking_norms
+from hbp.graph.torch.running_stats import frozen_running_stats, stat_tracking_norms
 
 __all__ = [
     "ReenterableContext",

@@ -38,6 +38,10 @@ attention and norms allocate kernel workspace on top, which only `allocator_peak
 from __future__ import annotations
 
 import gc
+import os
+import re
+import sys
+import tempfile
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -284,7 +288,7 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
         raise RuntimeError("allocator_peak needs torch._C._profiler._EventType (torch >= 2.1)")
     close_open_windows()
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+    with quiet_profile(activities=activities, profile_memory=True) as prof:
         marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
         marker_ptr = marker.data_ptr()
         del marker
@@ -292,6 +296,54 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
     peak = profiler_peak_bytes(prof, marker_ptr)
     release_results(prof)
     return result, peak
+
+
+# NOTE [ Quiet profiler windows ]
+# Kineto (the profiler's C++ side) writes "USDT: ... profiler_start" and "... profiler_stop"
+# to file descriptor 2 whenever a profiler starts or stops, below Python's sys.stderr, at
+# every log level that keeps its errors (KINETO_LOG_LEVEL is read once per process). hbp
+# opens a profiler for every CPU allocator measurement, so a bench run printed dozens of
+# them. `quiet_profile` starts and stops the profiler with fd 2 pointed at a temporary file
+# and writes back every line but Kineto's start/stop/stage lines: nothing else is lost, and
+# the measured code itself runs with stderr untouched.
+_KINETO_LINE = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w*ActivityProfiler\w*\.cpp:\d+\]")
+
+
+@contextmanager
+def _without_kineto_lines() -> Iterator[None]:
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (an embedded interpreter): nothing to quieten
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _KINETO_LINE.match(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
+@contextmanager
+def quiet_profile(**kwargs) -> Iterator[torch.profiler.profile]:
+    """`torch.profiler.profile(**kwargs)` as a context manager whose start and stop print none
+    of Kineto's lines (NOTE [ Quiet profiler windows ])."""
+    prof = torch.profiler.profile(**kwargs)
+    with _without_kineto_lines():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _without_kineto_lines():
+            prof.stop()
 
 
 def release_results(prof: torch.profiler.profile) -> None:

@@ -13,7 +13,7 @@ import threading
 
 import psutil
 
-MB = 1024 * 1024
+from hbp.units import MIB
 
 
 class Sampler:
@@ -61,7 +61,7 @@ class Sampler:
 
 
 class RssSampler(Sampler):
-    """Peak resident set size of this process (psutil), in bytes and MB (MiB, 2**20 bytes)."""
+    """Peak resident set size of this process (psutil), in bytes and MiB."""
 
     def __init__(self, interval_s: float = 0.02):
         super().__init__(interval_s)
@@ -72,7 +72,7 @@ class RssSampler(Sampler):
         self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
 
     def results(self) -> dict:
-        return {"rss_peak_mb": self.peak_bytes / MB}
+        return {"rss_peak_mb": self.peak_bytes / MIB}
 
 
 class GpuSampler(Sampler):
@@ -144,7 +144,7 @@ class GpuSampler(Sampler):
         if self._util_count == 0:
             return {}
         return {
-            "gpu_mem_peak_mb": self.mem_peak_bytes / MB,
+            "gpu_mem_peak_mb": self.mem_peak_bytes / MIB,
             "gpu_util_pct": self._util_sum / self._util_count,
             "gpu_util_peak_pct": self._util_peak,
         }

@@ -2,7 +2,9 @@
 per-step / per-op parquet tables.
 
 Every file is written to a temporary name in the same directory and renamed into place, so a
-crash never leaves a half-written metrics.json for `hbp.analysis.collect` to trip on.
+crash never leaves a half-written metrics.json for `hbp.analysis.collect` to trip on; the file
+gets the permissions a plain `open()` would give it (0644 under the usual umask 022), so
+collaborators on a shared machine can read the outputs.
 """
 
 from __future__ import annotations
@@ -49,11 +51,21 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _atomic_write(path: Path, write) -> Path:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, write) -> Path:
+    """Call `write(tmp)` on a temporary path beside `path`, then rename it to `path`: readers
+    see the old file or the whole new one. The file's mode is 0o666 minus the umask (mkstemp
+    alone would leave it 0600)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -65,16 +77,16 @@ def _atomic_write(path: Path, write) -> Path:
 def write_json(path: Path, obj: Any) -> Path:
     """Write `obj` (made `jsonable`) as indented JSON, atomically."""
     text = json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n"
-    return _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def write_text(path: Path, text: str) -> Path:
-    return _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def write_parquet(path: Path, frame: pd.DataFrame) -> Path:
     """Write `frame` to parquet (pyarrow), atomically, without the index."""
-    return _atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
+    return atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
 
 
 def write_metrics(run_dir: Path, row: Mapping) -> Path:
@@ -117,7 +129,7 @@ def write_artifacts(run_dir: Path, artifacts: Mapping[str, Any]) -> list[Path]:
         elif isinstance(content, str):
             written.append(write_text(path, content))
         elif isinstance(content, bytes):
-            written.append(_atomic_write(path, lambda tmp, c=content: Path(tmp).write_bytes(c)))
+            written.append(atomic_write(path, lambda tmp, c=content: Path(tmp).write_bytes(c)))
         else:
             written.append(write_json(path, content))
     return written
@@ -131,10 +143,13 @@ class TableLogger:
     """Logger "table": the run's per-step rows and memory timeline as parquet files."""
 
     name = "table"
+    wants_figures = False
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
 
-    def log_run(self, summary: Mapping, steps: pd.DataFrame, timeline: pd.DataFrame) -> None:
+    def log_run(
+        self, summary: Mapping, steps: pd.DataFrame, timeline: pd.DataFrame, figures=None
+    ) -> None:
         write_parquet(self.run_dir / STEPS_FILE, steps)
         write_parquet(self.run_dir / TIMELINE_FILE, timeline)

@@ -9,8 +9,8 @@ WANDB_MODE=disabled, which skips wandb entirely).
 Logged, so that a wandb workspace charts peak against step time across modes with no extra
 code: the run config; per-step metrics (one wandb step per bench step); the summary row as
 run summary and as a one-row table; the plan as a table (`plan`: one row per segment, nested
-ones with their depth, where the mode planned); and images: the run's memory timeline
-(`memory_timeline`) and the Pareto plot of its sweep so far (`pareto`). The runs of one sweep
+ones with their depth, where the mode planned); and the figures the bench gives it as images
+(`hbp.report.run_figures`: the run's memory timeline, the Pareto figure of its sweep so far). The runs of one sweep
 share a group (the sweep directory, relative to output_root) and carry the tags
 workload=..., mode=..., profile=... beside the configured ones. wandb starts after the
 measurement, so its service process never competes with the timed steps. System stats, code
@@ -72,7 +72,20 @@ class WandbLogger:
         self.run_name = run_name or self.run_dir.name
         self.run_path: Path | None = None
 
-    def log_run(self, summary: Mapping, steps: pd.DataFrame, timeline: pd.DataFrame) -> None:
+    @property
+    def wants_figures(self) -> bool:
+        """Whether `log_run` uses figures (the bench makes them only then)."""
+        return self.mode != "disabled"
+
+    def log_run(
+        self,
+        summary: Mapping,
+        steps: pd.DataFrame,
+        timeline: pd.DataFrame,
+        figures: Mapping[str, Path] | None = None,
+    ) -> None:
+        """Log the run. `figures`: name -> PNG, logged as images (the bench makes them with
+        `hbp.report.run_figures`: the memory timeline, the sweep's Pareto figure)."""
         if self.mode == "disabled":
             return
         import wandb
@@ -112,53 +125,12 @@ class WandbLogger:
             plan = plan_rows(self.run_dir / PLAN_FILE)
             if plan is not None:
                 media["plan"] = wandb.Table(dataframe=plan)
-            for name, path in self.images(summary, timeline).items():
+            for name, path in (figures or {}).items():
                 media[name] = wandb.Image(str(path))
             run.log(media)
             self.run_path = Path(run.dir).parent
         finally:
             run.finish()
-
-    def images(self, summary: Mapping, timeline: pd.DataFrame) -> dict[str, Path]:
-        """memory_timeline.png (this run's step; its plan simulated beside it where there is one)
-        and pareto.png (the sweep's finished runs and this one), written into the run dir.
-        A plot that fails is left out with a warning: images never cost the run."""
-        import json
-        import warnings
-
-        images = {}
-        try:
-            from hbp.report.plots import plot_memory_timeline
-
-            if timeline is not None and not timeline.empty:
-                plan = planned = None
-                if (self.run_dir / PLAN_FILE).is_file() and (self.run_dir / "graph.json").is_file():
-                    from hbp.analysis.simulate import simulate
-                    from hbp.graph.ir import Graph
-                    from hbp.planner.plan import Plan
-
-                    plan = Plan.from_dict(json.loads((self.run_dir / PLAN_FILE).read_text()))
-                    if not plan.schedule:  # NOTE [ Explicit schedules ]: not the simulator's
-                        planned = simulate(Graph.from_json(self.run_dir / "graph.json"), plan)
-                images["memory_timeline"] = plot_memory_timeline(
-                    {str(summary.get("mode")): timeline},
-                    self.run_dir / "memory_timeline.png",
-                    title=f"{summary.get('workload')} ({summary.get('profile')})",
-                    plan=plan,
-                    planned=planned,
-                )
-            from hbp.analysis.collect import collect
-            from hbp.analysis.pareto import pareto_table, plot_pareto
-
-            frames = [pd.json_normalize([jsonable(summary)], sep=".")]
-            if self.sweep_dir is not None and self.sweep_dir.is_dir():
-                frames.insert(0, collect(self.sweep_dir))
-            table = pareto_table(pd.concat(frames, ignore_index=True))
-            if not table.empty:
-                images["pareto"] = plot_pareto(table, self.run_dir / "pareto.png")
-        except Exception as error:  # noqa: BLE001 - a plot never costs the run
-            warnings.warn(f"wandb images left out: {type(error).__name__}: {error}", stacklevel=2)
-        return images
 
 
 PLAN_FILE = "plan.json"

@@ -92,8 +92,9 @@ PROFILES = {
         patch_size=4,
         num_labels=4,
     ),
-    # The bench's size on CPU (README "HCModule vs each library's own checkpointing"):
-    # activations several times the parameter gradients, a step in about a second.
+    # The bench's size on CPU (docs/results.md "HCModule against each library's own
+    # checkpointing"): activations several times the parameter gradients, a step in about a
+    # second.
     "small": HFConfig(
         n_layer=4,
         d_model=128,

@@ -114,8 +114,8 @@ def rss_growth(fn, *args) -> tuple[int, float, Any]:
 # in that window still holds the previous call's temp, so the next call's growth is measured
 # from too high a level and a large program looks smaller than it is (the error grows with the
 # program's temp: it hits `jax.jit(jax.grad(f))` hardest, and makes a saving look smaller).
-# The baseline is therefore read once the resident size has stopped falling. Figures: the
-# README's JAX section.
+# The baseline is therefore read once the resident size has stopped falling. Figures:
+# docs/jax.md "One program's memory against the plan".
 
 
 def _settled_rss(timeout_s: float = 3.0, interval_s: float = 0.02, calm: int = 4) -> int:

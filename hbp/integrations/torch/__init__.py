@@ -16,7 +16,7 @@ forms: `hbp.planner.budget`.
 
 from __future__ import annotations
 
-from hbp.graph.torch_capture import MODULE
+from hbp.graph.torch.capture import MODULE
 from hbp.integrations.torch.enable import disable, enable, engine_of, is_enabled
 from hbp.integrations.torch.module import DEFAULT_BUDGET, HCModule
 from hbp.integrations.torch.planning import Compiled, plan_summary

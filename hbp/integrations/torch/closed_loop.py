@@ -14,13 +14,13 @@ from torch.utils._pytree import tree_flatten
 
 from hbp.errors import BudgetError
 from hbp.integrations.torch.outputs import grad_leaves
-from hbp.planner.plan import MIB
 from hbp.runtime.tracker import (
     close_open_windows,
     foreign_profiler_running,
     profiler_peak_bytes,
     release_results,
 )
+from hbp.units import MIB
 
 # a measurement still recording when the process exits: a CPU profiler left running then
 # crashes the interpreter's shutdown

@@ -8,9 +8,10 @@ import warnings
 import torch
 
 from hbp.errors import BudgetError
-from hbp.graph.torch_capture import MODULE
-from hbp.planner.plan import MIB, any_pinned
-from hbp.runtime.executor import make_executor
+from hbp.graph.torch.capture import MODULE
+from hbp.planner.plan import any_pinned
+from hbp.runtime.executors.segments import make_executor
+from hbp.units import MIB
 
 # NOTE [ torch.compile of an HCModule ]
 # Dynamo cannot trace the plan as one graph and keep its memory: the executor's nested
@@ -20,7 +21,7 @@ from hbp.runtime.executor import make_executor
 # scheduler, not the plan, would decide what is saved and when it is freed (nested
 # recomputation flattened to one level). So torch.compile(hc) stops at HCModule's forward
 # (a graph break, `torch.compiler.disable`), and the forward runs the plan with each
-# segment compiled on its own (`hbp.runtime.executor`, NOTE [ Compiled segments ]), as
+# segment compiled on its own (`hbp.runtime.executors.segments`, NOTE [ Compiled segments ]), as
 # HCModule(..., compile=True) does. Code around the call (a compiled function that calls
 # hc and computes the loss) is compiled as usual.
 # Dynamo does not always trace forward: a frame entered under a dispatch mode (a FLOP

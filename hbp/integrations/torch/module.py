@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hbp.errors import ConfigError
-from hbp.graph.torch_capture import CapturedGraph
+from hbp.graph.torch.capture import CapturedGraph
 from hbp.integrations.torch.closed_loop import ClosedLoop, StepPeakProbe
 from hbp.integrations.torch.compile import CompiledSegments, dynamo_callback_set
 from hbp.integrations.torch.loss import with_loss
@@ -28,8 +28,8 @@ DEFAULT_BUDGET = "50%act"
 # On the first training call for an input signature (shapes, dtypes, devices, requires_grad,
 # None-ness and values of non-tensor arguments, train/eval flags, grad and autocast modes, the
 # parameters' identity, dtype, device and requires_grad) the module is captured
-# (`hbp.graph.torch_capture.capture`), the least-recompute plan that fits the budget is made
-# (`hbp.planner.plan`), and an executor is built (`hbp.runtime.executor`); all three are cached
+# (`hbp.graph.torch.capture.capture`), the least-recompute plan that fits the budget is made
+# (`hbp.planner.plan`), and an executor is built (`hbp.runtime.executors.segments`); all three are cached
 # per signature (planning.py). Under `torch.no_grad()` / `torch.inference_mode()`, or when
 # nothing requires grad, the wrapped module just runs; in eval mode too, unless
 # `plan_in_eval=True`. Like `torch.utils.checkpoint`, recomputation re-runs forward code during

@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
-from hbp.planner.plan import MIB
+from hbp.units import MIB
 
 # NOTE [ Outputs the caller lets go ]
 # Whether the caller keeps the module's outputs until backward ends changes the step's peak by

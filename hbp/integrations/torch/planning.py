@@ -14,12 +14,12 @@ from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
-from hbp.graph.torch_capture import MODULE, CapturedGraph, ambient_modes, capture
+from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, capture
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.planner.budget import BudgetKind
 from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
-from hbp.runtime.executor import make_executor, per_call_plan
+from hbp.runtime.executors.segments import make_executor, per_call_plan
 from hbp.runtime.heap import return_freed_heap
 from hbp.runtime.tracker import foreign_profiler_running
 
@@ -67,9 +67,9 @@ def user_hooks(module: nn.Module) -> list:
 
 
 def _calibrate_scratch(captured: CapturedGraph, root: nn.Module, args, kwargs) -> bool:
-    """Kernel workspace per op, measured by the allocator (`hbp.runtime.calibrate_scratch`);
+    """Kernel workspace per op, measured by the allocator (`hbp.graph.torch.calibrate`);
     False when it could not be measured (a profiler is running)."""
-    from hbp.runtime.calibrate_scratch import calibrate_scratch
+    from hbp.graph.torch.calibrate import calibrate_scratch
 
     return calibrate_scratch(captured, args, kwargs) is not None
 

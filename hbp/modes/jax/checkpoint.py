@@ -9,7 +9,8 @@ its input).
 .. warning::
     On XLA:CPU, `jax.checkpoint` inside one `jax.jit` program does not lower the compiled
     memory: a CPU pass strips its optimisation barriers and CSE merges the recomputation back
-    into the forward (README "JAX on XLA:CPU"). The bench measures what XLA compiled.
+    into the forward (docs/jax.md "Recomputation under the caller's jax.jit"). The bench
+    measures what XLA compiled.
 """
 
 from __future__ import annotations

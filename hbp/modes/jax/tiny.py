@@ -23,7 +23,7 @@ class JaxTinyMode:
 
     def __init__(
         self,
-        budget: float | int | str = 0.3,
+        budget: float | int | str = "min",
         block_size: int = 1,
         planner: str = "optimal",
         chunked_loss: bool = False,
@@ -83,8 +83,20 @@ class JaxTinyMode:
         return out
 
     def summary(self) -> str:
-        """The plan, readable (printed by the bench before it measures)."""
-        return str(self.plan) if self.plan is not None else "tiny: not planned yet"
+        """The plan in three lines (`hbp.modes.plan_text`), printed by the bench before it
+        measures; the whole plan is the run's plan.json."""
+        if self.plan is None:
+            return "tiny: not planned yet"
+        from hbp.modes.plan_text import plan_lines
+
+        nodes = len(self.graph) if self.graph is not None else len(self.plan.segments)
+        return plan_lines(
+            self.plan,
+            budget=self.budget,
+            planner=self.planner,
+            captured=f"jaxpr capture, {nodes} nodes",
+            chunked_loss=False,
+        )
 
     def artifacts(self) -> dict[str, str]:
         """plan.json and graph.json (the captured jaxpr in hbp's IR; the plan's node indices

@@ -1,0 +1,542 @@
+"""Kernel workspace per op, measured by the allocator (after `capture`, before planning).
+
+Fake tensors tell the capture what every op's tensors cost, not what its kernels allocate and
+free inside (a convolution's im2col buffers, a matmul's packing, attention's blocks): memory no
+tensor holds, which the allocator sees and which decides out-of-memory. This stage runs each
+distinct op signature of a captured graph once on real tensors, forward and backward, under
+the allocator (`hbp.runtime.tracker.allocator_peak`), and raises the node's
+`forward_scratch_bytes` / `backward_scratch_bytes` to what the allocator needed beyond the
+bytes the IR already models at that event:
+
+- forward: `output_bytes + saved_extra_bytes + forward_scratch_bytes` (the simulator charges
+  exactly these at the node's forward event);
+- backward: `param_grad_bytes` + the gradients of its inputs that are not passed through +
+  `backward_scratch_bytes`.
+
+    captured = capture(module, args, kwargs)
+    calibrate_scratch(captured, args, kwargs)   # the call the capture was made for
+
+An op signature is the op (function, method, or the module's class and `repr`, which holds
+its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments,
+the values of the others and the layout of its output gradient (a slice of a `torch.cat`'s
+gradient, the output's own layout, or the strides its users' backwards hand it: NOTE [ The
+layout of an output's gradient ]): measured once per process (`_CACHE`), so a model of
+repeated blocks costs one measurement per distinct layer.
+
+Values are produced by running the graph on the real inputs (once, and once more per step of
+a gradient layout's way back where one differs) under `no_grad` (each value dropped after its
+last user); the module's state is kept: buffers (BatchNorm statistics) are put back and the
+RNG state restored. Skipped: views and in-place results (no storage of their own; views are
+run for the layouts of gradients), ops that mutate an input or a buffer, and ops that fail to
+run alone. The allocator is read with no dispatch mode
+active; under a profiler other than hbp's own measurements (CPU) nothing is measured, since
+profiler sessions do not nest (`calibrate_scratch` returns None: measure again outside it),
+and on CUDA the peak statistics are reset (do not calibrate inside a step measured with
+`max_memory_allocated`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from hbp.graph.ir import Node
+from hbp.graph.torch.capture import MODES, CapturedGraph, enter_modes
+from hbp.graph.torch.fallback import _buffers_restored
+from hbp.runtime.tracker import allocator_peak, foreign_profiler_running
+
+__all__ = ["calibrate_scratch", "clear_cache"]
+
+#: A gradient layout: the strides of a gradient, None for the output's own layout.
+Strides = tuple[int, ...]
+#: (op signature, cat dim, output gradient's strides or None) -> (forward allocator peak,
+#: backward allocator peak, bytes; the strides of the gradient each input got, or None)
+_CACHE: dict[tuple, tuple[int, int, tuple[Strides | None, ...]]] = {}
+#: How many more passes follow a gradient layout back through the graph (NOTE [ The layout
+#: of an output's gradient ]); one per op it goes through.
+MAX_LAYOUT_PASSES = 8
+
+
+def calibrate_scratch(
+    captured: CapturedGraph, args: tuple = (), kwargs: dict | None = None
+) -> int | None:
+    """Raise the scratch fields of `captured.graph`'s nodes to what the allocator measures.
+
+    Args:
+        captured: an op-level capture (`hbp.graph.torch.capture.capture`); a module-level one
+            is left as it is.
+        args, kwargs: the call the capture was made for (`module(*args, **kwargs)`).
+
+    Returns:
+        The number of nodes whose scratch fields were raised; None when nothing could be
+        measured because a profiler outside hbp is running (CPU).
+    """
+    gm = captured.gm
+    if gm is None:
+        return 0
+    arguments = captured.placeholder_values(args, kwargs or {})
+    if _on_cpu(arguments, gm) and foreign_profiler_running():  # profilers cannot nest
+        return None
+    with _disable_current_modes(), _state_kept(gm), torch.no_grad():
+        layouts = _Layouts()
+        raised = _calibrate_pass(captured, arguments, layouts)
+        for _ in range(MAX_LAYOUT_PASSES):  # NOTE [ The layout of an output's gradient ]
+            pending = layouts.take_pending()
+            if not pending:
+                break
+            raised += _calibrate_pass(captured, arguments, layouts, only=pending)
+    return raised
+
+
+class _Layouts:
+    """The gradient layouts found for each value and not yet measured with (NOTE [ The layout
+    of an output's gradient ])."""
+
+    def __init__(self) -> None:
+        self.done: set[tuple[fx.Node, Strides]] = set()
+        self.pending: dict[fx.Node, set[Strides]] = {}
+
+    def add(self, node: fx.Node, strides: Strides) -> None:
+        if (node, strides) not in self.done:
+            self.done.add((node, strides))
+            self.pending.setdefault(node, set()).add(strides)
+
+    def take_pending(self) -> dict[fx.Node, set[Strides]]:
+        pending, self.pending = self.pending, {}
+        return pending
+
+
+def _calibrate_pass(
+    captured: CapturedGraph,
+    arguments: list[Any],
+    layouts: _Layouts,
+    only: dict[fx.Node, set[Strides]] | None = None,
+) -> int:
+    """Measure every measurable op with its output's own gradient layout, or (`only`) the ops
+    given with each of their gradient layouts given, and raise their scratch fields. Each
+    measured backward adds to `layouts` the inputs' values whose gradient came back in another
+    layout than the value's own. With `only`, views are measured too (backward only): a
+    gradient's layout comes back through them, and they copy one they cannot view back."""
+    gm, raised = captured.gm, 0
+    for node, values in _run_graph(gm, captured, arguments, until=only):
+        if only is not None and node not in only:
+            continue
+        ir_node, view = _measurable(captured, node), None
+        if ir_node is None and only is not None:  # a layout comes back through views
+            view = _view(captured, node)
+        if ir_node is None and view is None:
+            continue
+        seeds = [None] if only is None else sorted(only[node])
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
+        cat_dim = _cat_dim(node) if only is None else None
+        signature = _signature(gm, node, args, kwargs)
+        for strides in seeds:
+            key = (signature, cat_dim, strides)
+            if key not in _CACHE:
+                measured = _measure(gm, node, args, kwargs, cat_dim, strides)
+                if measured is None:
+                    continue
+                _CACHE[key] = measured
+            forward, backward, grad_strides = _CACHE[key]
+            if view is None:
+                raised += _raise_fields(captured, ir_node, forward, backward)
+            else:  # a view's backward copies a gradient that cannot be viewed back
+                raised += _raise_fields(captured, view, 0, backward)
+            _record_layouts(captured, node, values, grad_strides, layouts)
+    return raised
+
+
+def _record_layouts(
+    captured: CapturedGraph,
+    node: fx.Node,
+    values: _Values,
+    grad_strides: tuple[Strides | None, ...],
+    layouts: _Layouts,
+) -> None:
+    """Add to `layouts` each input value of `node` whose gradient came back in strides other
+    than its own (and the op whose storage it aliases with its shape and strides)."""
+    for source, strides in zip(_leaf_sources(node, values), grad_strides):
+        if strides is None or source is None:
+            continue
+        own = values.strides(source)
+        if own is None or own == strides:
+            continue
+        layouts.add(source, strides)
+        root = _same_layout_root(captured, source)
+        if root is not None:
+            layouts.add(root, strides)
+
+
+def _view(captured: CapturedGraph, node: fx.Node) -> Node | None:
+    """`node`'s IR node if it is a view of another value (not an input, mutating nothing)."""
+    try:
+        ir_node = captured.ir_node(node)
+    except KeyError:
+        return None
+    if ir_node.alias_of is None or ir_node.is_input:
+        return None
+    if ir_node.name in captured.mutated_inputs or ir_node.name in captured.mutated_attrs:
+        return None
+    return ir_node
+
+
+def _same_layout_root(captured: CapturedGraph, node: fx.Node) -> fx.Node | None:
+    """The op whose storage `node` aliases, when `node` has that value's shape and strides
+    (exported graphs put `broadcast_tensors` and `getitem` between an output and
+    `mse_loss`): the gradient the alias gets back is the root's, in the same layout. None
+    otherwise, or where the graph records no fake values."""
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    root = node
+    for _ in range(len(by_name)):
+        try:
+            alias = captured.ir_node(root).alias_of
+        except KeyError:
+            return None
+        if alias is None or alias not in by_name:
+            break
+        root = by_name[alias]
+    if root is node:
+        return None
+    mine, theirs = node.meta.get("val"), root.meta.get("val")
+    if not (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)):
+        return None
+    if mine.shape != theirs.shape or mine.stride() != theirs.stride():
+        return None
+    return root
+
+
+def clear_cache() -> None:
+    """Forget every measured op signature (e.g. after a change of allocator settings)."""
+    _CACHE.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# Running the graph on real values
+# ---------------------------------------------------------------------------------------
+
+
+class _Values:
+    """The real values of the fx nodes run so far, and their measurement copies."""
+
+    def __init__(self, gm: fx.GraphModule, captured: CapturedGraph):
+        self.gm, self.captured = gm, captured
+        self.env: dict[fx.Node, Any] = {}
+
+    def prepare(self, arg: Any) -> Any:
+        """An argument for a measured run: a node's value with its tensors detached and
+        requiring grad as in the training step (parameters as they are)."""
+        if not isinstance(arg, fx.Node):
+            return arg
+        if arg.op == "get_attr":
+            return _fetch_attr(self.gm, arg.target)
+        requires_grad = self._requires_grad(arg)
+
+        def fresh(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.detach()
+            if requires_grad and (t.is_floating_point() or t.is_complex()):
+                t.requires_grad_(True)
+            return t
+
+        return tree_map(fresh, self.env[arg])
+
+    def strides(self, arg: fx.Node) -> Strides | None:
+        """The strides of `arg`'s value where it is one tensor, else None."""
+        value = self.env.get(arg)
+        return tuple(value.stride()) if isinstance(value, torch.Tensor) else None
+
+    def _requires_grad(self, arg: fx.Node) -> bool:
+        try:
+            return self.captured.ir_node(arg).requires_grad
+        except KeyError:  # an fx node that is no IR node (e.g. an unused value)
+            return False
+
+
+def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any], until=None):
+    """Yield (fx node, values) for every op node, its inputs' values available, running the
+    graph on the real inputs (no grad) as it goes and dropping each value after its last
+    user; with `until` (fx nodes), only as far as the last of them."""
+    values = _Values(gm, captured)
+    env = values.env
+    nodes = list(gm.graph.nodes)
+    if until is not None:
+        nodes = nodes[: max((i for i, n in enumerate(nodes) if n in until), default=-1) + 1]
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last_use[arg] = i
+    placeholders = iter(arguments)
+    for i, node in enumerate(nodes):
+        if node.op == "output":
+            break
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "get_attr":
+            env[node] = _fetch_attr(gm, node.target)
+        else:
+            yield node, values
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            env[node] = _run_node(gm, node, args, kwargs)
+        for arg in node.all_input_nodes:
+            if last_use.get(arg) == i:
+                env.pop(arg, None)
+
+
+def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+    modes = node.meta.get(MODES)
+    with enter_modes(modes) if modes else contextlib.nullcontext():
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            obj, *rest = args
+            return getattr(obj, node.target)(*rest, **kwargs)
+        # `forward`, not `__call__`: the module's hooks must not see the calibration
+        return gm.get_submodule(node.target).forward(*args, **kwargs)
+
+
+def _fetch_attr(root: nn.Module, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def _state_kept(gm: fx.GraphModule):
+    """Put buffers (BatchNorm statistics, counters) and the RNG state back afterwards."""
+    devices = [b.device for b in gm.buffers() if b.device.type == "cuda"]
+    with torch.random.fork_rng(devices=list(dict.fromkeys(devices))), _buffers_restored(gm):
+        yield
+
+
+def _on_cpu(arguments: list[Any], gm: fx.GraphModule) -> bool:
+    tensors = [t for t in tree_leaves(arguments) if isinstance(t, torch.Tensor)]
+    tensors += list(gm.parameters())
+    return not tensors or tensors[0].device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring one op
+# ---------------------------------------------------------------------------------------
+
+
+def _measurable(captured: CapturedGraph, node: fx.Node) -> Node | None:
+    """The IR node of `node` if its scratch can be measured alone, else None."""
+    try:
+        ir_node = captured.ir_node(node)
+    except KeyError:
+        return None
+    if ir_node.is_input or ir_node.alias_of is not None:
+        return None
+    if ir_node.name in captured.mutated_inputs or ir_node.name in captured.mutated_attrs:
+        return None
+    return ir_node
+
+
+def _signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device), v.requires_grad)
+        if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.device)):
+            return v
+        return repr(v)
+
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        params = tuple(describe(p) for p in module.parameters())
+        op = ("module", type(module).__qualname__, repr(module), module.training, params)
+    else:
+        op = (node.op, str(node.target))
+    leaves = tuple(describe(v) for v in tree_leaves((args, kwargs)))
+    return (op, node.meta.get(MODES), leaves)
+
+
+def _measure(
+    gm: fx.GraphModule,
+    node: fx.Node,
+    args,
+    kwargs,
+    cat_dim: int | None = None,
+    strides: Strides | None = None,
+) -> tuple[int, int, tuple[Strides | None, ...]] | None:
+    """(forward, backward, grad_strides) of one run of `node` on `args`: the allocator peaks
+    above the level before each, bytes, and for each tensor leaf of (args, kwargs) the
+    strides of the gradient the backward returned for it (None: none, or one that is not
+    dense); None when the op cannot run alone. `strides`: the output gradient's (else the
+    output's own layout, or a slice of a `torch.cat`'s gradient)."""
+    leaves = tree_leaves((args, kwargs))
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
+    if device is None:
+        return None
+    grad_inputs = [t for t in leaves if _is_grad_leaf(t)]
+    if node.op == "call_module":
+        grad_inputs += [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
+    grad_inputs = list({id(t): t for t in grad_inputs}.values())
+    try:
+        with torch.enable_grad():
+            out, forward = allocator_peak(lambda: _run_node(gm, node, args, kwargs), device=device)
+        outputs = [
+            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
+        if not outputs or not grad_inputs:
+            # an op that returns its input itself (`.to` its own dtype) hands its gradient on
+            same = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+            return forward, 0, tuple(strides if id(t) in same else None for t in leaves)
+        seed_bytes: list[int] = []
+
+        def seeds() -> list[torch.Tensor]:
+            made = [_seed_like(t, cat_dim, strides) for t in outputs]
+            seed_bytes.extend(t.untyped_storage().nbytes() for t in made)
+            return made
+
+        with torch.enable_grad():
+            anchor = _SeededGradients.apply(seeds, *outputs)
+        one = torch.ones_like(anchor)  # made before the window, as the step's loss gradient
+        grads, backward = allocator_peak(
+            torch.autograd.grad, anchor, grad_inputs, one, allow_unused=True, device=device
+        )
+        backward = max(0, backward - sum(seed_bytes))  # the step holds its gradient already
+    except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
+        return None
+    by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
+    return forward, backward, tuple(_dense_strides(by_id.get(id(t))) for t in leaves)
+
+
+class _SeededGradients(torch.autograd.Function):
+    """A scalar whose backward hands the op's outputs the gradients `make()` creates. The
+    engine then owns them alone and frees each once the autograd node that reads it is done,
+    as in the step, where a gradient passed to `torch.autograd.grad` would stay referenced
+    through the whole backward: an op run as several autograd nodes (a batched matmul's
+    reshape, then its bmm) would be charged its incoming gradient beside a copy of it that
+    replaces it in the step."""
+
+    @staticmethod
+    def forward(ctx, make, *outputs):
+        ctx.make = make
+        return torch.zeros((), device=outputs[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.make())
+
+
+def _dense_strides(t: torch.Tensor | None) -> Strides | None:
+    """`t`'s strides where they lay it out densely (no gaps, no overlaps), else None."""
+    if t is None or t.is_sparse:
+        return None
+    expected = 1  # the dims by stride must tile the storage exactly
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
+
+
+def _cat_dim(node: fx.Node) -> int | None:
+    """The dimension of the `torch.cat` that is the only user of `node`, else None."""
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_function" and users[0].target in _CATS:
+        cat = users[0]
+        dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+        return dim if isinstance(dim, int) else None
+    return None
+
+
+# NOTE [ The layout of an output's gradient ]
+# An op's backward workspace depends on the layout of the gradient it receives: a convolution
+# whose input is channels-last (in diffusers' decoders, after attention's (B, HW, C) result is
+# reshaped back to an image) runs its backward channels-last and copies a row-major output
+# gradient; a convolution whose output is permuted to (B, T, C) for linear layers (Whisper's
+# front end, SD3's patch embedding) gets its gradient transposed and copies it contiguous: a
+# copy as big as the output either way. The layout is decided by the backwards of the op's
+# users and of everything after them (a GroupNorm's backward returns a row-major gradient;
+# a linear's returns one for its permuted input, which the permute's backward hands on
+# transposed, and an elementwise op's backward keeps that layout), which one op run alone
+# cannot see. So the layout is followed back through the graph, one op per pass: the first
+# pass measures each op with a gradient of its output's own layout, and each measured backward
+# records the strides of the gradient each input got; a value whose gradient came back in
+# other strides than its own is measured again with a gradient of those strides in the next
+# pass (views too: the layout comes back through them, and a view's backward copies a
+# gradient it cannot view back, a reshape's of a permuted one), which records
+# where that layout goes next, until no new layout is found (at most MAX_LAYOUT_PASSES more
+# passes, each re-running the graph's forward). Each op is charged the largest workspace over
+# the layouts it gets. A view with its root's shape and strides (exported graphs'
+# `broadcast_tensors` before `mse_loss`) hands the layout on to its root directly. Where a
+# value has several users, each user's layout is measured (autograd sums them; the first
+# one's layout is what the sum usually keeps).
+
+
+def _leaf_sources(node: fx.Node, values: _Values) -> list[fx.Node | None]:
+    """For each tensor leaf of `node`'s prepared (args, kwargs), the fx node it is the value
+    of (None for constants and attributes), in `tree_leaves` order."""
+
+    def sources(arg: Any) -> Any:
+        if not isinstance(arg, fx.Node):
+            return arg
+        if arg.op == "get_attr":
+            return tree_map(lambda _: None, _fetch_attr(values.gm, arg.target))
+        return tree_map(lambda _: arg, values.env[arg])
+
+    tree = fx.node.map_aggregate((node.args, node.kwargs), sources)
+    return [leaf if isinstance(leaf, fx.Node) else None for leaf in tree_leaves(tree)]
+
+
+def _seed_like(
+    t: torch.Tensor, cat_dim: int | None, strides: Strides | None = None
+) -> torch.Tensor:
+    """The output gradient for a measured backward, laid out as the step's will be: `strides`
+    where a user's backward hands them back (NOTE [ The layout of an output's gradient ]); a
+    value whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous
+    across channels: a convolution's backward copies it, which is workspace too); else one of
+    the output's layout."""
+    if strides is not None and len(strides) == t.dim():
+        seed = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+        return seed.fill_(1)
+    if cat_dim is None or t.dim() == 0:
+        return torch.ones_like(t)
+    dim = cat_dim % t.dim()
+    shape = list(t.shape)
+    shape[dim] *= 2
+    return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
+
+
+# torch.fx graphs call the Python functions; exported graphs the ATen ops.
+_CATS = (
+    torch.cat,
+    torch.concat,
+    torch.concatenate,
+    torch.ops.aten.cat.default,
+    torch.ops.aten.concat.default,
+    torch.ops.aten.concatenate.default,
+)
+
+
+def _is_grad_leaf(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
+
+
+def _raise_fields(captured: CapturedGraph, node: Node, forward: int, backward: int) -> int:
+    """Raise `node`'s scratch fields so its modelled events cover the measured peaks."""
+    graph = captured.graph
+    raised = 0
+    modelled = node.output_bytes + (node.saved_extra_bytes if node.requires_grad else 0)
+    if forward - modelled > node.forward_scratch_bytes:
+        node.forward_scratch_bytes = forward - modelled
+        raised = 1
+    passthrough = set(node.grad_passthrough)
+    grads = sum(
+        graph.node(name).gradient_bytes
+        for name in dict.fromkeys(node.inputs)
+        if name not in passthrough
+    )
+    if backward - node.param_grad_bytes - grads > node.backward_scratch_bytes:
+        node.backward_scratch_bytes = backward - node.param_grad_bytes - grads
+        raised = 1
+    return raised

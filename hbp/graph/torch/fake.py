@@ -1,0 +1,209 @@
+"""Fake values for the capture stages: real tensors as fake ones with the same storage
+identities (`_Faker`), running one fx node on them (`_run_fx_node`), and the CPU kernels whose
+fake (meta) kernels allocate other sizes than the real ones (`_RealStorageSizes`).
+
+Fake tensors (`FakeTensorMode`) have real shapes, dtypes and devices and no memory; the device
+is kept, so device-dependent kernels and decompositions are the same as in the real run (CPU
+flash attention, CPU dropout's float mask)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+from hbp.graph.torch.modes import MODES, enter_modes
+
+_aten = torch.ops.aten
+
+
+# CPU loss kernels that return their (0-dim) reduced loss as a view of an unreduced buffer the
+# size of the input, which meta/fake kernels cannot know: aten op -> position of `reduction`.
+_CPU_UNREDUCED_LOSSES = {
+    _aten.mse_loss.default: 2,
+    _aten.smooth_l1_loss.default: 2,
+    _aten.soft_margin_loss.default: 2,
+    _aten.binary_cross_entropy.default: 3,
+}
+
+
+# CPU ops whose meta kernel gets the size of an output wrong: oneDNN's LSTM layer returns its
+# workspace (kept for backward, ~15x the layer's output) as an empty tensor. Learning the real
+# size runs the real kernel once, on zeros: the capture briefly allocates what the step will.
+_CPU_WRONG_META_SIZES = {_aten.mkldnn_rnn_layer.default}
+
+
+class _RealStorageSizes(TorchDispatchMode):
+    """Where fake kernels allocate other sizes than the real ones (see above): records the
+    real size of unreduced loss buffers, and re-makes the outputs of `_CPU_WRONG_META_SIZES`
+    ops at their real sizes (learnt by running the real kernel once on zeros of the same
+    shapes), so that what they save and hold is charged right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _CPU_WRONG_META_SIZES and all(t.device.type == "cpu" for t in _tensors(args)):
+            return _resized_like_real(func, args, kwargs, out)
+        position = _CPU_UNREDUCED_LOSSES.get(func)
+        if position is not None:
+            x = args[0]
+            reduction = args[position] if len(args) > position else kwargs.get("reduction", 1)
+            if x.device.type == "cpu" and reduction != 0:
+                self.sizes[_storage_key(out)] = x.numel() * x.element_size()
+        return out
+
+
+def _resized_like_real(func, args, kwargs, fake_out):
+    """`fake_out` with every tensor whose real counterpart has another storage size replaced
+    by a fake copy of the real one (run on zero-filled real inputs of the same shapes)."""
+    fake_mode = next(t.fake_mode for t in _tensors(args) if isinstance(t, FakeTensor))
+
+    def zeros(x):
+        return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+
+    with _disable_current_modes(), unset_fake_temporarily():  # grad mode as is: it matters
+        real_args, real_kwargs = tree_map(zeros, (args, kwargs))
+        real_out = func(*real_args, **real_kwargs)
+    fake_leaves, spec = tree_flatten(fake_out)
+    real_leaves, _ = tree_flatten(real_out)
+    fixed = [
+        fake_mode.from_tensor(r)
+        if isinstance(f, torch.Tensor)
+        and isinstance(r, torch.Tensor)
+        and f.untyped_storage().nbytes() != r.untyped_storage().nbytes()
+        else f
+        for f, r in zip(fake_leaves, real_leaves, strict=True)
+    ]
+    return tree_unflatten(fixed, spec)
+
+
+class _Faker:
+    """Converts real tensors to fake ones: same shape, dtype, device and requires_grad, and
+    one fake storage per real storage (so storage identity, hence aliasing, carries over)."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake of a persistent tensor (parameter, buffer, constant): one per tensor."""
+        if isinstance(t, FakeTensor):
+            return t
+        hit = self._memo.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        fake = self.mode.from_tensor(t, static_shapes=True)
+        self._memo[id(t)] = (t, fake)
+        return fake
+
+    def fresh(self, t: torch.Tensor) -> torch.Tensor:
+        """A new fake leaf for an input tensor (requires_grad as `t`)."""
+        if isinstance(t, FakeTensor):
+            return t
+        fake = self.mode.from_tensor(t.detach(), static_shapes=True)
+        return fake.requires_grad_(True) if t.requires_grad else fake
+
+    def tree(self, value: Any, *, fresh: bool = False) -> Any:
+        convert = self.fresh if fresh else self.tensor
+        return tree_map(lambda x: convert(x) if isinstance(x, torch.Tensor) else x, value)
+
+    def state_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Fake parameters and buffers of `module`, by name (tied names share one fake)."""
+        state = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        return {k: self.tensor(v) for k, v in state.items() if v is not None}
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _requires_grad(value: Any) -> bool:
+    return any(t.requires_grad for t in _tensors(value))
+
+
+def _call_module(faker: _Faker | None, module: nn.Module, args, kwargs):
+    """Run `module.forward` (no hooks) with fake state, or real state if `faker` is None."""
+    if faker is None:
+        return module.forward(*args, **kwargs)
+    with _reparametrize_module(module, faker.state_of(module)):
+        return module.forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _as_if_compiling() -> Iterator[None]:
+    """Library code skips host-syncing checks (`if bool((t < 0).any()): raise ...`) while
+    torch.compile traces, for the reason fake tensors cannot run them: the value is unknown."""
+    original = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = original
+
+
+def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
+    """Run one node on fake values, in its own modes (`MODES`); a node whose Python needs a
+    tensor's value (a host sync) is run again as torch.compile would see it."""
+    modes = node.meta.get(MODES)
+    with enter_modes(modes) if modes else contextlib.nullcontext():
+        try:
+            return _run_fx_node_once(node, root, faker, args, kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            with _as_if_compiling():
+                return _run_fx_node_once(node, root, faker, args, kwargs)
+
+
+def _run_fx_node_once(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        obj, *rest = args
+        return getattr(obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        return _call_module(faker, root.get_submodule(node.target), args, kwargs)
+    raise AssertionError(f"cannot run fx node {node.op}")
+
+
+def _fetch_attr(root: nn.Module, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _rng_preserved(module: nn.Module, arguments: dict) -> Iterator[None]:
+    """Restore the CPU RNG (and that of every CUDA device in use) on exit."""
+    tensors = _tensors(arguments) + list(module.parameters())
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        yield

@@ -1,0 +1,576 @@
+"""Trace stage, first try: torch.fx symbolic tracing specialised to the input signature.
+
+Why torch.fx symbolic tracing first: the executor must run the *user's own modules and
+parameters* eagerly, so that a recomputed segment re-runs exactly the code the plain model
+runs (same kernels, same dropout draws, same BatchNorm buffers, same tied `Parameter` objects
+receiving `.grad`). `torch.fx` keeps nn.Module leaves (Linear, Conv2d, BatchNorm2d, Dropout,
+...) as `call_module` nodes that call the real submodule, and the `GraphModule` holds the very
+same parameter objects. Where it fails (decorated forwards, `**kwargs`, `torch.is_tensor` on
+arguments: real models), the export stage (`hbp.graph.torch.export`) runs the forward's Python
+on fake tensors instead.
+
+Two refinements over plain `torch.fx.symbolic_trace`:
+- Shape specialisation. Capture is per input signature (HCModule caches per signature), so
+  every proxy carries the fake value of its node, and `x.size()`, `x.shape`, `x.dim()`,
+  `x.dtype`, `x.device`, `len(x)` return concrete values. Shape asserts and shape-dependent
+  Python (`b, t = idx.size(); assert t <= block_size`) trace; data-dependent control flow
+  (`if x.sum() > 0`) still fails, as it must. Tensor factories (`torch.arange`, `torch.rand`,
+  `torch.zeros`, ...) are recorded as graph nodes even when all their arguments are concrete,
+  so random draws are not baked into the graph as constants.
+- None-valued and scalar (bool/int/float/str) keyword arguments are `concrete_args`.
+
+Forward code that assigns module attributes: a traced value assigned to a registered buffer
+(`self.count += 1`, `self.ema = 0.9 * self.ema + ...`) is recorded as `buffer.copy_(value)`,
+so every call updates it; in-place updates of buffers (`self.running.mul_(0.9)`) stay in
+place. Assigning a Python value (`self.calls += 1`) is a side effect a graph cannot repeat:
+op-level capture fails and hbp falls back to module level, which runs the forward itself.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import inspect
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.fx._symbolic_trace import HAS_VARSTUFF
+
+from hbp.graph.torch.fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
+from hbp.graph.torch.modes import MODES, ambient_modes
+from hbp.graph.torch.outputs import OutputSlot, map_output
+
+# Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
+_FACTORIES = (
+    "arange empty empty_strided eye full linspace logspace normal ones rand randint randn "
+    "randperm scalar_tensor tensor tril_indices triu_indices zeros"
+).split()
+
+
+# torch.nn modules traced through rather than kept as leaves (see `_Tracer.is_leaf_module`).
+_TRACED_TORCH_NN = (
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+
+
+_CONCRETE_TYPES = (bool, int, float, str, torch.Size, torch.dtype, torch.device, torch.layout)
+
+
+class _ValueProxy(fx.Proxy):
+    """An fx Proxy that knows its node's fake value: shape queries return concrete values."""
+
+    def _value(self) -> Any:
+        return self.tracer.values.get(self.node, _MISSING)
+
+    def _tensor(self) -> torch.Tensor | None:
+        v = self._value()
+        return v if isinstance(v, torch.Tensor) else None
+
+    def _symbolic(self, method: str, *args):
+        return self.tracer.create_proxy("call_method", method, (self, *args), {})
+
+    def size(self, dim=None):
+        t = self._tensor()
+        if t is None:
+            return self._symbolic("size") if dim is None else self._symbolic("size", dim)
+        return t.size() if dim is None else t.size(dim)
+
+    def dim(self):
+        t = self._tensor()
+        return self._symbolic("dim") if t is None else t.dim()
+
+    def numel(self):
+        t = self._tensor()
+        return self._symbolic("numel") if t is None else t.numel()
+
+    @property
+    def shape(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "shape") if t is None else t.shape
+
+    @property
+    def ndim(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "ndim") if t is None else t.ndim
+
+    @property
+    def dtype(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "dtype") if t is None else t.dtype
+
+    @property
+    def device(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "device") if t is None else t.device
+
+    @property
+    def is_cuda(self):
+        t = self._tensor()
+        return fx.proxy.Attribute(self, "is_cuda") if t is None else t.is_cuda
+
+    def __len__(self):
+        v = self._value()
+        if v is _MISSING or not hasattr(v, "__len__"):
+            return super().__len__()
+        return len(v)
+
+    def __iter__(self):
+        v = self._value()
+        if isinstance(v, (tuple, list)):
+            return iter([self[i] for i in range(len(v))])
+        if isinstance(v, torch.Tensor) and v.dim() > 0:  # `q, k, v = qkv`: eager unbinds dim 0
+            parts = self._symbolic("unbind", 0)
+            return iter([parts[i] for i in range(v.shape[0])])
+        return super().__iter__()
+
+    def keys(self):
+        v = self._value()
+        return v.keys() if isinstance(v, dict) else super().keys()
+
+    def __bool__(self):
+        v = self._value()
+        if isinstance(v, (bool, int, float)):  # a specialised Python value, not a tensor
+            return bool(v)
+        return super().__bool__()
+
+    def __getattr__(self, k: str):
+        # Tensor methods stay lazy (`x.view(...)` becomes one call_method node). Plain
+        # attributes specialise: Python values (`x.requires_grad`, `x.is_leaf`) are returned
+        # as they are, tensors (`x.T`, `x.mT`) become getattr nodes that carry their value.
+        if k.startswith("__") or callable(getattr(torch.Tensor, k, None)):
+            return super().__getattr__(k)
+        v = self._value()
+        if isinstance(v, torch.Tensor):
+            try:
+                attr = getattr(v, k)
+            except Exception:  # noqa: BLE001
+                attr = _MISSING
+            if attr is None or isinstance(attr, _CONCRETE_TYPES):
+                return attr
+        return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
+
+
+# NOTE [ Decorated forwards ]
+# fx reads a forward's parameters through `functools.wraps` (`inspect.unwrap`) but rewrites
+# the wrapper's code to take them (`_patch_function`): a wrapper of `(*args, **kwargs)` has
+# too few local names for that ("co_varnames is too small"). transformers decorates most
+# forwards so (`can_return_tuple`, `check_model_inputs`, and since 5.24 `deprecate_kwarg` on
+# every causal LM's), which sent them all to the export tracer, and a model with a custom
+# autograd Function (Bloom's GeLU), which export cannot keep, to module level. So the
+# placeholders are made from the wrapped function and the trace calls the wrapper with them
+# by name, as the caller did: the wrapper's own Python (renaming deprecated arguments,
+# filling defaults, choosing the return type) runs on the proxies like the rest.
+
+
+class _Tracer(fx.Tracer):
+    """`torch.fx.Tracer` whose proxies carry fake values (see the module docstring)."""
+
+    def __init__(self, faker: _Faker, inputs: dict[str, Any]):
+        super().__init__(autowrap_modules=(math,))
+        # Buffers read in traced (non-leaf) code become get_attr nodes: `self.buf.add_(1)` is
+        # recorded, not run on the real buffer.
+        self.proxy_buffer_attributes = True
+        self.faker = faker
+        self.inputs = inputs  # placeholder target -> fake value
+        self.values: dict[fx.Node, Any] = {}
+        self.computing = False
+        self.value_errors: list[str] = []
+        self.base_modes = ambient_modes()  # nodes created in other modes record theirs
+        self.output_template: Any = None  # forward's return value, proxies as `OutputSlot`s
+        self.inlined_checkpoints = 0  # torch.utils.checkpoint calls traced through
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        # The graph returns the forward's proxies as one flat tuple; the containers around
+        # them (dicts, dataclasses, ModelOutput, namedtuples, lists) are kept aside as a
+        # template, so the executor returns exactly the types the module returns (fx would
+        # turn a dict subclass into an immutable_dict and a list into an immutable_list).
+        fn, args = self._root_args(root_fn, is_module, concrete_args)
+
+        def flat_output(*a):
+            proxies: list[fx.Proxy] = []
+
+            def slot(proxy: fx.Proxy) -> OutputSlot:
+                proxies.append(proxy)
+                return OutputSlot(len(proxies) - 1)
+
+            self.output_template = map_output(fn(*a), fx.Proxy, slot)
+            return tuple(proxies)
+
+        return flat_output, args
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ValueProxy(node, self)
+
+    def _root_args(self, root_fn, is_module, concrete_args):
+        """fx's placeholders for `root_fn`, and the function the trace calls with them; for
+        a decorated forward, one that calls the decorator's wrapper with them by name
+        (NOTE [ Decorated forwards ])."""
+        inner = inspect.unwrap(root_fn)
+        if inner is root_fn or not root_fn.__code__.co_flags & HAS_VARSTUFF:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        patched, args = super().create_args_for_root(inner, is_module, concrete_args)
+        if patched.__name__ == "flatten_fn":  # pytree-flattened inputs: fx's own way
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        code = inner.__code__
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        by_position = max(code.co_posonlyargcount, 1 if is_module else 0)
+
+        def through_the_wrapper(*values):
+            head, rest = list(values[: len(names)]), list(values[len(names) :])
+            star = rest.pop(0) if code.co_flags & inspect.CO_VARARGS else ()
+            extra = rest.pop(0) if code.co_flags & inspect.CO_VARKEYWORDS else {}
+            if star:  # a *args: everything before it goes by position
+                by_name = dict(zip(names[code.co_argcount :], head[code.co_argcount :]))
+                return root_fn(*head[: code.co_argcount], *star, **by_name, **extra)
+            by_name = dict(zip(names[by_position:], head[by_position:]))
+            return root_fn(*head[:by_position], **by_name, **extra)
+
+        return through_the_wrapper, args
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # torch.nn's transformer stacks are whole models, not ops: as leaves, a ViT built from
+        # nn.TransformerEncoder would be one node, with nothing to cut.
+        if isinstance(m, _TRACED_TORCH_NN):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+    # fx patches nn.Module.__call__ / __getattr__ while tracing; computing a value runs real
+    # module code on fake tensors, which must not be traced.
+    def call_module(self, m, forward, args, kwargs):
+        if self.computing:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.computing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, *rest, **kw):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest, **kw)
+        node = proxy.node
+        modes = ambient_modes()
+        if modes != self.base_modes and kind != "placeholder":
+            node.meta[MODES] = modes
+        if kind == "placeholder":
+            key = target if target in self.inputs else target.rsplit("_", 1)[0]
+            self.values[node] = self.inputs.get(key, _MISSING)
+        else:
+            self.values[node] = self._compute(node)
+        return proxy
+
+    def _value(self, node: fx.Node) -> Any:
+        if node not in self.values and node.op == "get_attr":
+            self.computing = True  # a real attribute, not the parameter proxy fx would give
+            try:
+                self.values[node] = self.faker.tree(_fetch_attr(self.root, node.target))
+            finally:
+                self.computing = False
+        return self.values.get(node, _MISSING)
+
+    def _compute(self, node: fx.Node) -> Any:
+        if node.op == "get_attr":
+            return self._value(node)
+        missing = []
+        args, kwargs = fx.node.map_aggregate(
+            (node.args, node.kwargs),
+            lambda a: self._lookup(a, missing) if isinstance(a, fx.Node) else a,
+        )
+        if missing:
+            return _MISSING
+        args, kwargs = self.faker.tree((args, kwargs))  # real tensor constants -> fake
+        self.computing = True
+        try:
+            with self.faker.mode:
+                return _run_fx_node(node, self.root, self.faker, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
+            self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
+            return _MISSING
+        finally:
+            self.computing = False
+
+    def _lookup(self, node: fx.Node, missing: list) -> Any:
+        v = self._value(node)
+        if v is _MISSING:
+            missing.append(node)
+        return v
+
+    @contextlib.contextmanager
+    def inlining_checkpoints(self) -> Iterator[None]:
+        """Within: `torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)` (reentrant or not,
+        also through `checkpoint_sequential`) just calls `fn(*args, **kwargs)`, so its ops are
+        traced and hbp's plan decides what is recomputed. Counted in `inlined_checkpoints`."""
+        tracer = self
+
+        class InlinedCheckpointFunction:  # stands in for the reentrant CheckpointFunction
+            @staticmethod
+            def apply(function, preserve_rng_state, *args):
+                tracer.inlined_checkpoints += 1
+                return function(*args)
+
+        def inlined_generator(fn, *args, **kwargs):  # non-reentrant: set-up, yield, tear-down
+            tracer.inlined_checkpoints += 1
+            yield
+
+        originals = (
+            torch_checkpoint.CheckpointFunction,
+            torch_checkpoint._checkpoint_without_reentrant_generator,
+        )
+        torch_checkpoint.CheckpointFunction = InlinedCheckpointFunction
+        torch_checkpoint._checkpoint_without_reentrant_generator = inlined_generator
+        try:
+            yield
+        finally:
+            (
+                torch_checkpoint.CheckpointFunction,
+                torch_checkpoint._checkpoint_without_reentrant_generator,
+            ) = originals
+
+    @contextlib.contextmanager
+    def recording_autograd_functions(self) -> Iterator[None]:
+        """Within: `SomeFunction.apply(...)` (a custom `torch.autograd.Function`) on traced
+        values becomes one graph node that calls `SomeFunction.apply`, so the executor runs the
+        Function itself, its own backward included (NOTE [ Custom autograd Functions ])."""
+        tracer = self
+
+        def apply(real_apply, cls, *args, **kwargs):
+            traced = []
+            fx.node.map_aggregate(
+                (args, kwargs), lambda a: traced.append(a) if isinstance(a, fx.Proxy) else a
+            )
+            if tracer.computing or not traced:
+                return real_apply(*args, **kwargs)
+            return tracer.create_proxy("call_function", _function_apply(cls), args, kwargs)
+
+        with function_apply_replaced(apply):
+            yield
+
+    @contextlib.contextmanager
+    def recording_buffer_assignments(self) -> Iterator[None]:
+        """Within: assigning a traced value to a registered buffer (`self.count += 1`,
+        `self.ema = 0.9 * self.ema + 0.1 * x`) is recorded as `buffer.copy_(value)`: each call
+        of the graph updates the buffer, as each call of the forward does."""
+        tracer = self
+        original = nn.Module.__setattr__
+
+        def setattr_recorded(mod: nn.Module, name: str, value: Any) -> None:
+            buffers = mod.__dict__.get("_buffers", {})
+            if isinstance(value, fx.Proxy) and buffers.get(name) is not None:
+                path = tracer.path_of_module(mod)
+                target = f"{path}.{name}" if path else name
+                buffer = tracer.create_proxy("get_attr", target, (), {})
+                tracer.create_proxy("call_method", "copy_", (buffer, value), {})
+                return
+            original(mod, name, value)
+
+        nn.Module.__setattr__ = setattr_recorded
+        try:
+            yield
+        finally:
+            nn.Module.__setattr__ = original
+
+    @contextlib.contextmanager
+    def recording_factories(self) -> Iterator[None]:
+        """Within: `torch.<factory>(...)` calls made by traced code become graph nodes."""
+        originals = {name: getattr(torch, name) for name in _FACTORIES}
+
+        def wrap(fn: Callable) -> Callable:
+            @functools.wraps(fn)
+            def factory(*args, **kwargs):
+                if self.computing:
+                    return fn(*args, **kwargs)
+                return self.create_proxy("call_function", fn, args, kwargs)
+
+            return factory
+
+        for name, fn in originals.items():
+            setattr(torch, name, wrap(fn))
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(torch, name, fn)
+
+
+# NOTE [ Custom autograd Functions ]
+# `torch.autograd.Function.apply` runs the Function's `forward` with grad mode off and links its
+# output to the Function's `backward`. Traced through like any Python, the forward's ops would
+# be recorded with grad mode off: their values would not require grad, and the executor would
+# let no gradient through them (BLOOM's `GeLUFunction`: the MLP's first Linear and the norm
+# before it got no gradient). Even with grad mode on, autograd would differentiate the
+# forward's ops instead of calling the Function's backward (a straight-through estimator's
+# identity gradient would become round()'s zero). So an applied Function is one node whose
+# target calls `apply`: outside tracing, the real one.
+
+_FUNCTION_APPLIES: dict[type, Callable] = {}
+
+
+@contextlib.contextmanager
+def function_apply_replaced(apply: Callable) -> Iterator[None]:
+    """Within: `SomeFunction.apply(*args, **kwargs)`, for every `torch.autograd.Function`,
+    calls `apply(real_apply, SomeFunction, *args, **kwargs)`, `real_apply` being the original
+    bound to the class (the symbolic trace and export each replace it: NOTE [ Custom autograd
+    Functions ])."""
+    original = torch.autograd.Function.__dict__["apply"]  # a classmethod
+
+    def replaced(cls, *args, **kwargs):
+        return apply(original.__get__(None, cls), cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(replaced)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def _function_apply(cls: type) -> Callable:
+    """The call_function target for `cls.apply` (one per Function class). Named after the
+    class and defined here so that fx's generated code refers to it as a global, never as
+    `torch.autograd.function.apply` (the inherited classmethod's own module and name)."""
+    if cls not in _FUNCTION_APPLIES:
+
+        def apply(*args, **kwargs):
+            return cls.apply(*args, **kwargs)
+
+        apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
+        _FUNCTION_APPLIES[cls] = apply
+    return _FUNCTION_APPLIES[cls]
+
+
+def _trace(
+    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: _Faker
+) -> tuple[fx.GraphModule, list[str], _Tracer]:
+    """Trace `module` specialised to `arguments` (forward parameter -> real value); return
+    the graph module, the forward parameter of each placeholder and the finished tracer."""
+    concrete, inputs = {}, {}
+    for name, value in arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            inputs["*" + name] = faker.tree(value, fresh=True)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            inputs["**" + name] = faker.tree(value, fresh=True)
+        elif value is None or type(value) in (bool, int, float, str):
+            concrete[name] = value
+            inputs[name] = value
+        else:
+            inputs[name] = faker.tree(value, fresh=True)
+    for t in (*module.parameters(), *module.buffers()):
+        faker.tensor(t)  # convert now: fx's patching during tracing makes it ~10x slower
+    tracer = _Tracer(faker, inputs)
+    state = _ModuleState(module)
+    try:
+        with (
+            tracer.recording_factories(),
+            tracer.inlining_checkpoints(),
+            tracer.recording_buffer_assignments(),
+            tracer.recording_autograd_functions(),
+        ):
+            graph = tracer.trace(module, concrete_args=concrete or None)
+        gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
+    finally:  # fx stores tensor constants on the traced module; forwards assign attributes
+        changed = state.restore()
+    # Leaf modules (run, not traced) may cache Python state of their own (an RNN's
+    # `_flat_weights`): only traced code's assignments are side effects the graph loses.
+    leaves = tuple(
+        path + "." for path, m in module.named_modules() if path and tracer.is_leaf_module(m, path)
+    )
+    python_state = [
+        name
+        for name, value in changed
+        if not isinstance(value, (fx.Proxy, torch.Tensor)) and not name.startswith(leaves)
+    ]
+    if python_state:
+        raise TypeError(
+            f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced graph "
+            "would not repeat that side effect on later calls"
+        )
+    _drop_concrete_arg_asserts(gm, concrete)
+    input_names = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            target = node.target.lstrip("*")
+            input_names.append(target if target in arguments else target.rsplit("_", 1)[0])
+    return gm, input_names, tracer
+
+
+class _ModuleState:
+    """The attributes of a module and of every submodule (`__dict__`, parameters, buffers,
+    children), to put back after tracing: traced code runs the forward's Python, so
+    `self.count += 1` or `self.cache = x` would otherwise leave proxies and counts behind,
+    and fx stores tensor constants on the root."""
+
+    def __init__(self, module: nn.Module):
+        self.saved = [
+            (name, m, dict(m.__dict__), {k: dict(getattr(m, k)) for k in self._DICTS})
+            for name, m in module.named_modules(remove_duplicate=True)
+        ]
+
+    _DICTS = ("_parameters", "_buffers", "_modules")
+
+    def restore(self) -> list[tuple[str, Any]]:
+        """Put every attribute back; return (qualified name, assigned value) of each attribute
+        the forward assigned (fx's own tensor constants on the root excluded)."""
+        changed: list[tuple[str, Any]] = []
+        for prefix, m, attrs, dicts in self.saved:
+            now = dict(m.__dict__)
+            for k in self._DICTS:
+                now.update({f"{k}:{n}": v for n, v in getattr(m, k).items()})
+            before = dict(attrs)
+            for k, d in dicts.items():
+                before.update({f"{k}:{n}": v for n, v in d.items()})
+            for key, value in now.items():
+                if key in self._DICTS or (key in before and _same(before[key], value)):
+                    continue
+                if not prefix and key.startswith("_tensor_constant"):
+                    continue
+                name = key.split(":")[-1]
+                changed.append((f"{prefix}.{name}" if prefix else name, value))
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            for k, d in dicts.items():
+                getattr(m, k).clear()
+                getattr(m, k).update(d)
+                m.__dict__[k] = getattr(m, k)
+        return changed
+
+
+def _same(before: Any, after: Any) -> bool:
+    """Whether assigning `after` over `before` changed nothing (the same object, or an equal
+    plain Python value: torch.export re-assigns copies of a module's plain dicts)."""
+    if before is after:
+        return True
+    if type(before) is not type(after) or isinstance(before, (torch.Tensor, nn.Module)):
+        return False
+    try:
+        return bool(before == after)
+    except Exception:  # noqa: BLE001 - no meaningful equality
+        return False
+
+
+def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:
+    """fx adds `assert arg is None` / `assert arg == value` nodes for concrete args; the
+    cache key already guarantees them, and they would only clutter the IR."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    concrete_targets = {f"{name}_1" for name in concrete}
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node.target in concrete_targets:
+            stack = list(node.users)
+            doomed: list[fx.Node] = []
+            while stack:
+                user = stack.pop()
+                if user not in doomed:
+                    doomed.append(user)
+                    stack.extend(user.users)
+            for user in sorted(doomed, key=lambda n: -position[n]):
+                gm.graph.erase_node(user)
+    gm.recompile()
