@@ -165,10 +165,12 @@ def parse_budget(budget, naive_peak_bytes: int) -> int:
     value = _to_bytes_or_fraction(budget)
     if isinstance(value, float):
         value = int(math.floor(value * naive_peak_bytes))
-    if value <= 0:
-        raise ConfigError("budget", budget, "a budget of at least 1 byte")
-    if value > naive_peak_bytes:
-        raise ConfigError("budget", budget, f"at most the plain step's {naive_peak_bytes} bytes")
+    if value <= 0 or value > naive_peak_bytes:
+        raise ConfigError(
+            "budget",
+            budget,
+            f"a fraction in (0, 1] or bytes (an int or '64MiB') in [1, {naive_peak_bytes}]",
+        )
     return value
 
 
