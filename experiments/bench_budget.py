@@ -24,8 +24,9 @@ import pandas as pd
 import torch
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.errors import BudgetError
-from hbp.runtime.tracker import MemoryTracker, allocator_peak
+from hbp.runtime.tracker import MemoryTracker
 from hbp.units import MIB
 from hbp.workloads import build
 

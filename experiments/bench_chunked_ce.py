@@ -9,7 +9,7 @@ CPU, 2 threads) per measurement, with hidden and weight requiring grad:
   chunked_recompute    the same with the logits recomputed in backward
   (each chunked variant at the default chunk size and at every --chunk-sizes value).
 peak_bytes: MemoryTracker peak (exact live storages, gradients of hidden and weight
-included, as DESIGN.md defines it). time: median of --repeats timed runs without the
+included, as docs/architecture.md defines it). time: median of --repeats timed runs without the
 tracker, after one warm-up run; variants are interleaved round by round so that machine load
 drifts hit all of them alike. cpu_time (time.process_time, all threads of this process) is
 reported next to it: on a shared machine it is the steadier measure of the work done. Writes outputs/bench/chunked_ce.csv and .md.

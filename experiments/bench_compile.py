@@ -23,7 +23,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 import hbp
-from hbp.runtime.tracker import allocator_peak
+from hbp.allocator import allocator_peak
 from hbp.units import MIB
 from hbp.workloads import build
 

@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hbp import HCModule  # noqa: E402
+from hbp.allocator import allocator_peak
 from hbp.modes.library_checkpoint import LibraryCheckpointMode  # noqa: E402
 from hbp.runtime.flops import TotalFlopCounterMode  # noqa: E402
-from hbp.runtime.tracker import allocator_peak  # noqa: E402
 from hbp.units import MIB  # noqa: E402
 from hbp.workloads import build  # noqa: E402
 

@@ -61,7 +61,7 @@ def run(graphs: dict, label: str, spans, time_limit: float, max_values: int) -> 
     from hbp.analysis import naive_peak
     from hbp.optimum import frontier
     from hbp.planner import min_feasible_peak
-    from hbp.planner.milp import Schedule
+    from hbp.planner.schedule_model import Schedule
 
     rows = []
     for workload, overrides in graphs.items():

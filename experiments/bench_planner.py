@@ -4,6 +4,7 @@ MILP optimum on random DAGs.
     python experiments/bench_planner.py            # depth sweep + random-DAG gap (a few minutes)
     python experiments/bench_planner.py --quick    # depths 12, 48 only; 6-op DAGs only
     python experiments/bench_planner.py --only depth   # or --only dags
+    python experiments/bench_planner.py --only real    # captured transformers (see below)
 
 Depth sweep: `hbp.graph.synthetic.residual_net(L)` at budget 0.5 of the naive peak (every
 layer different, then identical layers: `same_layers=True`), planned by
@@ -14,6 +15,15 @@ call on this machine. Random DAGs: `synthetic.random_dag(n)` for n = 5..8, 40 se
 planner's minimum to naive (min, +1/4, +1/2, +3/4), planner recompute / MILP optimum, for
 `hbp.planner.plan` (explicit schedules on graphs this small) and for the DP alone. Writes
 outputs/bench/planner.md.
+
+Real graphs (`--only real`, `--layers 2 8 32 64`, `--gpt2` adds GPT-2 124M's shape, the
+"medium" profile of `hbp.workloads.gpt2`): a transformers `LlamaForCausalLM` from a config
+(hidden 128, 4 heads, intermediate 344, vocab 2048, 2 x 128 tokens, random weights),
+captured and calibrated as `HCModule` does on its first step, then planned at 0.5, 0.3 and
+"min", each plan cold (the planner's remembered least peaks forgotten before it). Beside
+them, one warm plain step (forward, loss, backward; median of 3). First step = capture +
+calibration + plan(0.5): what the first call of an input signature adds to a plain step.
+Writes outputs/bench/planner_real.md.
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ from hbp.analysis import naive_peak
 from hbp.analysis.liveness import GraphInfo
 from hbp.graph import synthetic
 from hbp.planner import min_feasible_peak, optimal_plan, plan
-from hbp.planner.milp import Schedule
+from hbp.planner.milp import solve
+from hbp.planner.schedule_model import Schedule
 from hbp.planner.stages import stage_signatures
 
 OUT = Path(__file__).resolve().parents[1] / "outputs" / "bench"
@@ -84,7 +95,7 @@ def dag_gaps(sizes: list[int], seeds: int = 40) -> list[str]:
             schedule = Schedule(graph)
             for k in range(4):
                 budget = minimum + k * (naive - minimum) // 4
-                opt = schedule.solve(budget, relax=False)
+                opt = solve(schedule, budget, relax=False)
                 if opt.recompute_flops is None:
                     continue
                 c0 = time.process_time()
@@ -119,9 +130,19 @@ def _ratio(planned: float, best: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=("depth", "dags"), help="one part")
+    parser.add_argument("--only", choices=("depth", "dags", "real"), help="one part")
+    parser.add_argument("--layers", type=int, nargs="*", default=[2, 8, 32, 64])
+    parser.add_argument("--gpt2", action="store_true", help="also GPT-2 124M (medium profile)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.only == "real":
+        from bench_planner_real import real_graphs  # beside this script
+
+        lines = real_graphs(args.layers, args.gpt2)
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "planner_real.md").write_text("\n".join(lines) + "\n")
+        print(f"wrote {OUT / 'planner_real.md'}")
+        return 0
     depths = [12, 48] if args.quick else [12, 24, 48, 96, 192]
     lines = []
     if args.only != "dags":

@@ -5,8 +5,8 @@ training step stay within a memory budget with the least recomputation, in place
 `hbp.HCModule(model, budget=...)` is the wrapper form; the JAX counterpart is
 `hbp.jax.height_compressed_grad(fun, budget=...)`.
 
-Public API: enable, disable, engine_of, HCModule, Budget, BudgetError, measure_step, estimate,
-ops.chunked_cross_entropy,
+Public API (docs/architecture.md): enable, disable, engine_of, HCModule, Budget, BudgetError,
+measure_step, estimate, ops.chunked_cross_entropy,
 jax.height_compressed, jax.height_compressed_grad. Heavy submodules load on first use, so
 `import hbp` stays cheap and does not import jax.
 """

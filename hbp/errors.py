@@ -1,4 +1,4 @@
-"""The error contract (DESIGN.md "Errors"): every bad input gets one clear message that names
+"""The error contract (docs/architecture.md "Errors"): every bad input gets one clear message that names
 the field and the accepted values."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ captured on fake tensors (`hbp.graph.torch.capture.capture`), each distinct op s
 kernel workspace is measured once on real tensors (`hbp.graph.torch.calibrate`: one op at a
 time, so never more memory than the largest op), and the simulator and the planner give:
 
-- `naive_peak_bytes`: the allocator's peak of the plain step (DESIGN.md "Metrics": above the
+- `naive_peak_bytes`: the allocator's peak of the plain step (docs/architecture.md "Metrics": above the
   level before the step, activations, gradients, parameter gradients and kernel workspace
   included; parameters, inputs and optimizer state are not);
 - `min_peak_bytes`: the least peak a plan reaches (`budget="min"`; `BudgetError.minimum`);
@@ -241,7 +241,7 @@ class _ModuleLevel:
     def plan(self, naive_peak_bytes: int, budget_bytes: int | None):
         """The module-level plan for `budget_bytes` (None: the least)."""
         from hbp.planner.module_level import module_level_plan
-        from hbp.runtime.executors.segments import per_call_plan
+        from hbp.runtime.executors.module_calls import per_call_plan
 
         return module_level_plan(
             self.captured,

@@ -1,4 +1,4 @@
-"""hbp for JAX: height-compressed reverse mode (DESIGN.md "Public API").
+"""hbp for JAX: height-compressed reverse mode (docs/architecture.md "Public API").
 
     import hbp.jax
     grad_fn = hbp.jax.height_compressed_grad(loss_fn, budget=0.3)   # like jax.grad

@@ -13,8 +13,8 @@ JSON file (`Graph.to_json`); workload/profile: capture a registered workload's m
 planner's smallest feasible peak); a comma list gives one row each. mode: "node" (saved tensors come from re-running their op, what a
 torch executor can do; default) or "tensor" (Checkmate's model). time_limit: seconds per
 solve (wall time; past it the best schedule found and the proven lower bound are reported).
-max_values: refuse graphs with more forward values (default 150; the MILP grows
-~quadratically and rarely finishes beyond ~50 values in a minute).
+max_values: refuse graphs with more forward values (default 150; the MILP grows about
+quadratically with them: docs/planner.md has its solve times).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph import synthetic
 from hbp.graph.ir import Graph
 from hbp.planner import min_feasible_peak, optimal_plan, parse_budget
-from hbp.planner.milp import Schedule
+from hbp.planner.milp import solve
 from hbp.planner.plan import Plan
+from hbp.planner.schedule_model import Schedule
 
 GENERATORS = {
     "chain": synthetic.chain,
@@ -99,7 +100,7 @@ def compare(
         planner_time = plan.meta["solve_time_s"]
     except BudgetError:
         plan, planner, planner_peak, planner_time = None, None, None, None
-    opt = sch.solve(budget_bytes, time_limit=time_limit, start=_starts(graph, plan, warm_start))
+    opt = solve(sch, budget_bytes, time_limit=time_limit, start=_starts(graph, plan, warm_start))
     tolerance = 1e-9 * max(1.0, naive.total_flops)  # solver round-off on a FLOP sum
     if planner is not None and opt.best_found_flops is not None:
         if abs(planner - opt.best_found_flops) <= tolerance:

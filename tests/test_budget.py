@@ -8,8 +8,8 @@ from torch import nn
 
 import hbp
 from hbp import Budget, BudgetError, ConfigError
+from hbp.allocator import allocator_peak
 from hbp.planner.budget import FIT_MARGIN, BudgetKind, available_bytes
-from hbp.runtime.tracker import allocator_peak
 from tests.models.real import llama
 
 NAIVE, LEAST = 1000, 400

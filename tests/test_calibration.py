@@ -1,6 +1,6 @@
 """Calibration: the simulator's predicted step peak (`Plan.predicted_peak_bytes`, from the
 captured graph, kernel workspace calibrated by `hbp.graph.torch.calibrate`) against the
-allocator's peak (`peak_bytes`, DESIGN.md "Metrics") when HCModule executes that plan, on
+allocator's peak (`peak_bytes`, docs/architecture.md "Metrics") when HCModule executes that plan, on
 models not in the repo (fast) and on the four workloads (slow), naive and under budgets.
 Contract: within 3%, and the measured peak within 1.05x the budget."""
 
@@ -15,9 +15,9 @@ from torch import nn
 
 import hbp
 import hbp.workloads as workloads
+from hbp.allocator import allocator_peak
 from hbp.errors import BudgetError
 from hbp.ops import chunked_cross_entropy
-from hbp.runtime.tracker import allocator_peak
 
 D, T, V = 64, 32, 256
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hbp.graph.torch import profile as profile_stage
+from hbp.graph.torch import op_profile
 from hbp.graph.torch.capture import capture
 from tests.models.real import REAL_CASE
 
@@ -39,15 +39,15 @@ class ConvNet(nn.Module):
 def captured_both_ways(monkeypatch, model, args, kwargs):
     graphs, hits = [], []
     made = []
-    init = profile_stage._ProfileCache.__init__
+    init = op_profile.ProfileCache.__init__
 
     def recording_init(self):
         init(self)
         made.append(self)
 
-    monkeypatch.setattr(profile_stage._ProfileCache, "__init__", recording_init)
+    monkeypatch.setattr(op_profile.ProfileCache, "__init__", recording_init)
     for cached in (True, False):
-        monkeypatch.setattr(profile_stage, "PROFILE_CACHE", cached)
+        monkeypatch.setattr(op_profile, "PROFILE_CACHE", cached)
         torch.manual_seed(0)
         graphs.append(capture(model, args, kwargs).graph)
         hits.append(made[-1].hits if cached else 0)
@@ -55,7 +55,8 @@ def captured_both_ways(monkeypatch, model, args, kwargs):
 
 
 @pytest.mark.parametrize(
-    "case", ["gpt2", "t5", "unet_cond", "alias_then_inplace", "flatten_then_inplace_dropout"]
+    "case",
+    ["gpt2", "llama", "t5", "unet_cond", "alias_then_inplace", "flatten_then_inplace_dropout"],
 )
 def test_cached_profiles_give_the_same_graph(monkeypatch, case):
     torch.manual_seed(0)
@@ -65,7 +66,7 @@ def test_cached_profiles_give_the_same_graph(monkeypatch, case):
     for a, b in zip(cached.nodes, full.nodes, strict=True):
         assert a == b, a.name
     assert cached.outputs == full.outputs
-    if case in ("gpt2", "t5", "unet_cond"):  # repeated layers: most nodes replayed
+    if case in ("gpt2", "llama", "t5", "unet_cond"):  # repeated layers: most nodes replayed
         assert hits > len(full.nodes) // 4
 
 

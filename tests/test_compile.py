@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import hbp
-from hbp.runtime.tracker import allocator_peak
+from hbp.allocator import allocator_peak
 
 AOT_EAGER = {"backend": "aot_eager"}
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.errors import CaptureWarning
-from hbp.runtime.tracker import allocator_peak
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.errors import CaptureWarning
-from hbp.runtime.tracker import allocator_peak
 from tests.models.real import gpt2, llama
 
 

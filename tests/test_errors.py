@@ -1,4 +1,4 @@
-"""The error contract's messages (DESIGN.md "Errors")."""
+"""The error contract's messages (docs/architecture.md "Errors")."""
 
 import pytest
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.errors import BudgetError, ConfigError
 from hbp.estimate import Estimate, main
-from hbp.runtime.tracker import allocator_peak
 
 
 class ConvClassifier(nn.Module):

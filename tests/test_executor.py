@@ -14,12 +14,9 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import CaptureWarning
 from hbp.graph.torch.capture import capture
 from hbp.planner.plan import Plan, Segment
-from hbp.runtime.executors.segments import (
-    ModuleCallExecutor,
-    PlanExecutor,
-    make_executor,
-    per_call_plan,
-)
+from hbp.runtime.executors import make_executor
+from hbp.runtime.executors.module_calls import ModuleCallExecutor, per_call_plan
+from hbp.runtime.executors.segments import PlanExecutor
 from hbp.runtime.tracker import MemoryTracker
 
 D, T, NB = 32, 16, 4
@@ -408,7 +405,7 @@ def test_only_segments_that_draw_random_numbers_keep_a_random_state(p):
     """NOTE [ Random state of recomputed segments ]: the capture marks the nodes that draw
     random numbers; a recomputed segment without one keeps no copy of the generator's state
     (on CPU a 5 KB tensor per checkpoint), one with dropout replays the same masks."""
-    from hbp.runtime.tracker import allocator_peak
+    from hbp.allocator import allocator_peak
 
     random = p > 0
     torch.manual_seed(0)

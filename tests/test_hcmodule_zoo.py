@@ -748,7 +748,7 @@ def test_data_dependent_control_flow_falls_back_to_module_calls_with_a_warning()
     assert "fell back" in hc.summary() or "op-level capture failed" in hc.summary()
     assert_same_step(expected, got)
     assert any(s.recompute for s in hc.plan.segments)  # child calls are recomputed
-    # (each stops before its matmul: NOTE [ Early stop inside a node ])
+    # (each stops before its matmul: NOTE [ Early stop at the last pack ])
     assert got.flops <= expected.flops + hc.plan.predicted_recompute_flops
     assert got.peak_bytes < expected.peak_bytes
     # "min" is the plan that runs: its prediction bounds what was measured, and a budget below

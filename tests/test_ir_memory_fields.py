@@ -51,8 +51,8 @@ def test_legacy_meta_keys_load_onto_the_fields():
 def test_simulator_reads_the_fields_and_legacy_graphs_alike():
     new, old = refined_chain(legacy=False), refined_chain(legacy=True)
     info = GraphInfo.of(new)
-    assert info.forward_transient.tolist() == [0, 0, 5, 0]
-    assert info.backward_transient.tolist() == [0, 0, 0, 7]
+    assert info.forward_scratch_bytes.tolist() == [0, 0, 5, 0]
+    assert info.backward_scratch_bytes.tolist() == [0, 0, 0, 7]
     assert info.grad_bytes.tolist() == [0, 3, 20, 30]
     assert info.passthrough[3] == (2,)
     assert simulate(new).timeline == simulate(old).timeline

@@ -5,16 +5,15 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from jax_models import (  # noqa: E402
+import hbp.jax as hj  # noqa: E402
+from hbp.graph.jax_capture import capture_jaxpr  # noqa: E402
+from tests.models.jax import (  # noqa: E402
     assert_trees_close,
     mlp_loss,
     mlp_params,
     transformer_loss,
     transformer_params,
 )
-
-import hbp.jax as hj  # noqa: E402
-from hbp.graph.jax_capture import capture_jaxpr  # noqa: E402
 
 pytestmark = pytest.mark.jax
 

@@ -6,7 +6,11 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from jax_models import (  # noqa: E402
+import hbp  # noqa: E402
+import hbp.jax as hj  # noqa: E402
+from hbp.graph.jax_capture import capture_jaxpr  # noqa: E402
+from hbp.planner.plan import Plan, Segment  # noqa: E402
+from tests.models.jax import (  # noqa: E402
     RTOL,
     assert_trees_close,
     mlp_loss,
@@ -17,11 +21,6 @@ from jax_models import (  # noqa: E402
     transformer_loss,
     transformer_params,
 )
-
-import hbp  # noqa: E402
-import hbp.jax as hj  # noqa: E402
-from hbp.graph.jax_capture import capture_jaxpr  # noqa: E402
-from hbp.planner.plan import Plan, Segment  # noqa: E402
 
 pytestmark = pytest.mark.jax
 

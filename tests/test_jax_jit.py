@@ -11,12 +11,11 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from jax_models import RTOL, assert_trees_close  # noqa: E402
-
 import hbp  # noqa: E402
 import hbp.jax as hj  # noqa: E402
 from hbp.graph.jax_capture import capture_jaxpr  # noqa: E402
 from hbp.planner.plan import Plan, Segment  # noqa: E402
+from tests.models.jax import RTOL, assert_trees_close  # noqa: E402
 
 pytestmark = pytest.mark.jax
 

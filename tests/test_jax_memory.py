@@ -5,9 +5,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from jax_models import assert_trees_close, mlp_loss, mlp_params, tightest_budget  # noqa: E402
-
 import hbp.jax as hj  # noqa: E402
+from tests.models.jax import assert_trees_close, mlp_loss, mlp_params, tightest_budget  # noqa: E402
 
 pytestmark = pytest.mark.jax
 

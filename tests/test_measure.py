@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hbp.allocator import allocator_peak
 from hbp.errors import ConfigError
 from hbp.graph.torch.capture import capture
 from hbp.runtime import (
@@ -19,7 +20,6 @@ from hbp.runtime import (
     summarize_times,
 )
 from hbp.runtime.flops import TotalFlopCounterMode
-from hbp.runtime.tracker import allocator_peak
 
 F32 = 4
 

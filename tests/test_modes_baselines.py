@@ -9,11 +9,12 @@ import torch
 from omegaconf import OmegaConf
 
 import hbp.workloads as workloads
+from hbp.allocator import allocator_peak
 from hbp.errors import ConfigError
 from hbp.modes import build_mode
 from hbp.modes.compile_budget import CompileBudgetMode
 from hbp.modes.sac import POLICIES, SACMode
-from hbp.runtime.tracker import MemoryTracker, allocator_peak
+from hbp.runtime.tracker import MemoryTracker
 
 TINY_GPT2 = dict(n_layer=2, n_head=2, d_model=32, vocab_size=64, seq_len=16, batch_size=2)
 TINY_RESNET = dict(width=4, image_size=16, batch_size=4, num_classes=5)

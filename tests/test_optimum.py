@@ -8,7 +8,14 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph import synthetic
 from hbp.optimum import compare, main
 from hbp.planner import min_feasible_peak, optimal_plan
-from hbp.planner.milp import Schedule, all_schedules, brute_force
+from hbp.planner.milp import solve
+from hbp.planner.schedule_model import Schedule
+from tests.helpers.oracles import (
+    least_recompute,
+    least_schedule_recompute,
+    plan_outcomes,
+    schedule_outcomes,
+)
 
 TINY = [
     synthetic.chain(3, seed=0),
@@ -26,10 +33,10 @@ def test_milp_equals_brute_force_on_tiny_graphs(index, mode):
     sch = Schedule(graph, mode=mode)
     naive = naive_peak(graph)
     assert sch.evaluate({})[0] == naive  # no recompute: the simulator's naive peak
-    schedules = all_schedules(sch)
+    schedules = schedule_outcomes(sch)
     for budget in range(max(1, naive - 10), naive + 1):
-        opt = sch.solve(budget)
-        best = brute_force(sch, budget, schedules)
+        opt = solve(sch, budget)
+        best = least_schedule_recompute(sch, budget, schedules)
         if best is None:
             assert opt.status == "infeasible"
         else:
@@ -46,10 +53,10 @@ def test_optimum_bounds_the_planner(seed):
     minimum = min_feasible_peak(graph)[0]
     for budget in sorted({minimum, (minimum + naive) // 2, naive}):
         planned = optimal_plan(graph, budget).predicted_recompute_flops
-        best = node.solve(budget, relax=False).recompute_flops
+        best = solve(node, budget, relax=False).recompute_flops
         assert best is not None and best <= planned + 1e-6
-        assert tensor.solve(budget, relax=False).recompute_flops <= best + 1e-6
-    assert node.solve(naive).recompute_flops == 0
+        assert solve(tensor, budget, relax=False).recompute_flops <= best + 1e-6
+    assert solve(node, naive).recompute_flops == 0
 
 
 def test_planner_is_optimal_on_uniform_chains():
@@ -57,7 +64,7 @@ def test_planner_is_optimal_on_uniform_chains():
     graph = synthetic.uniform_chain(6)
     sch = Schedule(graph)
     for budget in range(min_feasible_peak(graph)[0], naive_peak(graph) + 1):
-        opt = sch.solve(budget, relax=False)
+        opt = solve(sch, budget, relax=False)
         assert optimal_plan(graph, budget).predicted_recompute_flops == pytest.approx(
             opt.recompute_flops
         )
@@ -76,7 +83,7 @@ def test_planner_is_mostly_within_five_percent_of_the_optimum():
         graph = synthetic.random_dag(6, seed=seed, alias_prob=0.0)
         minimum, naive = min_feasible_peak(graph)[0], naive_peak(graph)
         for budget in (minimum, (minimum + naive) // 2):
-            opt = Schedule(graph).solve(budget, relax=False).recompute_flops
+            opt = solve(Schedule(graph), budget, relax=False).recompute_flops
             plan = optimal_plan(graph, budget)
             planned = plan.predicted_recompute_flops
             # the MILP bounds plans without pins: a pinned node re-runs in the recompute for
@@ -123,7 +130,7 @@ def test_the_milp_starts_from_the_planner_s_schedule():
     peak, cost = sch.evaluate(sch.schedule_of(plan))
     assert peak <= plan.predicted_peak_bytes <= budget
     assert cost == pytest.approx(plan.predicted_recompute_flops, rel=0.01)
-    opt = sch.solve(budget, time_limit=2, relax=False, start=[plan])
+    opt = solve(sch, budget, time_limit=2, relax=False, start=[plan])
     assert opt.status in ("optimal", "time limit")
     assert opt.best_found_flops <= cost + 1e-6 * cost
     # compare() starts from the planner's plans: the best found is at most the plan without pins
@@ -137,12 +144,10 @@ def test_a_gap_to_the_optimum_lies_outside_the_plan_space():
     # planner. The MILP keeps op2 (8 FLOPs) from the forward and recomputes op1 and op3
     # around it (and op4 for its own backward): 1 + 3 + 4 = 8. A tree cannot keep a value
     # made inside a recomputed segment; a pinned (SAC-saved) value in the segment could.
-    from test_planner import brute_force, least_recompute
-
     graph = synthetic.random_dag(5, seed=15, alias_prob=0.0)
     planned = optimal_plan(graph, 25)
-    assert planned.predicted_recompute_flops == least_recompute(brute_force(graph, 3), 25) == 12
-    opt = Schedule(graph).solve(25, relax=False)
+    assert planned.predicted_recompute_flops == least_recompute(plan_outcomes(graph, 3), 25) == 12
+    opt = solve(Schedule(graph), 25, relax=False)
     assert opt.recompute_flops == pytest.approx(8)
     recomputed = {name for _, name in opt.recomputed}
     assert "op2" not in recomputed and {"op1", "op3"} <= recomputed

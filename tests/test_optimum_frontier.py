@@ -7,13 +7,14 @@ from hbp.analysis import naive_peak
 from hbp.graph import synthetic
 from hbp.optimum import frontier
 from hbp.planner import min_feasible_peak
-from hbp.planner.milp import Schedule
+from hbp.planner.milp import solve
+from hbp.planner.schedule_model import Schedule
 
 
 def test_an_optimal_solve_reports_itself_as_best_found_and_bound():
     graph = synthetic.random_dag(6, seed=2, alias_prob=0.0)
     budget = (min_feasible_peak(graph)[0] + naive_peak(graph)) // 2
-    opt = Schedule(graph).solve(budget)
+    opt = solve(Schedule(graph), budget)
     assert opt.status == "optimal"
     assert opt.best_found_flops == opt.recompute_flops == opt.proven_bound_flops
     assert opt.lower_bound_flops <= opt.recompute_flops + 1e-6  # the LP relaxation
@@ -25,9 +26,9 @@ def test_a_time_limited_solve_brackets_the_optimum():
     graph = synthetic.random_dag(16, seed=1, alias_prob=0.0)
     sch = Schedule(graph)
     budget = (min_feasible_peak(graph)[0] + naive_peak(graph)) // 2
-    stopped = sch.solve(budget, time_limit=0.05)
+    stopped = solve(sch, budget, time_limit=0.05)
     assert stopped.status == "time limit" and stopped.recompute_flops is None
-    exact = sch.solve(budget, time_limit=600, relax=False)
+    exact = solve(sch, budget, time_limit=600, relax=False)
     assert exact.status == "optimal"
     if stopped.best_found_flops is not None:  # an incumbent is a feasible schedule
         assert stopped.best_found_flops >= exact.recompute_flops - 1e-6

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.errors import ConfigError
-from hbp.runtime.tracker import allocator_peak
 from tests.models.real import gpt2
 
 VOCAB, WIDTH, TOKENS = 2048, 64, 256

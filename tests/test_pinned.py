@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from hbp.allocator import allocator_peak
 from hbp.analysis.simulate import simulate
 from hbp.graph.torch.capture import capture
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.executors.segments import PlanExecutor
-from hbp.runtime.tracker import allocator_peak
 
 D = 64
 

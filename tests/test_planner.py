@@ -7,7 +7,6 @@ here pin nothing (`PIN_VALUES` off); tests/test_planner_pins.py checks the DP wi
 brute force over pinned plans."""
 
 import gc
-import itertools
 import math
 
 import pytest
@@ -30,6 +29,7 @@ from hbp.planner.cuts import cut_choices
 from hbp.planner.dp import solver
 from hbp.planner.plan import Plan, Segment
 from hbp.units import MIB
+from tests.helpers.oracles import least_recompute, plan_outcomes
 
 
 @pytest.fixture(autouse=True)
@@ -37,44 +37,8 @@ def without_pins(monkeypatch):
     monkeypatch.setattr(solver, "PIN_VALUES", False)
 
 
-def tilings(start, stop, cuts, depth):
-    """Every plan of [start, stop) over `cuts`, recomputed segments nested up to `depth`
-    levels (a single child is left out: it is the same plan as no children)."""
-    inner = [c for c in cuts if start < c < stop]
-    for r in range(len(inner) + 1):
-        for chosen in itertools.combinations(inner, r):
-            bounds = [start, *chosen, stop]
-            choices = []
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                options = [Segment(a, b), Segment(a, b, True)]
-                if depth > 1:
-                    options += [
-                        Segment(a, b, True, kids)
-                        for kids in tilings(a, b, cuts, depth - 1)
-                        if len(kids) > 1
-                    ]
-                choices.append(options)
-            for combo in itertools.product(*choices):
-                yield list(combo)
-
-
-def brute_force(graph, depth):
-    """(peak bytes, recompute FLOPs) of every plan."""
-    info = GraphInfo.of(graph)
-    cuts = candidate_cuts(info, 1, max_cuts=10**6)
-    return [
-        (s.peak_bytes, s.recompute_flops)
-        for s in (simulate(graph, t, info=info) for t in tilings(0, info.n, cuts, depth))
-    ]
-
-
-def least_recompute(results, budget):
-    fits = [r for p, r in results if p <= budget]
-    return min(fits) if fits else None
-
-
 def assert_dp_equals_brute_force(graph, depth, nested, budgets=14):
-    results = brute_force(graph, depth)
+    results = plan_outcomes(graph, depth)
     peaks = sorted({p for p, _ in results})
     step = max(1, len(peaks) // budgets)
     for budget in peaks[::step] + [peaks[-1]]:
@@ -129,7 +93,7 @@ def test_plans_fit_with_generator_states(seed):
     """The DP does not see the states that segments nested in a recomputed one keep from the
     forward; its plans still fit once simulated, and BudgetError's minimum is reachable."""
     graph = with_random_nodes(synthetic.random_dag(5, seed=seed), state_bytes=1)
-    results = brute_force(graph, depth=3)
+    results = plan_outcomes(graph, depth=3)
     blind = 0  # budgets that plans ignoring the states break
     for budget in range(min(p for p, _ in results) - 2, naive_peak(graph) + 1):
         try:
@@ -224,7 +188,7 @@ def test_dp_equals_brute_force_when_passes_stop_inside_a_node(graph, depth, nest
 
 def test_nested_dp_beats_every_depth_two_plan():
     graph = synthetic.chain(5, seed=7)
-    results = brute_force(graph, depth=2)
+    results = plan_outcomes(graph, depth=2)
     for budget in sorted({p for p, _ in results})[::3]:
         p = optimal_plan(graph, budget, max_cuts=10**6)
         assert p.predicted_peak_bytes <= budget

@@ -6,8 +6,6 @@ more recompute than without pins, never over the budget (a pin charged until its
 where that fits by simulation, else through its backward), and strictly less where a pin
 pays."""
 
-import itertools
-
 import pytest
 import torch
 
@@ -19,60 +17,7 @@ from hbp.errors import BudgetError
 from hbp.graph import synthetic
 from hbp.planner import candidate_cuts, optimal_plan, validate_plan
 from hbp.planner.dp import solver
-from hbp.planner.plan import Segment
-from tests.test_planner import tilings
-
-
-def pinned_tilings(info: GraphInfo, cuts: list[int], depth: int):
-    """Every plan over `cuts` up to `depth` levels, with every choice of one pin (or none) per
-    recomputed segment at any level (a node pinned once)."""
-
-    def pins(seg):
-        if not seg.recompute:
-            return [()]
-        own = [
-            q
-            for q in range(seg.start, seg.stop)
-            if not info.is_input[q] and info.root[q] == q and info.storage_bytes[q] > 0
-        ]
-        return [(), *((q,) for q in own)]
-
-    def variants(segments):
-        """Every pinned version of `segments` (children first)."""
-        per_segment = []
-        for s in segments:
-            options = []
-            for kids in variants(s.children) if s.children else [[]]:
-                taken = {q for k in kids for q in all_pins(k)}
-                for q in pins(s):
-                    if not set(q) & taken:
-                        options.append(Segment(s.start, s.stop, s.recompute, kids, pinned=q))
-            per_segment.append(options)
-        return [list(combo) for combo in itertools.product(*per_segment)]
-
-    for tiling in tilings(0, info.n, cuts, depth):  # tests/test_planner.py's enumeration
-        yield from variants(tiling)
-
-
-def all_pins(seg: Segment) -> list[int]:
-    return [*seg.pinned, *(q for c in seg.children for q in all_pins(c))]
-
-
-def brute_force(graph, depth):
-    """(peak, recompute, pins anywhere) of every plan."""
-    info = GraphInfo.of(graph)
-    cuts = candidate_cuts(info, 1, max_cuts=10**6)
-    out = []
-    for plan in pinned_tilings(info, cuts, depth):
-        sim = simulate(graph, plan, info=info)
-        out.append((sim.peak_bytes, sim.recompute_flops, any(all_pins(s) for s in plan)))
-    return out
-
-
-def least(results, budget, pins: bool):
-    fits = [r for p, r, pinned in results if p <= budget and (pins or not pinned)]
-    return min(fits) if fits else None
-
+from tests.helpers.oracles import all_pins, least_recompute_pinned, pinned_plan_outcomes
 
 # (graph, depth, whether a pin pays at some budget: the check is not vacuous)
 CASES = [
@@ -91,11 +36,14 @@ CASES = [
     ids=["dag15", "dag18", "dag3", "chain2", "nested-dag15", "nested-dag8"],
 )
 def test_dp_with_pins_lies_between_the_optima_with_and_without_pins(graph, depth, pays):
-    results = brute_force(graph, depth)
+    results = pinned_plan_outcomes(graph, depth)
     peaks = sorted({p for p, _, _ in results})
     gained = 0
     for budget in peaks[:: max(1, len(peaks) // 16)] + [peaks[-1]]:
-        with_pins, without = least(results, budget, True), least(results, budget, False)
+        with_pins, without = (
+            least_recompute_pinned(results, budget, True),
+            least_recompute_pinned(results, budget, False),
+        )
         try:
             plan = optimal_plan(graph, budget, nested=depth > 1, max_cuts=10**6)
         except BudgetError:  # pins never lower the least peak: only below it
@@ -189,12 +137,13 @@ def test_small_cost_models_offer_every_node_as_a_pin(monkeypatch):
     from hbp.analysis import naive_peak
     from hbp.planner import min_feasible_peak
     from hbp.planner.dp import cost_model
-    from hbp.planner.milp import Schedule
+    from hbp.planner.milp import solve
+    from hbp.planner.schedule_model import Schedule
 
     graph = synthetic.random_dag(7, seed=32, alias_prob=0.0)
     budget = min_feasible_peak(graph)[0]
     assert budget < naive_peak(graph)
-    optimum = Schedule(graph).solve(budget, relax=False).recompute_flops
+    optimum = solve(Schedule(graph), budget, relax=False).recompute_flops
     plan = optimal_plan(graph, budget)
     validate_plan(graph, plan)
     assert plan.predicted_peak_bytes <= budget

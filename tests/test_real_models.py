@@ -186,7 +186,7 @@ def _library_plan(graph) -> list[Segment]:
 def test_the_librarys_plan_is_predicted_exactly_and_the_planner_recomputes_less(name):
     """transformers' checkpointing as an hbp plan: its predicted recompute is the library's
     measured one (each layer's recompute stops inside its last Linear, before the matmul:
-    NOTE [ Early stop inside a node ]), and at that plan's predicted peak the planner
+    NOTE [ Early stop at the last pack ]), and at that plan's predicted peak the planner
     recomputes less (the layer boundary before the final norm is a candidate cut: NOTE [ Both
     ends of a flat frontier minimum ])."""
     case = REAL_CASE[name]

@@ -14,11 +14,11 @@ from hbp.analysis.simulate import simulate
 from hbp.graph import synthetic
 from hbp.graph.torch.capture import capture
 from hbp.planner import min_feasible_peak, plan
-from hbp.planner.milp import Schedule
 from hbp.planner.plan import Plan
-from hbp.planner.schedules import recomputations, schedule_plan
+from hbp.planner.schedule_model import Schedule, recomputations
+from hbp.planner.schedules import schedule_plan
+from hbp.runtime.executors import make_executor
 from hbp.runtime.executors.schedule import ScheduleExecutor
-from hbp.runtime.executors.segments import make_executor
 from hbp.runtime.tracker import MemoryTracker
 
 

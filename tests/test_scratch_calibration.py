@@ -11,10 +11,10 @@ from torch import nn
 
 import hbp
 import hbp.graph.torch.calibrate as calibrate
+from hbp.allocator import allocator_peak
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
 from hbp.graph.torch.capture import capture
-from hbp.runtime.tracker import allocator_peak
 
 
 class ConvNet(nn.Module):
@@ -199,6 +199,26 @@ def test_calibration_takes_the_call_the_capture_was_made_for():
     module, (x, y) = models()["attention"]
     captured = capture(module, (x, y))
     assert calibrate.calibrate_scratch(captured, (), {"x": x, "y": y}) >= 0
+
+
+def scratch_fields(captured):
+    return [(n.forward_scratch_bytes, n.backward_scratch_bytes) for n in captured.graph.nodes]
+
+
+def test_capture_with_calibrate_is_capture_then_calibration():
+    module, (x, y) = models()["convnet"]
+    separate = capture(module, (x, y))
+    assert not separate.scratch_measured
+    uncalibrated = scratch_fields(separate)
+    assert calibrate.calibrate_scratch(separate, (x, y)) is not None
+    assert scratch_fields(separate) != uncalibrated  # the convolutions' workspace
+    together = capture(module, (x, y), calibrate=True)
+    assert together.scratch_measured
+    assert scratch_fields(together) == scratch_fields(separate)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        inside = capture(module, (x, y), calibrate=True)  # profilers do not nest
+    assert not inside.scratch_measured
+    assert scratch_fields(inside) == uncalibrated
 
 
 def test_a_first_step_inside_a_profiler_is_planned_again_outside_it():

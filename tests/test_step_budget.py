@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hbp
-from hbp.runtime.tracker import allocator_peak
+from hbp.allocator import allocator_peak
 
 V, D, B, T = 256, 128, 16, 256
 

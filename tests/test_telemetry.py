@@ -141,7 +141,7 @@ import numpy as np
 import psutil
 from hbp.telemetry.samplers import RssSampler
 
-MIB = 2**20
+from hbp.units import MIB
 with RssSampler(interval_s=0.005) as sampler:
     baseline = psutil.Process().memory_info().rss
     block = np.ones(64 * MIB // 8)  # touched pages: resident

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hbp.runtime.tracker import MemoryTracker, allocator_peak, measure_callable_peak, phase
+from hbp.allocator import allocator_peak
+from hbp.runtime.tracker import MemoryTracker, measure_callable_peak, phase
 from hbp.units import MIB
 
 F32 = 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hbp
-from hbp.runtime.tracker import allocator_peak
+from hbp.allocator import allocator_peak
 
 VOCAB, BATCH, TOKENS = 128, 4, 32
 

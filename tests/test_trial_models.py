@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.errors import BudgetError, CaptureWarning
-from hbp.runtime.tracker import allocator_peak
 
 transformers = pytest.importorskip("transformers")
 

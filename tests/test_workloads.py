@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hbp.errors import ConfigError
+from hbp.runtime.tracker import measure_callable_peak
 from hbp.workloads import OWN_WORKLOADS, PROFILES, WORKLOADS, build, describe, resolve_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "workload"
@@ -263,7 +264,6 @@ def test_gpt2_dropout_is_applied_in_train_mode_only():
 
 
 def test_gpt2_chunked_loss_matches_and_stays_one_fx_call():
-    pytest.importorskip("hbp.ops.chunked_ce")
     plain, chunked = build("gpt2"), build("gpt2", chunked_loss=True)
     loss, grads = step(plain)
     chunked_loss, chunked_grads = step(chunked)
@@ -371,14 +371,13 @@ def test_gpt2_medium_forward_with_a_tiny_batch():
 def test_small_profiles_are_activation_dominated(name):
     """The small profiles exist to benchmark activation memory: a step's peak must be mostly
     activations, not parameter gradients (exact CPU bytes, by the live-storage tracker)."""
-    tracker = pytest.importorskip("hbp.runtime.tracker")
     wl = build(name)
     batch = wl.make_batch(0)
 
     def training_step():
         wl.step_loss(wl.model, batch).backward()
 
-    _, peak = tracker.measure_callable_peak(training_step)
+    _, peak = measure_callable_peak(training_step)
     param_grad_bytes = wl.config["param_bytes"]
     # diffusers' UNet at 16x16 latents is heavier in parameters (cross-attention, GEGLU
     # feed-forwards): activations are ~3.5x its parameter gradients.

@@ -1,4 +1,4 @@
-"""One training step measured for the gpu check: `hbp.measure_step` (DESIGN.md "Metrics")
+"""One training step measured for the gpu check: `hbp.measure_step` (docs/architecture.md "Metrics")
 plus the allocator's reserved memory on CUDA and the gradients the step left.
 
     measured = measure(step, params, "cuda", timed_steps=5)

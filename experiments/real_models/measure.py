@@ -23,8 +23,8 @@ import warnings
 import torch
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.runtime.flops import TotalFlopCounterMode
-from hbp.runtime.tracker import allocator_peak
 from hbp.units import MIB
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import hbp
-from hbp.runtime.tracker import allocator_peak
+from hbp.allocator import allocator_peak
 from hbp.units import MIB
 
 VOCAB, BATCH, TOKENS = 1024, 4, 128

@@ -114,7 +114,7 @@ def lower_bound(info: GraphInfo) -> int:
             continue
         roots = {int(info.root[v]) for v in info.inputs[j]} | {int(info.root[j])}
         fwd = sum(int(info.storage_bytes[r]) for r in roots if not out_root[r])
-        fwd += int(out_made[j + 1]) + int(info.forward_transient[j])
+        fwd += int(out_made[j + 1]) + int(info.forward_scratch_bytes[j])
         if info.has_backward[j]:
             fwd += int(info.extra_bytes[j])
         best = max(best, fwd)

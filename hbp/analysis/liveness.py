@@ -61,7 +61,7 @@ class GraphInfo:
         param_grad_bytes: per node, parameter-gradient bytes its backward creates.
         save_event: per node, has a backward and saves something.
         flops / backward_flops: forward and backward FLOPs (backward defaults to 2x forward).
-        forward_transient / backward_transient: per node, scratch bytes live only during its
+        forward_scratch_bytes / backward_scratch_bytes: per node, scratch bytes live only during its
             forward / backward event.
         passthrough: per node, the inputs (indices) that receive its output gradient itself.
         stop_flops: per node, the FLOPs it runs when a recompute pass early-stops at it
@@ -99,8 +99,8 @@ class GraphInfo:
     save_event: np.ndarray
     flops: np.ndarray
     backward_flops: np.ndarray
-    forward_transient: np.ndarray
-    backward_transient: np.ndarray
+    forward_scratch_bytes: np.ndarray
+    backward_scratch_bytes: np.ndarray
     passthrough: list[tuple[int, ...]]
     stop_flops: np.ndarray
     runs_at_stop: np.ndarray
@@ -196,9 +196,9 @@ class GraphInfo:
         )
         grad_bytes = np.array([nd.gradient_bytes for nd in nodes], dtype=np.int64)
         grad_bytes *= receives_grad
-        forward_transient = np.array([nd.forward_scratch_bytes for nd in nodes], np.int64)
-        backward_transient = np.array([nd.backward_scratch_bytes for nd in nodes], np.int64)
-        backward_transient *= has_backward
+        forward_scratch_bytes = np.array([nd.forward_scratch_bytes for nd in nodes], np.int64)
+        backward_scratch_bytes = np.array([nd.backward_scratch_bytes for nd in nodes], np.int64)
+        backward_scratch_bytes *= has_backward
         passthrough = [
             tuple(index[v] for v in nd.grad_passthrough if v in index and v in nd.inputs)
             if has_backward[i]
@@ -243,8 +243,8 @@ class GraphInfo:
             save_event=save_event,
             flops=flops,
             backward_flops=bwd * has_backward,
-            forward_transient=forward_transient * ~is_input,
-            backward_transient=backward_transient,
+            forward_scratch_bytes=forward_scratch_bytes * ~is_input,
+            backward_scratch_bytes=backward_scratch_bytes,
             passthrough=passthrough,
             stop_flops=stop_flops,
             runs_at_stop=runs_at_stop,

@@ -86,7 +86,7 @@ def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray
     live -= let_go  # after the backward-start event, as the simulator
     for j in range(n - 1, -1, -1):
         if info.has_backward[j]:
-            scratch = int(info.backward_transient[j])
+            scratch = int(info.backward_scratch_bytes[j])
             for v in info.inputs[j]:
                 if not info.receives_grad[v]:
                     continue

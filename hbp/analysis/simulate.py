@@ -43,8 +43,8 @@ passed-through one is j's own) unless that gradient's storage is also another va
 gradient (shared by passthrough; j's own output gradient, which j lets go of before autograd
 accumulates, does not count): then, like autograd's input buffer, the sum is new storage and
 the input lets go of the shared one.
-Scratch bytes a capture recorded (`forward_transient_bytes`,
-`backward_transient_bytes`) are live during the node's forward (every run of it) / backward
+Scratch bytes a capture recorded (`Node.forward_scratch_bytes`,
+`Node.backward_scratch_bytes`) are live during the node's forward (every run of it) / backward
 event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a
 dropout mask, an attention logsumexp: the op makes them, the checkpoint's pack hook drops
 them): they are scratch of that event. Checkpoints of segments that draw random numbers keep
@@ -121,7 +121,7 @@ FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 # A recomputed segment S, at any depth, may pin nodes (`Segment.pinned`): its checkpoint runs
 # with `context_fn` = torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`)
 # whose policy answers MUST_SAVE for the ops of a pinned node (NOTE [ Running pinned values ]
-# in hbp/runtime/executors/segments.py). A pin is stored by the pass that runs S's forward last before
+# in hbp/runtime/executors/pins.py). A pin is stored by the pass that runs S's forward last before
 # S's own recompute pass: the original forward for a top-level S, the recompute pass of S's
 # parent for a nested one (the *storing pass*). What torch does with them
 # (torch/utils/checkpoint.py, `_CachingTorchDispatchMode` and `_CachedTorchDispatchMode`),
@@ -151,7 +151,7 @@ FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 # NOTE [ Generator states of checkpoints ]
 # A recomputed segment with a node that draws random numbers runs through
 # `checkpoint(..., preserve_rng_state=True)` (NOTE [ Random state of recomputed segments ] in
-# hbp/runtime/executors/segments.py), and every such checkpoint call copies the CPU generator's state
+# hbp/runtime/executors/checkpointing.py), and every such checkpoint call copies the CPU generator's state
 # (`GraphInfo.rng_state_bytes` bytes, a CPU tensor: counted on a CPU step, 0 on CUDA). The
 # copy lives in the checkpoint's frame, which the tensors its segment saved hold (and the
 # frames of the checkpoints nested in it, through their saved inputs). So, per random
@@ -493,7 +493,7 @@ class _Run:
                 continue
             if scope is not None:
                 self.recompute_flops += info.stop_flops[j] if j == stop_at else info.flops[j]
-            scratch = int(info.forward_transient[j])
+            scratch = int(info.forward_scratch_bytes[j])
             if j in self.pin_store and self.pin_store[j] == owner:  # its storing pass: the
                 # storage keeps it and its extras
                 self._hold(inst)
@@ -534,7 +534,7 @@ class _Run:
         info = self.info
         if not info.has_backward[j]:
             return
-        scratch = int(info.backward_transient[j])
+        scratch = int(info.backward_scratch_bytes[j])
         for v in info.inputs[j]:
             if not info.receives_grad[v]:
                 continue

@@ -3,7 +3,7 @@ one summary row (metrics.json) + per-step rows -> loggers.
 
     row = hbp.bench.run(cfg)            # cfg: the composed Hydra config (conf/config.yaml)
 
-A step is forward + loss + backward of the workload under the mode (DESIGN.md "Metrics");
+A step is forward + loss + backward of the workload under the mode (docs/architecture.md "Metrics");
 `hbp.runtime.measure_step` runs the `warmup` untimed steps, the `steps` timed steps and the
 measured step (exact peak bytes, FLOPs, memory timeline). Then, outside the timed steps:
 

@@ -1,7 +1,7 @@
 """Measuring the step: warm-up, timed steps and the measured step with the resource samplers
 running (`measure_steps`), the checks against a plain-autograd copy (`reference_checks`:
 gradients and naive FLOPs) and the optimizer step's time. The measurement itself is
-`hbp.runtime.measure`'s (DESIGN.md "Metrics"); this module only drives it.
+`hbp.runtime.measure`'s (docs/architecture.md "Metrics"); this module only drives it.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class Node:
         draws_random: the op draws from the random number generator (dropout, `torch.rand`):
             a recomputed segment that contains it must replay the generator's state, which
             costs memory (NOTE [ Random state of recomputed segments ] in
-            hbp/runtime/executors/segments.py); segments without such ops replay nothing.
+            hbp/runtime/executors/checkpointing.py); segments without such ops replay nothing.
     """
 
     name: str
@@ -148,7 +148,7 @@ class Graph:
         rng_state_bytes: bytes of one copy of the random number generator's state, counted
             in the memory the step's peak is measured in: a recomputed segment that draws
             random numbers keeps copies of it (NOTE [ Random state of recomputed segments ]
-            in hbp/runtime/executors/segments.py). The torch capture records the CPU generator's state
+            in hbp/runtime/executors/checkpointing.py). The torch capture records the CPU generator's state
             size for a step on the CPU and 0 on CUDA (the states live in host memory); 0 for
             JAX (random keys are values of the graph).
         meta: provenance of the capture (framework, granularity, timings, warnings); memory

@@ -56,7 +56,7 @@ def random_dag(
     memory facts a capture records on nodes (scratch bytes, gradient sizes, gradient
     pass-through; see `hbp.analysis.liveness`). With `stop_facts`, also what of a saving op a
     recompute pass that stops at it skips (`flops_after_last_save`, `output_after_last_save`:
-    NOTE [ Early stop inside a node ] in `hbp.analysis.liveness`).
+    NOTE [ Early stop at the last pack ] in `hbp.analysis.simulate`).
     """
     rng = np.random.default_rng(seed)
     if input_requires_grad is None:

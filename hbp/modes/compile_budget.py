@@ -28,7 +28,7 @@ eagerly (naive memory) and the skip sticks, so later calls stay eager too. Induc
 allocates its buffers outside the dispatcher, invisible to any dispatch mode. So the module
 `apply` returns refuses to run under such a mode, and under a `MemoryTracker` with the
 inductor backend, with an error that says why; measure it with the allocator instead
-(`hbp.runtime.tracker.allocator_peak` on CPU, CUDA allocator stats on GPU), which counts
+(`hbp.allocator.allocator_peak` on CPU, CUDA allocator stats on GPU), which counts
 everything the compiled code allocates. `aot_eager_decomp_partition` runs aten ops through
 the dispatcher, so a tracker that ignores compile internals measures it exactly.
 """
@@ -115,13 +115,13 @@ class CompiledModel(nn.Module):
                     f"compile_budget: {kind} is active and does not declare "
                     "ignore_compile_internals(), so torch.compile would run this model eagerly "
                     "(and keep it eager); measure compiled runs with the allocator "
-                    "(hbp.runtime.tracker.allocator_peak) instead"
+                    "(hbp.allocator.allocator_peak) instead"
                 )
             if self.backend == "inductor" and isinstance(mode, MemoryTracker):
                 raise RuntimeError(
                     f"compile_budget: Inductor allocates its buffers outside the dispatcher, "
                     f"so {kind} would miss them; measure with the allocator "
-                    "(hbp.runtime.tracker.allocator_peak) instead"
+                    "(hbp.allocator.allocator_peak) instead"
                 )
         return self.compiled(*args, **kwargs)
 

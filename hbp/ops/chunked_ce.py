@@ -53,12 +53,10 @@ def default_chunk_size(
 
     64 MiB is 333 rows at the GPT-2 vocabulary (50257). Every chunk reads the whole weight
     twice and reads and writes the whole weight-gradient accumulator once, so fewer, larger
-    chunks cost less memory traffic: measured on 2 CPU threads at V=50257, D=768, N=2048
-    (experiments/bench_chunked_ce.py, CPU time vs naive), 166 rows (32 MiB) cost 1.10x,
-    333 rows 1.01x, 666 rows 0.95x, while the peak grows by one chunk (0.157x, 0.184x and
-    0.239x of naive's). 64 MiB keeps the step near naive's time at < 0.2x its peak from
-    2048 tokens on. The chunk's scratch is one float32 [rows, V] tensor (plus its
-    input-dtype copy for float16/bfloat16 inputs).
+    chunks cost less memory traffic, while the peak grows by one chunk: the default keeps the
+    step near naive's time at a fraction of its peak (docs/results.md, the chunk-size table of
+    experiments/bench_chunked_ce.py). The chunk's scratch is one float32 [rows, V] tensor (plus
+    its input-dtype copy for float16/bfloat16 inputs).
     """
     rows = chunk_bytes // (4 * max(vocab_size, 1))
     return max(1, min(max(num_rows, 1), rows))

@@ -15,6 +15,7 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.budget import parse_budget
+from hbp.planner.cache import PlanCache, graph_fingerprint, load_plan, save_plan
 from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
 from hbp.planner.dp.recursion import planning
 from hbp.planner.plan import Plan, Segment
@@ -27,12 +28,16 @@ PLANNERS = ("optimal", "one_level", "uniform")
 __all__ = [
     "PLANNERS",
     "Plan",
+    "PlanCache",
     "Segment",
     "candidate_cuts",
+    "graph_fingerprint",
+    "load_plan",
     "min_feasible_peak",
     "optimal_plan",
     "parse_budget",
     "plan",
+    "save_plan",
     "uniform_plan",
     "validate_plan",
 ]
@@ -47,6 +52,7 @@ def plan(
     planner: str = "optimal",
     pins: bool | None = None,
     schedules: bool | None = None,
+    cache=None,
     **options,
 ) -> Plan:
     """Plan one training step of `graph` within `budget`.
@@ -65,6 +71,9 @@ def plan(
             less than the best plan of segments (NOTE [ Explicit schedules ] in
             `hbp.planner.schedules`; "optimal" planner only). None: as `pins` (both need the
             eager op-by-op executor).
+        cache: a `hbp.planner.cache.PlanCache` (or its directory): the plan (or the
+            BudgetError) for this graph's structure, budget and options is read from it when
+            there, else planned and stored.
         options: passed to the planner (optimal: max_cuts, mem_slots; uniform: segments, by).
 
     Raises:
@@ -75,6 +84,13 @@ def plan(
         raise ConfigError("block_size", block_size, "an int >= 1")
     if planner not in PLANNERS:
         raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
+    if cache is not None:
+        return _cached_plan(
+            graph,
+            budget,
+            cache,
+            dict(options, block_size=block_size, planner=planner, pins=pins, schedules=schedules),
+        )
     info = GraphInfo.of(graph)
     naive = simulate(graph, info=info)
     if budget == "min":
@@ -107,6 +123,24 @@ def plan(
     if schedules:
         return schedule_plan(graph, budget_bytes, best, info=info, naive=naive) or best
     return best
+
+
+def _cached_plan(graph: Graph, budget, cache, options: dict) -> Plan:
+    """`plan(graph, budget, **options)` read from `cache` (a PlanCache or a directory), or
+    planned and stored there (a BudgetError too)."""
+    if not isinstance(cache, PlanCache):
+        cache = PlanCache(cache)
+    found = cache.get(graph, budget, options)
+    if found is not None:
+        found.meta["from_cache"] = True
+        return found
+    try:
+        made = plan(graph, budget, **options)
+    except BudgetError as err:
+        cache.put(graph, budget, err, options)
+        raise
+    cache.put(graph, budget, made, options)
+    return made
 
 
 def _with_parameter_gradients(graph: Graph, err: BudgetError) -> BudgetError:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import Simulation
 from hbp.graph.ir import Graph
-from hbp.planner.milp import Schedule, forward_values
 from hbp.planner.plan import Plan, Segment, StageRecompute
+from hbp.planner.schedule_model import Schedule, forward_values
 
 # NOTE [ Explicit schedules ]
 # The programme's stages are the forward nodes in order, then one per node with a backward,
@@ -26,9 +26,8 @@ from hbp.planner.plan import Plan, Segment, StageRecompute
 # would be a second autograd node for the same op. Everything else follows from the
 # recomputations (`Schedule.steps`): a node's backward uses what its last run saved, a value
 # is kept while a later stage needs it and let go at its last use. The programme is solved
-# only where it is small (MAX_VALUES values: a few hundredths of a second at 8 ops, a
-# second or more at 12) and only
-# replaces the DP's plan when it recomputes at least SAVING less: most small graphs' optimum
+# only where it is small (MAX_VALUES values: its solve time grows fast with the values) and
+# only replaces the DP's plan when it recomputes at least SAVING less: most small graphs' optimum
 # is a checkpoint plan, which the DP finds exactly.
 
 MAX_VALUES = 10
@@ -48,9 +47,11 @@ def schedule_plan(
     and it recomputes less than `dp_plan` (None: the DP found no plan); else None."""
     if len(forward_values(info)) > MAX_VALUES or not _views_only(graph):
         return None
+    from hbp.planner.milp import solve  # HiGHS loads only when a small graph is solved
+
     sch = Schedule(graph, info, forward_recompute=False)
     start = [dp_plan] if dp_plan is not None else []
-    optimum = sch.solve(budget_bytes, time_limit=TIME_LIMIT_S, relax=False, start=start)
+    optimum = solve(sch, budget_bytes, time_limit=TIME_LIMIT_S, relax=False, start=start)
     if optimum.best_found_flops is None:
         return None
     recomputed = _without_useless(sch, optimum.schedule, budget_bytes)
@@ -113,9 +114,3 @@ def _views_only(graph: Graph) -> bool:
         for n in graph.nodes
         if n.alias_of is not None
     )
-
-
-def recomputations(sch: Schedule, plan: Plan) -> dict[tuple[int, int], int]:
-    """`plan.schedule` as the programme's (stage, value) -> 1 (what `Schedule.steps` reads)."""
-    col = {j: k for k, j in enumerate(sch.nodes)}
-    return {(sch.stage_of[s.node], col[v]): 1 for s in plan.schedule for v in s.values}

@@ -95,6 +95,32 @@ def staged_plan(
     None when no combination of stage options fits. `reuse`: solve identical stages once
     (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests); `pins`:
     whether recomputed segments may pin nodes (None: `PIN_VALUES`)."""
+    # NOTE [ Stage tables do not depend on the budget ]
+    settings = (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
+    known = info.__dict__.setdefault("_stage_tables", {})
+    if settings not in known:
+        known[settings] = _stage_tables(info, *settings)
+    cuts, stages, reps, options = known[settings]
+    choice = _allocate(options, budget_bytes, global_slots)
+    if choice is None:
+        return None
+    segments: list[Segment] = []
+    rebuilt: dict[tuple, list[Segment]] = {}  # (stage solved, option) -> its plan
+    with planning(len(cuts)):
+        for (a, _), (first, solver), opts, k in zip(stages, reps, options, choice):
+            plan = rebuilt.get((first, k))
+            if plan is None:
+                o = opts[k]
+                plan = rebuilt[first, k] = solver.top_plan(o.local_slots, start=first, row=o.row)
+            segments.extend(_shifted(s, a - first) for s in plan)
+    return segments
+
+
+def _stage_tables(
+    info: GraphInfo, stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins
+) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, Solver]], list[list[StageOption]]]:
+    """The budget-independent part of `staged_plan`: cuts, stages, per stage the stage solved
+    (its start and solver) and its options."""
     model = _staged_model(info, stage_nodes, per_region, region)
     cuts, bounds = model.cuts, model.bounds
     stages = list(zip(bounds[:-1], bounds[1:]))
@@ -113,20 +139,15 @@ def staged_plan(
             # of the stages after it), which differ between identical stages
             lift = _stage_base(model, a, b) - solver.offset
             options.append([replace(o, need_bytes=o.need_bytes + lift) for o in opts])
-    choice = _allocate(options, budget_bytes, global_slots)
-    if choice is None:
-        return None
-    segments: list[Segment] = []
-    rebuilt: dict[tuple, list[Segment]] = {}  # (stage solved, option) -> its plan
-    with planning(len(cuts)):
-        for (a, _), (first, solver), opts, k in zip(stages, reps, options, choice):
-            plan = rebuilt.get((first, k))
-            if plan is None:
-                o = opts[k]
-                plan = rebuilt[first, k] = solver.top_plan(o.local_slots, start=first, row=o.row)
-            segments.extend(_shifted(s, a - first) for s in plan)
-    return segments
+    return cuts, stages, reps, options
 
+
+# NOTE [ Stage tables do not depend on the budget ]
+# A staged plan's stages, their tables and options are the same at every budget; only the
+# allocation across stages (`_allocate`) and the plans rebuilt from the tables depend on it.
+# `optimal_plan` asks for staged plans several times per call (a tightened budget after an
+# overshoot, the bisection of a BudgetError's staged minimum), so the tables are kept on the
+# GraphInfo (`_stage_tables`, per setting) and live as long as it does.
 
 # NOTE [ Identical stages are solved once ]
 # Real models are stacks of identical layers, so most stages of a deep graph are copies of
@@ -140,6 +161,16 @@ def staged_plan(
 # never share one (tests check the plans against solving every stage). Only the needs move:
 # they are counted from the stage's own base (the parameter gradients of the stages after
 # it, which differ between identical stages).
+
+# NOTE [ Signature of what the tables read ]
+# The signature holds a field as the tables read it, not as it is stored: the positional
+# bytes at backward events only where a node has a backward (elsewhere they are never read,
+# and on a captured transformer the nodes without backward in each layer, views of the
+# rotary tables and scalar constants, carry the parameter gradients of the layers after it:
+# every layer's signature differed), and a node's first input only as compared with
+# positions in the stage (a node without inputs, such as a constant, holds n, which reads as
+# "after the stage"). Captured stacks of identical layers then share their tables like
+# synthetic ones.
 
 
 def _staged_model(info: GraphInfo, stage_nodes: int, per_region: int, region: int) -> CostModel:
@@ -177,8 +208,8 @@ def stage_signature(model: CostModel, a: int, b: int) -> tuple:
         for name in (
             "storage_bytes", "is_input", "is_output", "grad_seed", "is_held", "seed_let_go",
             "receives_grad", "has_backward", "grad_bytes", "saves_output", "extra_bytes",
-            "param_grad_bytes", "save_event", "flops", "backward_flops", "forward_transient",
-            "backward_transient", "stop_flops", "runs_at_stop", "draws_random",
+            "param_grad_bytes", "save_event", "flops", "backward_flops", "forward_scratch_bytes",
+            "backward_scratch_bytes", "stop_flops", "runs_at_stop", "draws_random",
         )
     ]  # fmt: skip
     nodes = tuple(
@@ -225,14 +256,16 @@ def stage_signature(model: CostModel, a: int, b: int) -> tuple:
         *scalars,
         nodes,
         tuple(described),
-        (model.pos_bwd[a:b] - base).tobytes(),
+        # read only at backward events (NOTE [ Signature of what the tables read ])
+        np.where(info.has_backward[a:b], model.pos_bwd[a:b] - base, 0.0).tobytes(),
         (model.pos_after[a : b + 1] - base).tobytes(),
         float(model.pos_after[last_before + 1] - base),
         model.out_pre[a : b + 1].tobytes(),
         np.where(model.last_save[a : b + 1] >= a, model.last_save[a : b + 1] - a, -1).tobytes(),
         (np.minimum(model.next_save[a : b + 1], b) - positions).tobytes(),
         (info.random_before[a : b + 1] - info.random_before[a]).tobytes(),
-        np.where(model.min_input[a:b] >= a, model.min_input[a:b] - a, -1).tobytes(),
+        # compared with positions e in [a, b] only (`min_input < e`): n (no input) as b
+        np.where(model.min_input[a:b] >= a, np.minimum(model.min_input[a:b], b) - a, -1).tobytes(),
         tuple(c - a for c in model.cuts[bisect_left(model.cuts, a) : bisect_right(model.cuts, b)]),
         float(model.pos_after[n] - base) if b == n else 0.0,
         model.out_total if b == n else 0,
@@ -269,8 +302,8 @@ def _stage_solver(
     own = (
         info.storage_bytes[a:b].sum()
         + info.extra_bytes[a:b].sum()
-        + info.forward_transient[a:b].max(initial=0)
-        + info.backward_transient[a:b].max(initial=0)
+        + info.forward_scratch_bytes[a:b].max(initial=0)
+        + info.backward_scratch_bytes[a:b].max(initial=0)
         + info.grad_bytes[a:b].max(initial=0)
     )
     top = float(pos.max()) if len(pos) else 0.0

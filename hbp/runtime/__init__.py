@@ -1,6 +1,6 @@
 """hbp.runtime: executes plans on torch models and measures steps (memory, FLOPs, time).
 
-Measurement API (DESIGN.md "Metrics"): `MemoryTracker` (exact live-storage bytes on CPU),
+Measurement API (docs/architecture.md "Metrics"): `MemoryTracker` (exact live-storage bytes on CPU),
 `count_flops`, `Timer` / `summarize_times`, and `measure_step` (one training step: peak bytes,
 FLOPs, median step time).
 """
@@ -14,7 +14,7 @@ _LAZY = {
     "MemoryTracker": "hbp.runtime.tracker",
     "StepMeasurement": "hbp.runtime.measure",
     "Timer": "hbp.runtime.timers",
-    "allocator_peak": "hbp.runtime.tracker",
+    "allocator_peak": "hbp.allocator",
     "count_flops": "hbp.runtime.flops",
     "count_flops_breakdown": "hbp.runtime.flops",
     "flop_breakdown_frame": "hbp.runtime.flops",

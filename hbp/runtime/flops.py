@@ -1,4 +1,4 @@
-"""FLOP counting (DESIGN.md "Metrics": `flops`) with `torch.utils.flop_counter`.
+"""FLOP counting (docs/architecture.md "Metrics": `flops`) with `torch.utils.flop_counter`.
 
 FLOPs are counted per aten op from shapes (a matmul of (m, k) @ (k, n) is 2·m·k·n), for
 everything that runs inside the call: forward, the autograd engine's backward and any

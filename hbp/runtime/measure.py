@@ -1,11 +1,11 @@
-"""One training step measured the way DESIGN.md "Metrics" defines it.
+"""One training step measured the way docs/architecture.md "Metrics" defines it.
 
 `measure_step(step_fn, params=...)` runs `warmup` untimed steps, then `repeats` timed steps
 with nothing attached (wall time: median, p10, p90), then the measured steps:
 
 1. The allocator step, with no dispatch mode at all (a dispatch mode changes what autograd
    allocates, see hbp/runtime/tracker.py): `peak_bytes`, the allocator's peak above the level
-   before the step (`hbp.runtime.tracker.allocator_peak`: CUDA's `max_memory_allocated`; on
+   before the step (`hbp.allocator.allocator_peak`: CUDA's `max_memory_allocated`; on
    CPU the allocator's own events, recorded by the profiler for this one step only).
 2. The instrumented step, under `TotalFlopCounterMode` (FlopCounterMode's totals without its
    module hooks, which keep checkpoint-recomputed tensors alive) stacked with the exact
@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from hbp.allocator import allocator_peak
 from hbp.errors import ConfigError
 from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.timers import Timer, summarize_times
-from hbp.runtime.tracker import MemoryTracker, allocator_peak, measure_callable_peak
+from hbp.runtime.tracker import MemoryTracker, measure_callable_peak
 
 if TYPE_CHECKING:  # pandas only types the timeline: importing hbp.runtime need not load it
     import pandas as pd

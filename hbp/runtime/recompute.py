@@ -76,9 +76,9 @@ def autocast_cache_disabled() -> Iterator[None]:
     in backward: a recompute holds all its weights' copies at once), where the IR, like
     autograd, keeps a copy only while its op saves it. The whole executed forward runs so,
     plain blocks too: where the caller's backward runs inside its autocast region, their
-    cached copies stayed alive through the whole backward, past their ops' backwards (Flux at
-    "min" under CPU bf16: 1.146x its budget, 0.972x with the backward after the region).
-    Same values: a cast is a cast."""
+    cached copies stayed alive through the whole backward, past their ops' backwards (a
+    diffusion transformer at "min" under CPU bf16 went over its budget). Same values: a cast
+    is a cast."""
     previous = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:

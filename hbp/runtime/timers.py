@@ -1,4 +1,4 @@
-"""Wall-clock timing of steps (DESIGN.md "Metrics": `step_time_s`), in seconds."""
+"""Wall-clock timing of steps (docs/architecture.md "Metrics": `step_time_s`), in seconds."""
 
 from __future__ import annotations
 

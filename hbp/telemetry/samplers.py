@@ -1,4 +1,4 @@
-"""Background samplers of process and GPU resources (DESIGN.md "Metrics": `rss_peak_mb`,
+"""Background samplers of process and GPU resources (docs/architecture.md "Metrics": `rss_peak_mb`,
 `gpu_mem_peak_mb`, `gpu_util_pct`).
 
 A sampler runs `sample()` on a daemon thread every `interval_s` seconds between `start()` and

@@ -1,10 +1,10 @@
-"""Kernel workspace per op, measured by the allocator (after `capture`, before planning).
+"""Kernel workspace per op, measured by the allocator: the capture's last stage, before planning.
 
 Fake tensors tell the capture what every op's tensors cost, not what its kernels allocate and
 free inside (a convolution's im2col buffers, a matmul's packing, attention's blocks): memory no
 tensor holds, which the allocator sees and which decides out-of-memory. This stage runs each
 distinct op signature of a captured graph once on real tensors, forward and backward, under
-the allocator (`hbp.runtime.tracker.allocator_peak`), and raises the node's
+the allocator (`hbp.allocator.allocator_peak`), and raises the node's
 `forward_scratch_bytes` / `backward_scratch_bytes` to what the allocator needed beyond the
 bytes the IR already models at that event:
 
@@ -13,8 +13,9 @@ bytes the IR already models at that event:
 - backward: `param_grad_bytes` + the gradients of its inputs that are not passed through +
   `backward_scratch_bytes`.
 
-    captured = capture(module, args, kwargs)
-    calibrate_scratch(captured, args, kwargs)   # the call the capture was made for
+    captured = capture(module, args, kwargs, calibrate=True)
+    # or, on a capture made without it (the call the capture was made for):
+    calibrate_scratch(captured, args, kwargs)
 
 An op signature is the op (function, method, or the module's class and `repr`, which holds
 its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its tensor arguments,
@@ -46,10 +47,11 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
+from hbp.allocator import allocator_peak, foreign_profiler_running
 from hbp.graph.ir import Node
-from hbp.graph.torch.capture import MODES, CapturedGraph, enter_modes
-from hbp.graph.torch.fallback import _buffers_restored
-from hbp.runtime.tracker import allocator_peak, foreign_profiler_running
+from hbp.graph.torch.captured import CapturedGraph
+from hbp.graph.torch.fallback import buffers_restored
+from hbp.graph.torch.modes import MODES, enter_modes
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
@@ -312,7 +314,7 @@ def _fetch_attr(root: nn.Module, target: str) -> Any:
 def _state_kept(gm: fx.GraphModule):
     """Put buffers (BatchNorm statistics, counters) and the RNG state back afterwards."""
     devices = [b.device for b in gm.buffers() if b.device.type == "cuda"]
-    with torch.random.fork_rng(devices=list(dict.fromkeys(devices))), _buffers_restored(gm):
+    with torch.random.fork_rng(devices=list(dict.fromkeys(devices))), buffers_restored(gm):
         yield
 
 

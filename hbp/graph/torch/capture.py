@@ -1,21 +1,27 @@
 """Capture a PyTorch module's training step into hbp's IR (`hbp.graph.ir.Graph`).
 
-`capture(module, args, kwargs) -> CapturedGraph` runs the stages in sequence, one file each:
+`capture(module, args, kwargs, calibrate=False) -> CapturedGraph` runs the stages in
+sequence, one file each:
 1. trace to an op-level fx graph specialised to the input signature: torch.fx symbolic
    tracing (`trace`), or, where that fails, the forward's Python run on fake tensors by
    non-strict torch.export (`export`);
 2. normalise in-place ops (`normalise`) and
-3. profile every node on fake tensors into the IR (`profile`);
+3. profile every node on fake tensors into the IR (`profile`; one op call: `op_profile`);
 4. if every tracer fails, fall back to module-level cut points (`fallback`), with a
-   `hbp.errors.CaptureWarning` that says why.
-Shared pieces: fake values (`fake`), output containers (`outputs`), grad/autocast
-modes (`modes`), FLOP formulas (`flops`), running-statistics norms (`running_stats`),
-the result type (`captured`).
+   `hbp.errors.CaptureWarning` that says why;
+5. with `calibrate=True`, measure each op's kernel workspace with the allocator on real
+   tensors (`calibrate`).
+Shared pieces: what an attempt must put back (`state`), fake values (`fake`), output containers
+(`outputs`), grad/autocast modes (`modes`), FLOP formulas (`flops`), running-statistics norms
+(`running_stats`), the result type (`captured`).
 
-Capturing does not change the module: parameters and buffers are only read (fake copies are
-updated instead; a real no-grad run of the fallback puts buffer values back), attributes the
-forward assigns while traced are put back, train/eval flags are untouched, and the RNG state
-is restored.
+Capturing leaves no trace on the module, whatever fails: every attempt runs between a snapshot
+of the model's Python state and torch's global state (`state.ModelState`: attributes,
+hooks, parameters' flags, global hooks, grad mode, autocast, default dtype) and its
+restoration; buffer values and the RNG state are put back; parameters are only read. The one
+exception is a forward that sets itself up on its first call: it is called once for real, as
+the caller's first call would be, and its set-up is kept when capture then succeeds
+(NOTE [ One-time initialisation in forward ]).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import inspect
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,14 +40,16 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hbp.errors import CaptureWarning
+from hbp.graph.torch.calibrate import calibrate_scratch
 from hbp.graph.torch.captured import MODULE, OP, CapturedGraph
 from hbp.graph.torch.export import eager_shortcuts, export_trace
-from hbp.graph.torch.fake import _MISSING, _Faker, _rng_preserved
-from hbp.graph.torch.fallback import _buffers_restored, _capture_modules
+from hbp.graph.torch.fake import MISSING, Faker, rng_preserved
+from hbp.graph.torch.fallback import buffers_restored, capture_modules
 from hbp.graph.torch.modes import MODES, ambient_modes, enter_modes, exit_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
-from hbp.graph.torch.profile import _profile_graph
-from hbp.graph.torch.trace import _ModuleState, _same, _trace
+from hbp.graph.torch.profile import profile_graph
+from hbp.graph.torch.state import ForwardSideEffect, ModelState, same_value
+from hbp.graph.torch.trace import ModuleState, trace_module
 
 __all__ = [
     "MODES",
@@ -58,11 +65,19 @@ __all__ = [
 ]
 
 
-def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> CapturedGraph:
+def capture(
+    module: nn.Module, args: tuple = (), kwargs: dict | None = None, *, calibrate: bool = False
+) -> CapturedGraph:
     """Capture `module(*args, **kwargs)` (training step: grad enabled, current train/eval
     flags) into hbp's IR. Falls back to module-level cut points, with a `CaptureWarning`,
-    where op-level capture fails. The module's state (parameters, buffers, train flags, RNG)
-    is unchanged afterwards."""
+    where op-level capture fails. Whatever fails, the module's state (attributes, hooks,
+    parameters, buffers, train flags) and torch's (RNG, global hooks, grad mode, autocast,
+    default dtype) are as they were, but for a first-call set-up the forward does when called
+    for real (NOTE [ One-time initialisation in forward ]).
+
+    `calibrate=True` also measures each op's kernel workspace with the allocator, on real
+    tensors (the scratch calibration stage, `hbp.graph.torch.calibrate`), into the nodes'
+    scratch fields; `CapturedGraph.scratch_measured` says whether it could."""
     start = time.perf_counter()
     kwargs = dict(kwargs or {})
     signature = inspect.signature(module.forward)
@@ -72,33 +87,34 @@ def capture(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> 
     # the capture's fake computations.
     with (
         _disable_current_modes(),
-        _rng_preserved(module, bound.arguments),
+        rng_preserved(module, bound.arguments),
+        buffers_restored(module),
         torch.enable_grad(),
         eager_shortcuts(bound.arguments),
     ):
-        failures = []
-        captured = None
-        for tracer in _TRACERS:
-            try:
-                captured = tracer(module, bound, signature, args, kwargs)
-                break
-            except Exception as err:  # noqa: BLE001 - any tracing failure means "try the next"
-                reason = _failure_reason(err)
-                failures.append(f"{tracer.__name__.strip('_')}: {reason}")
+        failures: list[str] = []
+        captured = _op_level(module, bound, signature, args, kwargs, failures)
         if captured is None:
-            reason = "; ".join(failures)
             warnings.warn(
-                f"hbp could not capture {type(module).__name__} at operator level ({reason}); "
-                "falling back to module-level cut points (child module calls): the plan is "
-                "coarser and its memory prediction approximate.",
+                f"hbp could not capture {type(module).__name__} at operator level "
+                f"({'; '.join(failures)}); falling back to module-level cut points (child "
+                "module calls): the plan is coarser and its memory prediction approximate.",
                 CaptureWarning,
                 stacklevel=3,
             )
-            captured = _capture_modules(module, bound, signature, reason, args, kwargs)
+            state = ModelState(module)
+            try:
+                captured = capture_modules(
+                    module, bound, signature, "; ".join(failures), args, kwargs
+                )
+            finally:
+                state.restore()
     _seed_backward_at_the_loss(captured)
     captured.graph.rng_state_bytes = _rng_state_bytes(module, bound.arguments)
     captured.capture_time_s = time.perf_counter() - start
     captured.graph.meta["capture_time_s"] = captured.capture_time_s
+    if calibrate:
+        captured.scratch_measured = calibrate_scratch(captured, args, kwargs) is not None
     return captured
 
 
@@ -121,9 +137,9 @@ def _symbolic_trace(
     module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
     """Op level by torch.fx symbolic tracing, specialised to this call (module docstring)."""
-    faker = _Faker()
-    gm, input_names, tracer = _trace(module, bound.arguments, signature, faker)
-    captured = _profile_graph(gm, module, bound.arguments, input_names, signature, faker)
+    faker = Faker()
+    gm, input_names, tracer = trace_module(module, bound.arguments, signature, faker)
+    captured = profile_graph(gm, module, bound.arguments, input_names, signature, faker)
     captured.output_template = tracer.output_template
     captured.inlined_checkpoints = tracer.inlined_checkpoints
     captured.tracer = "fx"
@@ -133,97 +149,147 @@ def _symbolic_trace(
 def _export_trace(
     module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
-    """Op level by running the forward on fake tensors (`hbp.graph.torch.export`); see
-    NOTE [ One-time initialisation in forward ]."""
-    kept: list[_Assignment] = []
-    for attempt in range(2):
-        assigned: list[_Assignment] = []
-        state = _ModuleState(module)
-        try:
-            with _buffers_restored(module), _python_assignments_recorded(module, assigned):
-                exported = export_trace(module, args, kwargs, ambient_modes())
-        except Exception:
-            _undo(kept)
-            raise
-        finally:
-            changed = state.restore()
-        python_state = [name for name, value in changed if not isinstance(value, torch.Tensor)]
-        python_state += [a.name for a in assigned if a.name not in python_state]
-        if not python_state:
-            break
-        if attempt == 1 or not assigned:
-            _undo(kept)
-            raise TypeError(
-                f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced "
-                "graph would not repeat that side effect on later calls"
-            )
-        for a in assigned:  # keep them as the first plain call would, and trace again
-            a.apply()
-        kept = assigned
-    faker = _Faker()
+    """Op level by running the forward on fake tensors (`hbp.graph.torch.export`)."""
+    assigned: list[str] = []
+    state = ModuleState(module)
+    try:
+        with buffers_restored(module), _python_assignments_recorded(module, assigned):
+            exported = export_trace(module, args, kwargs, ambient_modes())
+    finally:
+        changed = state.restore()
+    python_state = [name for name, value in changed if not isinstance(value, torch.Tensor)]
+    python_state += [name for name in assigned if name not in python_state]
+    if python_state:
+        raise ForwardSideEffect(
+            f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced "
+            "graph would not repeat that side effect on later calls"
+        )
+    faker = Faker()
     inputs = exported.inputs
-    captured = _profile_graph(exported.gm, module, inputs, list(inputs), signature, faker)
+    captured = profile_graph(exported.gm, module, inputs, list(inputs), signature, faker)
     captured.output_template = exported.output_template
     captured.in_spec = exported.in_spec
     captured.tracer = "export"
     return captured
 
 
+def _op_level(
+    module: nn.Module,
+    bound: inspect.BoundArguments,
+    signature: inspect.Signature,
+    args: tuple,
+    kwargs: dict,
+    failures: list[str],
+) -> CapturedGraph | None:
+    """The first op-level tracer's capture, each attempt leaving the model as it found it;
+    None if every one fails (why: appended to `failures`). A forward that sets itself up on
+    its first call is called once for real first (NOTE [ One-time initialisation in
+    forward ])."""
+    pristine = ModelState(module)
+    captured, set_up = _first_tracer(module, bound, signature, args, kwargs, failures)
+    if captured is not None or not set_up:
+        return captured
+    try:
+        _first_call(module, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - then the set-up is not what failed
+        failures.append(f"first call: {_failure_reason(err)}")
+        pristine.restore()
+        return None
+    retried: list[str] = []
+    captured, _ = _first_tracer(module, bound, signature, args, kwargs, retried)
+    failures += [f"{f} (after one plain call)" for f in retried]
+    if captured is None:
+        pristine.restore()  # the first call's set-up too: capture failed, the model is as it was
+    return captured
+
+
+def _first_tracer(
+    module: nn.Module,
+    bound: inspect.BoundArguments,
+    signature: inspect.Signature,
+    args: tuple,
+    kwargs: dict,
+    failures: list[str],
+) -> tuple[CapturedGraph | None, bool]:
+    """The first tracer's capture (None if every one fails), and whether an attempt changed
+    the model's Python state (a forward side effect, perhaps a first-call set-up). Whatever
+    an attempt changed is put back."""
+    side_effects = False
+    for tracer in _TRACERS:
+        name = tracer.__name__.strip("_")
+        state = ModelState(module)
+        captured = None
+        try:
+            captured = tracer(module, bound, signature, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - any tracing failure means "try the next"
+            failures.append(f"{name}: {_failure_reason(err)}")
+            side_effects = side_effects or isinstance(err, ForwardSideEffect)
+        finally:
+            changed = state.restore()
+        # Attributes: the tracer judged them (leaf modules may cache their own); hooks and
+        # torch's global state it did not look at.
+        unrepeated = [c for c in changed if "hooks" in c or c.startswith("torch")]
+        if captured is not None and unrepeated:
+            failures.append(
+                f"{name}: forward changes {', '.join(unrepeated[:3])}: a traced graph would "
+                "not repeat that on later calls"
+            )
+            captured = None
+        side_effects = side_effects or (captured is None and bool(changed))
+        if captured is not None:
+            return captured, side_effects
+    return None, side_effects
+
+
+def _first_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Call `module` once for real, as the caller's first call would (grad mode on), keeping
+    nothing for backward (saved tensors dropped as they are packed); buffers and RNG are put
+    back by the caller (`capture`)."""
+    with torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked):
+        module(*args, **kwargs)
+
+
+def _drop(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("hbp's first plain call keeps nothing for backward")
+
+
 # NOTE [ One-time initialisation in forward ]
 # Some forwards set up state on their first call and never again: transformers installs its
-# output-capturing hooks and sets `_output_capturing_hooks_installed = True`. Putting the flag
-# back after tracing while the hooks stay would install them twice on the next call (and
-# capture every output twice), and refusing the trace would lose operator level for no reason.
-# So when a trace assigns Python attributes, they are kept, as the first plain call would keep
-# them, and the forward is traced again: if that second trace assigns nothing, the first one's
-# assignments were a one-time initialisation and the second graph is the forward of every later
-# call. If it assigns again (`self.calls += 1`), the forward has a side effect a graph cannot
-# repeat: the kept values are put back and capture falls back to module level.
-
-
-@dataclass
-class _Assignment:
-    """A Python value the forward assigned to a module attribute, and the value before."""
-
-    module: nn.Module
-    name: str
-    attribute: str
-    value: Any
-    before: Any
-
-    def apply(self) -> None:
-        nn.Module.__setattr__(self.module, self.attribute, self.value)
-
-    def undo(self) -> None:
-        if self.before is _MISSING:
-            self.module.__dict__.pop(self.attribute, None)
-        else:
-            nn.Module.__setattr__(self.module, self.attribute, self.before)
-
-
-def _undo(assignments: list[_Assignment]) -> None:
-    for a in reversed(assignments):
-        a.undo()
+# output-capturing hooks on a sub-model's first call and sets `_output_capturing_hooks_installed`.
+# Traced, that set-up would happen on proxies or fake tensors, and every attempt puts the
+# model's Python state back (`ModelState`), flag and hooks together: half of it kept (the flag
+# without the hooks) breaks the plain model. A tracer that sees the forward change the model's
+# state cannot tell a one-time set-up from a per-call side effect (`self.calls += 1`), so the
+# model is called once for real, as the caller's first call would call it (grad mode on,
+# nothing kept for backward, buffers and RNG put back), and the tracers run again: if none
+# sees a change now, the set-up is done, as it would be without hbp, and the graph is the
+# forward of every later call. If capture still fails, everything the first call set up is
+# put back too, and the module-level fallback (which runs the forward itself) leaves the set-up
+# to the caller's first step.
 
 
 @contextlib.contextmanager
-def _python_assignments_recorded(module: nn.Module, out: list[_Assignment]) -> Iterator[None]:
-    """Within: each Python (non-tensor) value the forward assigns to `module` or a submodule,
-    where it changes the attribute, is appended to `out` (torch.export puts module attributes
-    back after tracing, so comparing the state before and after cannot see them)."""
+def _python_assignments_recorded(module: nn.Module, out: list[str]) -> Iterator[None]:
+    """Within: the qualified name of each Python (non-tensor) value the forward assigns to
+    `module` or a submodule, where it changes the attribute, is appended to `out`
+    (torch.export puts module attributes back after tracing, so comparing the state before
+    and after cannot see them)."""
     paths = {id(m): p for p, m in module.named_modules()}
     original = nn.Module.__setattr__
 
     def recording(mod: nn.Module, name: str, value: Any) -> None:
         path = paths.get(id(mod))
-        before = mod.__dict__.get(name, _MISSING)
+        before = mod.__dict__.get(name, MISSING)
         if (
             path is not None
             and not isinstance(value, (torch.Tensor, nn.Module))
-            and not _same(before, value)
+            and not same_value(before, value)
         ):
-            qualified = f"{path}.{name}" if path else name
-            out.append(_Assignment(mod, qualified, name, value, before))
+            out.append(f"{path}.{name}" if path else name)
         original(mod, name, value)
 
     nn.Module.__setattr__ = recording

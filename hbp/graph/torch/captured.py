@@ -49,6 +49,10 @@ class CapturedGraph:
             (non-strict torch.export, `hbp.graph.torch.export`); "" at module granularity.
         in_spec: for "export" graphs, the pytree spec of `(args, kwargs)` whose leaves the
             placeholders are (None: placeholders are forward parameters, `input_names`).
+        scratch_measured: whether the scratch fields of `graph`'s nodes hold the kernel
+            workspace the allocator measured (`capture(..., calibrate=True)`, NOTE [ Captured
+            under a profiler ]); False without calibration or when a profiler outside hbp
+            kept it from measuring (the fields then count tensors only).
     """
 
     graph: Graph
@@ -67,6 +71,7 @@ class CapturedGraph:
     inlined_checkpoints: int = 0
     tracer: str = ""
     in_spec: Any = None
+    scratch_measured: bool = False
 
     def __post_init__(self) -> None:
         self._fx_index = {n: i for i, n in enumerate(self.fx_nodes)}

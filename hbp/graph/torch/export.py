@@ -37,8 +37,8 @@ What differs from a symbolic-traced graph, and what `_normalise` does about it:
   signature. transformers' attention masks are the case that costs memory: with no
   `attention_mask` passed, eager SDPA runs with `is_causal=True` or no mask at all, while
   under export it builds the full `[batch, 1, q, k]` mask, which SDPA on CPU turns into a
-  float mask and saves for backward in every layer (ALBERT, 6 layers at 96 tokens: 0.84 MiB
-  more than the plain step, 3.6%). hbp's graph is specialised to the signature and runs
+  float mask and saves for backward in every layer (memory the plain step does not use).
+  hbp's graph is specialised to the signature and runs
   eagerly, so the trace takes eager's path (`_eager_paths`): transformers' mask helpers see
   "not exporting". Shortcuts that read mask *values* still see fake tensors (transformers'
   `is_tracing`) and keep the mask: a plan never depends on the values of an input. One

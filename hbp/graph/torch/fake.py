@@ -1,6 +1,6 @@
 """Fake values for the capture stages: real tensors as fake ones with the same storage
-identities (`_Faker`), running one fx node on them (`_run_fx_node`), and the CPU kernels whose
-fake (meta) kernels allocate other sizes than the real ones (`_RealStorageSizes`).
+identities (`Faker`), running one fx node on them (`run_fx_node`), and the CPU kernels whose
+fake (meta) kernels allocate other sizes than the real ones (`RealStorageSizes`).
 
 Fake tensors (`FakeTensorMode`) have real shapes, dtypes and devices and no memory; the device
 is kept, so device-dependent kernels and decompositions are the same as in the real run (CPU
@@ -47,7 +47,7 @@ _CPU_UNREDUCED_LOSSES = {
 _CPU_WRONG_META_SIZES = {_aten.mkldnn_rnn_layer.default}
 
 
-class _RealStorageSizes(TorchDispatchMode):
+class RealStorageSizes(TorchDispatchMode):
     """Where fake kernels allocate other sizes than the real ones (see above): records the
     real size of unreduced loss buffers, and re-makes the outputs of `_CPU_WRONG_META_SIZES`
     ops at their real sizes (learnt by running the real kernel once on zeros of the same
@@ -60,21 +60,23 @@ class _RealStorageSizes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _CPU_WRONG_META_SIZES and all(t.device.type == "cpu" for t in _tensors(args)):
+        if func in _CPU_WRONG_META_SIZES and all(
+            t.device.type == "cpu" for t in tensor_leaves(args)
+        ):
             return _resized_like_real(func, args, kwargs, out)
         position = _CPU_UNREDUCED_LOSSES.get(func)
         if position is not None:
             x = args[0]
             reduction = args[position] if len(args) > position else kwargs.get("reduction", 1)
             if x.device.type == "cpu" and reduction != 0:
-                self.sizes[_storage_key(out)] = x.numel() * x.element_size()
+                self.sizes[storage_key(out)] = x.numel() * x.element_size()
         return out
 
 
 def _resized_like_real(func, args, kwargs, fake_out):
     """`fake_out` with every tensor whose real counterpart has another storage size replaced
     by a fake copy of the real one (run on zero-filled real inputs of the same shapes)."""
-    fake_mode = next(t.fake_mode for t in _tensors(args) if isinstance(t, FakeTensor))
+    fake_mode = next(t.fake_mode for t in tensor_leaves(args) if isinstance(t, FakeTensor))
 
     def zeros(x):
         return torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x
@@ -95,7 +97,7 @@ def _resized_like_real(func, args, kwargs, fake_out):
     return tree_unflatten(fixed, spec)
 
 
-class _Faker:
+class Faker:
     """Converts real tensors to fake ones: same shape, dtype, device and requires_grad, and
     one fake storage per real storage (so storage identity, hence aliasing, carries over)."""
 
@@ -132,22 +134,22 @@ class _Faker:
         return {k: self.tensor(v) for k, v in state.items() if v is not None}
 
 
-def _storage_key(t: torch.Tensor) -> int | None:
+def storage_key(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
-def _requires_grad(value: Any) -> bool:
-    return any(t.requires_grad for t in _tensors(value))
+def any_requires_grad(value: Any) -> bool:
+    return any(t.requires_grad for t in tensor_leaves(value))
 
 
-def _call_module(faker: _Faker | None, module: nn.Module, args, kwargs):
+def call_module(faker: Faker | None, module: nn.Module, args, kwargs):
     """Run `module.forward` (no hooks) with fake state, or real state if `faker` is None."""
     if faker is None:
         return module.forward(*args, **kwargs)
@@ -167,7 +169,7 @@ def _as_if_compiling() -> Iterator[None]:
         torch.compiler.is_compiling = original
 
 
-def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
+def run_fx_node(node: fx.Node, root: nn.Module, faker: Faker, args, kwargs):
     """Run one node on fake values, in its own modes (`MODES`); a node whose Python needs a
     tensor's value (a host sync) is run again as torch.compile would see it."""
     modes = node.meta.get(MODES)
@@ -179,31 +181,31 @@ def _run_fx_node(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
                 return _run_fx_node_once(node, root, faker, args, kwargs)
 
 
-def _run_fx_node_once(node: fx.Node, root: nn.Module, faker: _Faker, args, kwargs):
+def _run_fx_node_once(node: fx.Node, root: nn.Module, faker: Faker, args, kwargs):
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         obj, *rest = args
         return getattr(obj, node.target)(*rest, **kwargs)
     if node.op == "call_module":
-        return _call_module(faker, root.get_submodule(node.target), args, kwargs)
+        return call_module(faker, root.get_submodule(node.target), args, kwargs)
     raise AssertionError(f"cannot run fx node {node.op}")
 
 
-def _fetch_attr(root: nn.Module, target: str) -> Any:
+def fetch_attr(root: nn.Module, target: str) -> Any:
     obj = root
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-_MISSING = object()
+MISSING = object()
 
 
 @contextlib.contextmanager
-def _rng_preserved(module: nn.Module, arguments: dict) -> Iterator[None]:
+def rng_preserved(module: nn.Module, arguments: dict) -> Iterator[None]:
     """Restore the CPU RNG (and that of every CUDA device in use) on exit."""
-    tensors = _tensors(arguments) + list(module.parameters())
+    tensors = tensor_leaves(arguments) + list(module.parameters())
     devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
     with torch.random.fork_rng(devices=devices):
         yield

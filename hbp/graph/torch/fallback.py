@@ -4,7 +4,7 @@ The child module calls of one forward (recorded with forward hooks during a fake
 `no_grad` run if the fake run fails too), down to the repeated blocks (the items of an
 `nn.ModuleList` / `nn.Sequential` of two or more modules, at any depth: the cut points the
 libraries' own checkpointing uses), each profiled in isolation, as a chain of IR nodes. The
-forward is called with the caller's own arguments. `hbp.runtime.executors.segments.ModuleCallExecutor`
+forward is called with the caller's own arguments. `hbp.runtime.executors.module_calls.ModuleCallExecutor`
 checkpoints whole calls (and runs of an nn.Sequential's children) by patching `forward`s."""
 
 from __future__ import annotations
@@ -21,10 +21,15 @@ from torch.utils._pytree import tree_map
 
 from hbp.graph.ir import Graph, Node
 from hbp.graph.torch.captured import MODULE, CapturedGraph
-from hbp.graph.torch.fake import _call_module, _Faker, _rng_preserved, _storage_key, _tensors
-from hbp.graph.torch.profile import _charge_param_grads, _Profile, _profile_call, _record_transients
+from hbp.graph.torch.fake import Faker, call_module, rng_preserved, storage_key, tensor_leaves
+from hbp.graph.torch.op_profile import OpProfile, profile_call
+from hbp.graph.torch.profile import (
+    charge_out_of_place_sums,
+    charge_param_grads,
+    record_scratch,
+)
 from hbp.graph.torch.running_stats import frozen_running_stats, stat_tracking_norms
-from hbp.graph.torch.trace import _ModuleState
+from hbp.graph.torch.trace import ModuleState
 
 
 @dataclass
@@ -38,7 +43,7 @@ class _Call:
 
 
 def _record_calls(
-    module: nn.Module, args: tuple, kwargs: dict, faker: _Faker | None
+    module: nn.Module, args: tuple, kwargs: dict, faker: Faker | None
 ) -> tuple[list[_Call], list[tuple[str, int, int, int, tuple[int, ...]]]]:
     """The child module calls of one forward `module(*args, **kwargs)` (the caller's own
     arguments: decorators that fill defaults into `**kwargs` must not see them twice), down
@@ -62,15 +67,15 @@ def _record_calls(
     for mod in paths:
         handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(mod.register_forward_hook(post_hook, with_kwargs=True))
-    state = _ModuleState(module)  # the forward's Python side effects are undone after
+    state = ModuleState(module)  # the forward's Python side effects are undone after
     try:
         if faker is None:
-            with _buffers_restored(module):
+            with buffers_restored(module):
                 module.forward(*args, **kwargs)
         else:
             fake_args, fake_kwargs = faker.tree((args, kwargs), fresh=True)
             with faker.mode:
-                _call_module(faker, module, fake_args, fake_kwargs)
+                call_module(faker, module, fake_args, fake_kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -101,16 +106,18 @@ def _holding_blocks(module: nn.Module) -> set[int]:
 
 
 @contextlib.contextmanager
-def _buffers_restored(module: nn.Module) -> Iterator[None]:
+def buffers_restored(module: nn.Module) -> Iterator[None]:
     """Inside, a real forward may update buffers in place (running means, step counters);
-    their values before are put back on exit."""
-    saved = [(b, b.clone()) for b in module.buffers()]
+    the values of those it wrote are put back on exit (the others are not touched)."""
+    saved = [(b, b._version, b.clone()) for b in module.buffers()]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
+            for b, version, value in saved:
+                # batch norm updates its running statistics without bumping their version
+                if b._version != version or not torch.equal(b, value):
+                    b.copy_(value)
 
 
 def _expand_sequential(
@@ -147,7 +154,7 @@ def _expand_sequential(
     return starts
 
 
-def _capture_modules(
+def capture_modules(
     module: nn.Module,
     bound: inspect.BoundArguments,
     signature: inspect.Signature,
@@ -156,7 +163,7 @@ def _capture_modules(
     kwargs: dict | None = None,
 ) -> CapturedGraph:
     norms = stat_tracking_norms(module)
-    faker = _Faker()
+    faker = Faker()
     try:
         calls, groups = _record_calls(module, args, kwargs or {}, faker)
         recorded_fake = True
@@ -169,7 +176,7 @@ def _capture_modules(
             f"hbp cannot capture {type(module).__name__}: op-level capture failed ({reason}) "
             "and its forward calls no child modules to cut at"
         )
-    real_inputs = _tensors((args, kwargs))
+    real_inputs = tensor_leaves((args, kwargs))
     input_requires_grad = any(t.requires_grad for t in real_inputs)
     nodes = [
         Node(
@@ -181,7 +188,7 @@ def _capture_modules(
         )
     ]
     params_used: list[list[nn.Parameter]] = [[]]
-    profiles: dict[str, _Profile] = {}
+    profiles: dict[str, OpProfile] = {}
     mutated_inputs: dict[str, tuple[str, ...]] = {}
     upstream_requires_grad = input_requires_grad
     prev = "input"
@@ -212,13 +219,14 @@ def _capture_modules(
         )
         params_used.append(list(call.module.parameters()))
         prev = name
-    _charge_param_grads(nodes, params_used)
+    charge_param_grads(nodes, params_used)
     graph = Graph(
         nodes,
         [prev],
         meta={"framework": "torch", "granularity": MODULE, "fallback_reason": reason},
     )
-    _record_transients(graph, profiles)
+    record_scratch(graph, profiles)
+    charge_out_of_place_sums(nodes, params_used, profiles)
     for node in graph.nodes:
         # A node here is a whole child call: the simulator's early stop inside the last node
         # (NOTE [ Early stop at the last pack ] in hbp/analysis/simulate.py) is modelled
@@ -242,8 +250,8 @@ def _capture_modules(
 
 
 def _profile_module_call(
-    call: _Call, faker: _Faker, recorded_fake: bool, norms, upstream_requires_grad: bool
-) -> _Profile:
+    call: _Call, faker: Faker, recorded_fake: bool, norms, upstream_requires_grad: bool
+) -> OpProfile:
     """Profile one recorded child call in isolation on fake copies of its recorded inputs
     (real ones if the child itself cannot run on fake tensors)."""
 
@@ -264,26 +272,26 @@ def _profile_module_call(
     try:
         with faker.mode:
             args, kwargs = leaf_inputs(faker.fresh)
-            return _profile_call(
-                lambda *a, **k: _call_module(faker, call.module, a, k),
+            return profile_call(
+                lambda *a, **k: call_module(faker, call.module, a, k),
                 args,
                 kwargs,
                 [("in", (args, kwargs))],
-                {_storage_key(faker.tensor(t)) for t in state},
+                {storage_key(faker.tensor(t)) for t in state},
                 {},
                 params=tuple(faker.tensor(p) for p in call.module.parameters()),
             )
     except Exception:  # noqa: BLE001 - a data-dependent child: profile it for real
         if recorded_fake:
             raise
-        with frozen_running_stats(norms), _rng_preserved(call.module, {}):
+        with frozen_running_stats(norms), rng_preserved(call.module, {}):
             args, kwargs = leaf_inputs(lambda x: x.clone())
-            return _profile_call(
+            return profile_call(
                 call.module.forward,
                 args,
                 kwargs,
                 [("in", (args, kwargs))],
-                {_storage_key(t) for t in state},
+                {storage_key(t) for t in state},
                 {},
                 params=tuple(call.module.parameters()),
             )

@@ -1,4 +1,4 @@
-"""FLOP formulas one definition of FLOPs uses everywhere (DESIGN.md "Metrics": `flops`).
+"""FLOP formulas one definition of FLOPs uses everywhere (docs/architecture.md "Metrics": `flops`).
 
 FLOPs are counted per aten op from shapes by `torch.utils.flop_counter` (a matmul of
 (m, k) @ (k, n) is 2·m·k·n); ops without a formula (elementwise, reductions) count 0.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -20,16 +20,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from hbp.graph.ir import Node
-from hbp.graph.torch.fake import _aten, _storage_key, _tensors
+from hbp.graph.torch.fake import storage_key, tensor_leaves
+from hbp.graph.torch.op_profile import OpProfile
+
+_aten = torch.ops.aten
 
 # In-place ops whose out-of-place form is not `x = x.op(...)` (random fills, copies, resizes).
 _NOT_FUNCTIONAL = set(
     "bernoulli_ cauchy_ copy_ detach_ exponential_ fill_ geometric_ log_normal_ normal_ "
     "random_ requires_grad_ resize_ resize_as_ set_ share_memory_ uniform_ zero_".split()
 )
-
-if TYPE_CHECKING:  # the profile stage calls this one
-    from hbp.graph.torch.profile import _Profile
 
 
 # Leaf activation/dropout modules with `inplace=True` -> (functional form, its arguments).
@@ -54,24 +54,24 @@ _INPLACE_MODULES: dict[type, Callable[[nn.Module], tuple[Callable, dict]]] = {
 }
 
 
-def _mutates_persistent(
-    node: fx.Node, profile: _Profile, values: dict[fx.Node, Any], persistent_keys: set[int]
+def mutates_persistent(
+    node: fx.Node, profile: OpProfile, values: dict[fx.Node, Any], persistent_keys: set[int]
 ) -> bool:
     """Whether `node` mutates (a view of) a parameter, buffer or constant in place: such an
     update is the point of the op (`self.running.mul_(0.9).add_(x)`) and must stay in place."""
     mutated = set(profile.mutated_inputs)
     return any(
-        _storage_key(t) in persistent_keys
+        storage_key(t) in persistent_keys
         for src in node.all_input_nodes
         if src.name in mutated
-        for t in _tensors(values.get(src))
+        for t in tensor_leaves(values.get(src))
     )
 
 
-def _out_of_place(
+def out_of_place(
     node: fx.Node,
     ir_node: Node,
-    profile: _Profile,
+    profile: OpProfile,
     gm: fx.GraphModule,
     by_name: dict[str, Node],
     earlier: list[fx.Node],
@@ -122,7 +122,7 @@ _RUNNING_STATS_ARGS = {
 }
 
 
-def _updated_running_stats(node: fx.Node) -> list[str]:
+def updated_running_stats(node: fx.Node) -> list[str]:
     """`get_attr` targets of the running statistics an ATen norm node updates (exported
     graphs: BatchNorm is `aten.batch_norm` on the module's buffers, not a module call)."""
     spec = _RUNNING_STATS_ARGS.get(node.target) if node.op == "call_function" else None

@@ -42,9 +42,10 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.fx._symbolic_trace import HAS_VARSTUFF
 
-from hbp.graph.torch.fake import _MISSING, _Faker, _fetch_attr, _run_fx_node
+from hbp.graph.torch.fake import MISSING, Faker, fetch_attr, run_fx_node
 from hbp.graph.torch.modes import MODES, ambient_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
+from hbp.graph.torch.state import ForwardSideEffect, same_value
 
 # Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
 _FACTORIES = (
@@ -70,7 +71,7 @@ class _ValueProxy(fx.Proxy):
     """An fx Proxy that knows its node's fake value: shape queries return concrete values."""
 
     def _value(self) -> Any:
-        return self.tracer.values.get(self.node, _MISSING)
+        return self.tracer.values.get(self.node, MISSING)
 
     def _tensor(self) -> torch.Tensor | None:
         v = self._value()
@@ -120,7 +121,7 @@ class _ValueProxy(fx.Proxy):
 
     def __len__(self):
         v = self._value()
-        if v is _MISSING or not hasattr(v, "__len__"):
+        if v is MISSING or not hasattr(v, "__len__"):
             return super().__len__()
         return len(v)
 
@@ -154,7 +155,7 @@ class _ValueProxy(fx.Proxy):
             try:
                 attr = getattr(v, k)
             except Exception:  # noqa: BLE001
-                attr = _MISSING
+                attr = MISSING
             if attr is None or isinstance(attr, _CONCRETE_TYPES):
                 return attr
         return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
@@ -175,7 +176,7 @@ class _ValueProxy(fx.Proxy):
 class _Tracer(fx.Tracer):
     """`torch.fx.Tracer` whose proxies carry fake values (see the module docstring)."""
 
-    def __init__(self, faker: _Faker, inputs: dict[str, Any]):
+    def __init__(self, faker: Faker, inputs: dict[str, Any]):
         super().__init__(autowrap_modules=(math,))
         # Buffers read in traced (non-leaf) code become get_attr nodes: `self.buf.add_(1)` is
         # recorded, not run on the real buffer.
@@ -264,7 +265,7 @@ class _Tracer(fx.Tracer):
             node.meta[MODES] = modes
         if kind == "placeholder":
             key = target if target in self.inputs else target.rsplit("_", 1)[0]
-            self.values[node] = self.inputs.get(key, _MISSING)
+            self.values[node] = self.inputs.get(key, MISSING)
         else:
             self.values[node] = self._compute(node)
         return proxy
@@ -273,10 +274,10 @@ class _Tracer(fx.Tracer):
         if node not in self.values and node.op == "get_attr":
             self.computing = True  # a real attribute, not the parameter proxy fx would give
             try:
-                self.values[node] = self.faker.tree(_fetch_attr(self.root, node.target))
+                self.values[node] = self.faker.tree(fetch_attr(self.root, node.target))
             finally:
                 self.computing = False
-        return self.values.get(node, _MISSING)
+        return self.values.get(node, MISSING)
 
     def _compute(self, node: fx.Node) -> Any:
         if node.op == "get_attr":
@@ -287,21 +288,21 @@ class _Tracer(fx.Tracer):
             lambda a: self._lookup(a, missing) if isinstance(a, fx.Node) else a,
         )
         if missing:
-            return _MISSING
+            return MISSING
         args, kwargs = self.faker.tree((args, kwargs))  # real tensor constants -> fake
         self.computing = True
         try:
             with self.faker.mode:
-                return _run_fx_node(node, self.root, self.faker, args, kwargs)
+                return run_fx_node(node, self.root, self.faker, args, kwargs)
         except Exception as err:  # noqa: BLE001 - the node stays symbolic, as in plain fx
             self.value_errors.append(f"{node.format_node()}: {type(err).__name__}: {err}")
-            return _MISSING
+            return MISSING
         finally:
             self.computing = False
 
     def _lookup(self, node: fx.Node, missing: list) -> Any:
         v = self._value(node)
-        if v is _MISSING:
+        if v is MISSING:
             missing.append(node)
         return v
 
@@ -447,8 +448,8 @@ def _function_apply(cls: type) -> Callable:
     return _FUNCTION_APPLIES[cls]
 
 
-def _trace(
-    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: _Faker
+def trace_module(
+    module: nn.Module, arguments: dict[str, Any], signature: inspect.Signature, faker: Faker
 ) -> tuple[fx.GraphModule, list[str], _Tracer]:
     """Trace `module` specialised to `arguments` (forward parameter -> real value); return
     the graph module, the forward parameter of each placeholder and the finished tracer."""
@@ -467,7 +468,7 @@ def _trace(
     for t in (*module.parameters(), *module.buffers()):
         faker.tensor(t)  # convert now: fx's patching during tracing makes it ~10x slower
     tracer = _Tracer(faker, inputs)
-    state = _ModuleState(module)
+    state = ModuleState(module)
     try:
         with (
             tracer.recording_factories(),
@@ -490,7 +491,7 @@ def _trace(
         if not isinstance(value, (fx.Proxy, torch.Tensor)) and not name.startswith(leaves)
     ]
     if python_state:
-        raise TypeError(
+        raise ForwardSideEffect(
             f"forward assigns Python attribute(s) {', '.join(python_state[:3])}: a traced graph "
             "would not repeat that side effect on later calls"
         )
@@ -503,7 +504,7 @@ def _trace(
     return gm, input_names, tracer
 
 
-class _ModuleState:
+class ModuleState:
     """The attributes of a module and of every submodule (`__dict__`, parameters, buffers,
     children), to put back after tracing: traced code runs the forward's Python, so
     `self.count += 1` or `self.cache = x` would otherwise leave proxies and counts behind,
@@ -529,7 +530,7 @@ class _ModuleState:
             for k, d in dicts.items():
                 before.update({f"{k}:{n}": v for n, v in d.items()})
             for key, value in now.items():
-                if key in self._DICTS or (key in before and _same(before[key], value)):
+                if key in self._DICTS or (key in before and same_value(before[key], value)):
                     continue
                 if not prefix and key.startswith("_tensor_constant"):
                     continue
@@ -542,19 +543,6 @@ class _ModuleState:
                 getattr(m, k).update(d)
                 m.__dict__[k] = getattr(m, k)
         return changed
-
-
-def _same(before: Any, after: Any) -> bool:
-    """Whether assigning `after` over `before` changed nothing (the same object, or an equal
-    plain Python value: torch.export re-assigns copies of a module's plain dicts)."""
-    if before is after:
-        return True
-    if type(before) is not type(after) or isinstance(before, (torch.Tensor, nn.Module)):
-        return False
-    try:
-        return bool(before == after)
-    except Exception:  # noqa: BLE001 - no meaningful equality
-        return False
 
 
 def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> None:

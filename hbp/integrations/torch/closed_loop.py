@@ -12,14 +12,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from hbp.errors import BudgetError
-from hbp.integrations.torch.outputs import grad_leaves
-from hbp.runtime.tracker import (
+from hbp.allocator import (
     close_open_windows,
     foreign_profiler_running,
     profiler_peak_bytes,
     release_results,
 )
+from hbp.errors import BudgetError
+from hbp.integrations.torch.outputs import grad_leaves
 from hbp.units import MIB
 
 # a measurement still recording when the process exits: a CPU profiler left running then
@@ -46,7 +46,7 @@ class StepPeakProbe:
     """The allocator's peak from `__init__` to `end()`, above the level at `__init__`.
 
     CUDA: max_memory_allocated, read in `end()`. CPU: a profiler with memory events
-    (`hbp.runtime.tracker.profiler_peak_bytes`); `end()` runs inside the autograd engine (a
+    (`hbp.allocator.profiler_peak_bytes`); `end()` runs inside the autograd engine (a
     queued callback), where a profiler cannot be stopped for good (the engine restores the
     thread's profiler state when backward returns), so it marks the end with a 1-byte
     allocation and `stop()`, called at the module's next call or when
@@ -62,7 +62,7 @@ class StepPeakProbe:
             torch.cuda.reset_peak_memory_stats(device)
             self._base = torch.cuda.memory_allocated(device)
             return
-        from hbp.runtime.tracker import close_open_windows, hold_open
+        from hbp.allocator import close_open_windows, hold_open
 
         close_open_windows()  # another module's measurement still recording: CPU profilers
         self._profiler = torch.profiler.profile(  # do not nest

@@ -10,7 +10,7 @@ import torch
 from hbp.errors import BudgetError
 from hbp.graph.torch.capture import MODULE
 from hbp.planner.plan import any_pinned
-from hbp.runtime.executors.segments import make_executor
+from hbp.runtime.executors import make_executor
 from hbp.units import MIB
 
 # NOTE [ torch.compile of an HCModule ]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hbp.allocator import foreign_profiler_running
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, capture
@@ -19,9 +20,9 @@ from hbp.integrations.torch.closed_loop import step_device
 from hbp.planner.budget import BudgetKind
 from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
-from hbp.runtime.executors.segments import make_executor, per_call_plan
+from hbp.runtime.executors import make_executor
+from hbp.runtime.executors.module_calls import per_call_plan
 from hbp.runtime.heap import return_freed_heap
-from hbp.runtime.tracker import foreign_profiler_running
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8

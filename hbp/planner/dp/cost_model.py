@@ -214,7 +214,7 @@ class CostModel:
             ~info.is_input
             & (info.root == np.arange(n))
             & (info.storage_bytes > 0)
-            & (info.forward_transient == 0)
+            & (info.forward_scratch_bytes == 0)
             & ~info.draws_random,
             info.flops,
             0.0,

@@ -9,12 +9,17 @@ the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
 import time
 import weakref
 from functools import reduce
 from typing import NamedTuple
 
+import numpy as np
+
+from hbp.analysis.frontier import lower_bound
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import Simulation, simulate
 from hbp.errors import BudgetError, ConfigError
@@ -98,10 +103,13 @@ def _solve(
     pins: bool | None = None,
     pin_charge: PinCharge = PinCharge.PASS,
     nested_pins: bool | None = None,
-) -> _Solved:
+    tables_only: bool = False,
+) -> _Solved | None:
     """Run the DP over `cuts` (`pins`: whether recomputed segments may pin nodes; None: the
     default, `hbp.planner.dp.solver.PIN_VALUES`; `pin_charge`: how a pin is charged;
-    `nested_pins`: whether children of nested levels pin too, None: the solver's default)."""
+    `nested_pins`: whether children of nested levels pin too, None: the solver's default;
+    `tables_only`: None where the tables find no plan, instead of the least-peak plan or a
+    BudgetError, for a caller that only reads the tables' value)."""
     model = CostModel(info, cuts)
     with planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
@@ -117,14 +125,11 @@ def _solve(
         recompute = float(solver.top(0, frozenset())[0, slots])
         if recompute < INF:
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
+        if tables_only:
+            return None
         minimum, segments = _least_peak_cached(info, cuts, nested)
         if minimum > budget_bytes:
-            raise BudgetError(
-                budget_bytes,
-                minimum,
-                f"{'nested' if nested else 'one-level'} plans over {len(cuts) - 2} "
-                f"candidate cuts of {info.n} nodes",
-            )
+            raise BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
         # the slot rounding rejected a feasible budget: the least-peak plan fits
         return _Solved(segments, slots, slot_bytes, "min-peak")
 
@@ -209,16 +214,22 @@ def optimal_plan(
             pins,
         )
 
+    if not info.rng_state_bytes and budget_bytes < lower_bound(info):
+        # NOTE [ Budgets below the lower bound ]: no table can fit it
+        minimum, _ = _least_peak_cached(info, cuts, nested)
+        err = BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
+        return _below_whole_graph(
+            graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
+            nested, below_bound=True,
+        )  # fmt: skip
     candidate = None
     if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
         # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
         # value over fewer cuts (its plan is not needed: not simulated)
         fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
-        try:
-            solved = _solve(info, fewer, budget_bytes, mem_slots, nested, pins)
-        except BudgetError:  # below what the fewer cuts reach
-            solved = None
-        if solved is not None and solved.how == "dp":
+        # None: below what the fewer cuts reach, or where only their least-peak plan fits
+        solved = _solve(info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True)
+        if solved is not None:
             candidate = _staged_candidate(graph, info, budget_bytes, pins)
             if candidate is not None and candidate[1].recompute_flops < solved.recompute * (
                 1 - 1e-9
@@ -233,23 +244,10 @@ def optimal_plan(
     try:
         plan, how = whole_graph(cuts)
     except BudgetError as err:
-        others = cut_choices(info, block_size, max_cuts)[1:]
-        if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
-            least, segments = _least_peak_over(info, others, nested)
-            if least <= budget_bytes:
-                meta = dict(
-                    meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum
-                )
-                plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
-                plan.meta["solve_time_s"] = time.perf_counter() - t0
-                return plan
-            if least < err.minimum:
-                err = BudgetError(
-                    budget_bytes, least, f"{err.detail}, least over {len(others) + 1} cut choices"
-                )
-        if not stages:
-            raise err from None
-        return _staged_below_whole_graph(graph, info, meta, budget_bytes, err, naive, pins, t0)
+        return _below_whole_graph(
+            graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
+            nested,
+        )  # fmt: skip
     if how == "dp" and stages:
         candidate = candidate or _staged_candidate(graph, info, budget_bytes, pins)
         if _takes(candidate, plan, staged == "always"):
@@ -257,6 +255,51 @@ def optimal_plan(
             return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
     plan.meta["solve_time_s"] = time.perf_counter() - t0
     return plan
+
+
+# NOTE [ Budgets below the lower bound ]
+# `hbp.analysis.frontier.lower_bound` is what the most demanding node's forward or backward
+# event holds whatever is recomputed: no plan's simulated peak is below it, so neither the
+# recompute tables (over the fewer cuts beside stages, then over all) nor a staged plan can
+# fit a budget below it (they would end in INF and None). Such a budget goes straight to
+# what a BudgetError needs: the least peaks (`_below_whole_graph`), the same error as after
+# those tables. Graphs with generator states take the long way (the DP does not see every
+# copy of a state; a table's plan can simulate above the budget and be planned again).
+
+
+def _plans_over(info: GraphInfo, cuts: list[int], nested: bool) -> str:
+    """A BudgetError's detail: the plan space searched."""
+    kind = "nested" if nested else "one-level"
+    return f"{kind} plans over {len(cuts) - 2} candidate cuts of {info.n} nodes"
+
+
+def _below_whole_graph(
+    graph, info, meta, budget: int, err, naive, pins, t0, stages, block_size, max_cuts, nested,
+    below_bound: bool = False,
+) -> Plan:  # fmt: skip
+    """The plan for a budget below the whole-graph DP's least peak over the first cut set
+    (`err`): the least-peak plan of another cut set that fits it, else a staged plan, else
+    `err` with the least minimum (`below_bound`: the budget is below `lower_bound`, where
+    nothing fits)."""
+    others = cut_choices(info, block_size, max_cuts)[1:]
+    if others and not info.rng_state_bytes and err.minimum <= lower_bound(info):
+        others = []  # no cut set goes below the lower bound
+    if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
+        least, segments = _least_peak_over(info, others, nested)
+        if least <= budget:
+            meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
+            plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+            plan.meta["solve_time_s"] = time.perf_counter() - t0
+            return plan
+        if least < err.minimum:
+            err = BudgetError(
+                budget, least, f"{err.detail}, least over {len(others) + 1} cut choices"
+            )
+    if not stages:
+        raise err from None
+    return _staged_below_whole_graph(
+        graph, info, meta, budget, err, naive, pins, t0, fits=not below_bound
+    )
 
 
 def _whole_graph_plan(
@@ -382,12 +425,16 @@ def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
 STAGED_MINIMUM_STEPS = 6
 
 
-def _staged_below_whole_graph(graph, info, meta, budget: int, err, naive, pins, t0) -> Plan:
+def _staged_below_whole_graph(
+    graph, info, meta, budget: int, err, naive, pins, t0, fits: bool = True
+) -> Plan:
     """The staged plan within `budget`, below the whole-graph DP's least peak (`err`): the
     stages' fine cuts can reach less than the whole graph's candidate cuts (a ControlNet
     beside a frozen UNet: 3.19 MiB staged, 3.40 whole-graph). None fits: `err`, its minimum
-    lowered to the staged plan's peak at that minimum where that is less."""
-    candidate = _staged_candidate(graph, info, budget, pins)
+    lowered to the staged plan's peak at that minimum where that is less. `fits=False`: the
+    budget is known to be below every plan's peak (NOTE [ Budgets below the lower
+    bound ])."""
+    candidate = _staged_candidate(graph, info, budget, pins) if fits else None
     if candidate is not None:
         meta = dict(meta, whole_graph_minimum=err.minimum)
         return _as_staged(graph, info, meta, budget, candidate, naive, t0)
@@ -447,7 +494,13 @@ def _least_peak_over(
     """The least peak over each cut set of `choices` (NOTE [ Least peak over other cut
     choices ] in hbp.planner.cuts), the first set's on ties, and its top-level plan."""
     best = None
+    bound = None
     for cuts in choices:
+        if best is not None:
+            # no cut set goes below the lower bound: once it is reached, the rest cannot win
+            bound = lower_bound(info) if bound is None else bound
+            if best[0] <= bound and not info.rng_state_bytes:
+                break
         peak, segments = _least_peak_cached(info, cuts, nested)
         if best is None or peak < best[0]:
             best = (peak, _top_level(info, segments))
@@ -455,22 +508,56 @@ def _least_peak_over(
 
 
 def _least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
-    """`_least_peak` over `cuts`, remembered per graph while its GraphInfo lives: "min" and a
-    BudgetError ask the same least peaks several times for one graph."""
+    """`_least_peak` over `cuts`, remembered per graph structure (NOTE [ Least peaks are
+    remembered ]): "min" and a BudgetError ask the same least peaks several times for one
+    graph, and every plan call of a graph asks them again."""
     known = _LEAST_PEAKS.get(id(info))
     if known is None:
-        known = _LEAST_PEAKS[id(info)] = {}
+        fingerprint = info_fingerprint(info)
+        known = _BY_FINGERPRINT.pop(fingerprint, None) or {}
+        _BY_FINGERPRINT[fingerprint] = known  # the most recent last
+        while len(_BY_FINGERPRINT) > REMEMBERED_GRAPHS:
+            _BY_FINGERPRINT.pop(next(iter(_BY_FINGERPRINT)))
+        _LEAST_PEAKS[id(info)] = known
         weakref.finalize(info, _LEAST_PEAKS.pop, id(info), None)
     key = (tuple(cuts), nested)
     if key not in known:
         model = CostModel(info, cuts)
         with planning(len(model.cuts)):
             known[key] = _least_peak(info, model, nested)
-    return known[key]
+    peak, segments = known[key]
+    return peak, copy.deepcopy(segments)
 
 
-#: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`_least_peak_cached`).
+# NOTE [ Least peaks are remembered ]
+# The least-peak DP is the costliest part of a BudgetError and of "min" (one DP per cut set
+# of `cut_choices`), and a graph is often planned several times: at several budgets, "min"
+# after a BudgetError, again after a re-capture of the same model. Its results depend on the
+# GraphInfo arrays alone (`info_fingerprint`), so they are kept for the last
+# REMEMBERED_GRAPHS graph structures of the process. The segments handed out are copies
+# (callers name them in place).
+REMEMBERED_GRAPHS = 8
+
+#: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`_least_peak_cached`),
+#: the dict of `_BY_FINGERPRINT` for that GraphInfo's structure.
 _LEAST_PEAKS: dict[int, dict] = {}
+#: info_fingerprint -> the same dicts, the most recently used last.
+_BY_FINGERPRINT: dict[str, dict] = {}
+
+
+def info_fingerprint(info: GraphInfo) -> str:
+    """A digest of every GraphInfo field the planner reads (all but the node names)."""
+    digest = hashlib.sha256()
+    for name, value in sorted(vars(info).items()):
+        if name in ("names", "users") or name.startswith("_"):  # labels; users follow
+            continue  # from inputs; private: tables kept on it (`hbp.planner.stages`)
+        digest.update(name.encode())
+        if isinstance(value, np.ndarray):
+            digest.update(str(value.dtype).encode())
+            digest.update(value.tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
 
 
 def finish_plan(

@@ -88,7 +88,7 @@ class ChildProfile:
             live += info.extra_bytes[e:stop]
         if top:
             live += m.out_pre[t + 1]
-        live += info.forward_transient[e:stop]
+        live += info.forward_scratch_bytes[e:stop]
         self.live = live.astype(float)
         self.live[~m.node_event[e:stop]] = -INF
         # kept bytes after [e, f) for f in (e, n]: index f - e - 1

@@ -1,5 +1,12 @@
-"""hbp.runtime.executors: run a captured graph's training step under a plan.
+"""hbp.runtime.executors: run a captured module's training step under a plan.
 
-`segments` runs a plan of segments (checkpoints, pins, compiled segments, module calls);
-`schedule` runs an explicit schedule (`hbp.planner.schedules`).
+`make_executor` picks the executor (`Executor` says what each offers):
+- `segments`: a plan of segments at op level (`PlanExecutor`), with pinned values (`pins`) and
+  compiled leaf segments (`compiled`);
+- `module_calls`: a plan at module level, the capture's fallback (`ModuleCallExecutor`);
+- `schedule`: an explicit schedule (`ScheduleExecutor`, `hbp.planner.schedules`).
 """
+
+from hbp.runtime.executors.executor import Executor, make_executor
+
+__all__ = ["Executor", "make_executor"]

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -38,9 +39,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hbp.graph.torch.capture import MODES, CapturedGraph, enter_modes, exit_modes
-from hbp.planner.milp import Schedule, StageSteps
 from hbp.planner.plan import Plan
-from hbp.planner.schedules import recomputations
+from hbp.planner.schedule_model import Schedule, StageSteps, recomputations
 from hbp.runtime.recompute import (
     autocast_cache_disabled,
     buffer_owners,
@@ -94,6 +94,7 @@ class ScheduleExecutor:
                 f"({', '.join(sorted(captured.mutated_inputs)[:3])}): plan without schedules"
             )
         self.captured, self.plan, self.gm = captured, plan, captured.gm
+        self.returned: list[tuple[str, weakref.ref]] = []  # outputs are not tracked (`Executor`)
         graph, self.schedule = captured.graph, Schedule(captured.graph, forward_recompute=False)
         sch = self.schedule
         steps = sch.steps(recomputations(sch, plan))

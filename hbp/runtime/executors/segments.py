@@ -33,10 +33,6 @@ Modes: a node the forward ran under `torch.no_grad()` or `torch.autocast(...)` (
 capture, `MODES`) runs in those modes in the generated code, so a cut inside such a region
 changes nothing. Recomputed segments run with autocast's weight-cast cache off (see
 `autocast_cache_disabled`).
-
-`ModuleCallExecutor` (module granularity, the capture fallback) checkpoints what of the plan's
-recomputed segments can be re-run on its own: whole child module calls, and runs of children
-of an nn.Sequential (`checkpointed_units`), by patching `forward`s for one forward pass.
 """
 
 from __future__ import annotations
@@ -55,15 +51,24 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import (
-    CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
-from hbp.graph.torch.capture import MODULE, CapturedGraph
+from hbp.graph.torch.capture import CapturedGraph
 from hbp.graph.torch.modes import MODES, enter_modes, exit_modes
 from hbp.planner.plan import Plan, Segment
-from hbp.runtime.executors.schedule import ScheduleExecutor
+from hbp.runtime.executors.checkpointing import FlatCall, draws_random
+from hbp.runtime.executors.compiled import compiled_leaf_call
+from hbp.runtime.executors.pins import (
+    PinParent,
+    nested_pin_contexts,
+    parent_frame,
+    pin_begin,
+    pin_end,
+    pin_mark,
+    pin_policy,
+)
 from hbp.runtime.recompute import (
     ReenterableContext,
     autocast_cache_disabled,
@@ -74,8 +79,6 @@ from hbp.runtime.recompute import (
 )
 
 _PASS = threading.local()
-_PINNING = threading.local()  # .segment: the key of the segment whose pin runs now
-_PARENTS = threading.local()  # .stack: the _PinParent frames running now, innermost last
 
 
 def _pass_end() -> float:
@@ -230,7 +233,7 @@ class PlanExecutor:
                 del args
                 with autocast_cache_disabled():
                     outs = checkpoint(
-                        _FlatCall(_Checkpointed(block), spec),
+                        FlatCall(_Checkpointed(block), spec),
                         *leaves,
                         use_reentrant=False,
                         preserve_rng_state=block.draws_random,
@@ -283,7 +286,7 @@ class PlanExecutor:
             call = _NestedCall(self, children, inputs)
             frozen = [pair for c in children for pair in c.frozen_attrs]
         else:
-            call = _LeafCall(self, nodes, inputs)
+            call = LeafCall(self, nodes, inputs)
             frozen = self._frozen_attrs(nodes)
         block = _Block(a, b, seg.recompute, inputs, outputs, first_reader, call, cloned, frozen)
         if seg.recompute:
@@ -367,20 +370,20 @@ class PlanExecutor:
             # NOTE [ Running pinned values ]: one storage per checkpoint call
             caching = cached = contextlib.nullcontext()
             if pinned and depth == 0:
-                caching, cached = create_selective_checkpoint_contexts(_pin_policy(key))
+                caching, cached = create_selective_checkpoint_contexts(pin_policy(key))
             elif pinned:
-                caching, cached = _nested_pin_contexts(key)
-            frame = _PinParent() if parent else None
+                caching, cached = nested_pin_contexts(key)
+            frame = PinParent() if parent else None
             return _stacked(
-                forward_ctx, caching, _pin_mark(), _parent_frame(frame, False)
+                forward_ctx, caching, pin_mark(), parent_frame(frame, False)
             ), ReenterableContext(
                 lambda: _stacked(
                     recompute_ctx,
                     cached,
                     throwaway_attrs(frozen),
                     _recompute_pass(stop),
-                    _pin_mark(),
-                    _parent_frame(frame, True),
+                    pin_mark(),
+                    parent_frame(frame, True),
                 )
             )
 
@@ -414,12 +417,12 @@ class PlanExecutor:
                 stack = graph.call_function(enter_modes, (modes,))
             pin = self._pins.get(self._index[node])
             if pin is not None:  # NOTE [ Running pinned values ]
-                graph.call_function(_pin_begin, (pin,))
+                graph.call_function(pin_begin, (pin,))
             copy = graph.node_copy(node, lambda n: env[n])
             if copy.op == "call_module":
                 copy.target = "root." + copy.target
             if pin is not None:
-                graph.call_function(_pin_end, ())
+                graph.call_function(pin_end, ())
             if modes:
                 graph.call_function(exit_modes, (stack,))
             env[node] = copy
@@ -439,144 +442,6 @@ class PlanExecutor:
         return "\n".join(lines)
 
 
-# NOTE [ Running pinned values ]
-# A recomputed segment that pins nodes (`Segment.pinned`, NOTE [ Pinned values ] in
-# hbp/analysis/simulate.py) runs its checkpoint with `create_selective_checkpoint_contexts`:
-# the caching mode asks a policy for every op the forward dispatches, and stores the outputs of
-# those it answers MUST_SAVE; the recompute's cached mode answers the same ops, counted per op
-# overload in dispatch order, from that storage. The generated code marks the pinned fx node
-# while it runs (`_pin_begin(key)` / `_pin_end()` around it, key = (start, stop, depth) of the
-# pinning segment, in the forward and in every recompute: plain Python, no dispatched op, so
-# the counts match), and the segment's policy (`_pin_policy`) answers MUST_SAVE only for ops
-# dispatched under its own mark (nested checkpoints and other segments' pins dispatch under the
-# same mode stack) and whose outputs share no storage with their inputs (views, in-place
-# results: storing them would keep the input's storage, not the node's). A recompute's early
-# stop raises inside a node, between `_pin_begin` and `_pin_end`: every recompute context (and
-# a pinning forward) restores the mark on exit (`_pin_mark`), else the next forward would pin
-# every op. The storage is made per checkpoint call (context_fn), so a second backward of a
-# retained graph finds the cache consumed (torch raises). A pin on a value some node later
-# mutates in place (through any view) is dropped: torch refuses a stored tensor whose version
-# changed, and recomputing it is always exact. Compiled segments (NOTE [ Compiled segments ])
-# run without pins: their ops reach the dispatch modes as one compiled region; the plan then
-# keeps less and recomputes more than it predicts.
-# Nested pinning segments. Torch recomputes a nested segment C with the frame its checkpoint
-# made in the original forward (its saved tensors are packed there), while its parent P's
-# recompute pass calls C's checkpoint again, making a new frame whose saves nobody reads. So
-# a top-level segment stores its pins in the forward, but a nested one must store them in the
-# parent's pass and have them answered by the original frame: the parent's checkpoint calls
-# push a `_PinParent` frame while their forward and their recompute run (`_parent_frame`);
-# C's call in P's forward stores nothing (policy `_save_nothing`: every op is marked
-# "recompute") and registers its cached mode with P's frame; C's call in P's recompute pass
-# finds it and its caching mode writes into that same storage (`_nested_pin_contexts`),
-# overwriting the pinned ops' entries with their values. Calls of C in an ancestor's pass
-# (under a P frame made there) store nothing. A pass of P that stops before C runs leaves the
-# storage as the forward made it: C's pass recomputes everything.
-
-
-def _pin_begin(segment: tuple[int, int, int]) -> None:
-    _PINNING.segment = segment
-
-
-def _pin_end() -> None:
-    _PINNING.segment = None
-
-
-@contextlib.contextmanager
-def _pin_mark() -> Iterator[None]:
-    """Restore the pinning mark on exit, also when an early stop raised inside a pinned node."""
-    before = getattr(_PINNING, "segment", None)
-    try:
-        yield
-    finally:
-        _PINNING.segment = before
-
-
-def _pin_policy(segment: tuple[int, int, int]) -> Callable:
-    """The selective-checkpoint policy of the pinning segment with key `segment`."""
-
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if getattr(_PINNING, "segment", None) != segment:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for t in pytree.tree_leaves(ctx.op_output):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
-
-    return policy
-
-
-def _save_nothing(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class _PinParent:
-    """One checkpoint call of a segment with pinning children: their key -> (a weak reference
-    to) the cached mode of the child's checkpoint made in this call's forward."""
-
-    def __init__(self):
-        self.children: dict[tuple[int, int, int], weakref.ref] = {}
-
-
-@contextlib.contextmanager
-def _parent_frame(frame: _PinParent | None, recompute: bool) -> Iterator[None]:
-    """While a pinning child's parent runs (its forward, or its recompute pass: `recompute`),
-    the child's checkpoint calls find the parent's frame here."""
-    if frame is None:
-        yield
-        return
-    if not hasattr(_PARENTS, "stack"):
-        _PARENTS.stack = []
-    _PARENTS.stack.append((frame, recompute))
-    try:
-        yield
-    finally:
-        _PARENTS.stack.pop()
-
-
-def _nested_pin_contexts(key: tuple[int, int, int]) -> tuple:
-    """The selective-checkpoint contexts of a nested pinning segment's checkpoint call.
-
-    Called in its parent's forward (the original one, or inside a recompute pass of an
-    ancestor): stores nothing, and registers its cached mode with the parent's frame. Called in
-    its parent's recompute pass: stores the pins into the storage of the call made in that
-    parent frame's forward, whose cached mode answers them in the segment's own recompute pass
-    (if that call's frame is gone, the segment saves nothing: nothing is stored)."""
-    frame, recompute = _PARENTS.stack[-1]
-    if not recompute:
-        caching, cached = create_selective_checkpoint_contexts(_save_nothing)
-        frame.children[key] = weakref.ref(cached)
-        return caching, cached
-    ref = frame.children.get(key)
-    target = ref() if ref is not None else None
-    if target is None:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    caching, _ = create_selective_checkpoint_contexts(_pin_policy(key))
-    if not hasattr(caching, "storage") or not hasattr(target, "storage"):
-        raise RuntimeError(  # pragma: no cover - torch internals changed
-            "hbp: torch's selective-checkpoint modes no longer keep a `storage` attribute; "
-            "nested pinned segments cannot run (plan with pins only at the top level)"
-        )
-    caching.storage = target.storage  # this pass's values go to the frame that answers them
-    return caching, contextlib.nullcontext()
-
-
-class _FlatCall:
-    """Calls `fn(*args, **kwargs)` with (args, kwargs) rebuilt from flat leaves."""
-
-    def __init__(self, fn, spec):
-        self.fn = fn
-        self.spec = spec
-
-    def __call__(self, *leaves):
-        args, kwargs = pytree.tree_unflatten(list(leaves), self.spec)
-        return self.fn(*args, **kwargs)
-
-
 class _Checkpointed:
     """A recomputed block in checkpoint's calling convention: fn(*inputs) -> outputs. In the
     forward it returns what later readers need; in its own recompute pass nothing (the pass
@@ -594,7 +459,7 @@ class _Checkpointed:
         return self.block.call(values, self.block.outputs_before(_pass_end()))
 
 
-class _LeafCall:
+class LeafCall:
     """A segment without children: generated code, one variant per set of returned values."""
 
     def __init__(self, executor: PlanExecutor, nodes: list[fx.Node], inputs: list[fx.Node]):
@@ -605,7 +470,7 @@ class _LeafCall:
 
     def __call__(self, values: list, outputs: tuple) -> tuple:
         if self.executor.compile_options is not None:
-            return _compiled_leaf_call(self, values, outputs)
+            return compiled_leaf_call(self, values, outputs)
         module = self.variants.get(outputs)
         if module is None:
             module = self.executor.segment_module(self.nodes, self.inputs, outputs)
@@ -628,299 +493,9 @@ class _NestedCall:
         return tuple(env[n] for n in outputs)
 
 
-# NOTE [ Random state of recomputed segments ]
-# `checkpoint(..., preserve_rng_state=True)` replays the random number generator's state in
-# the recompute, so that dropout draws the forward's masks again. It costs memory: every
-# checkpoint call keeps a copy of the state (on CPU the generator's state is a 5 KB CPU tensor;
-# CUDA states live in host memory) for as long as its frame lives, and every recompute holds
-# one more while it runs (`torch.random.fork_rng` restores the state afterwards). Deeply
-# nested plans of small steps hold dozens of them. A segment none of whose nodes draws random
-# numbers (`Node.draws_random`, recorded by the capture from the aten ops' tags) consumes no
-# random numbers in its forward or its recompute, so the executor replays nothing for it
-# (`preserve_rng_state=False`) and it costs nothing. A segment that contains a random node
-# replays the state: a parent of such a segment contains it too, so the parent's recompute
-# reaches the child's checkpoint with the generator where the forward had it.
-
-
-def draws_random(captured: CapturedGraph, start: int, stop: int) -> bool:
-    """Whether a node in [start, stop) of `captured`'s IR draws random numbers."""
-    return any(node.draws_random for node in captured.graph.nodes[start:stop])
-
-
 @contextlib.contextmanager
 def _stacked(*contexts) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for c in contexts:
             stack.enter_context(c)
         yield
-
-
-# ---------------------------------------------------------------------------------------
-# Module granularity (capture fallback)
-# ---------------------------------------------------------------------------------------
-
-
-def recomputed_ranges(plan: Plan) -> list[tuple[int, int]]:
-    """[start, stop) of each outermost recomputed segment (at any depth under plain ones)."""
-    out: list[tuple[int, int]] = []
-
-    def visit(segments: list[Segment]) -> None:
-        for seg in segments:
-            if seg.recompute:
-                out.append((seg.start, seg.stop))
-            else:
-                visit(seg.children)
-
-    visit(plan.segments)
-    return out
-
-
-def recomputed_nodes(plan: Plan) -> set[int]:
-    """Indices of the nodes inside a recomputed segment (outermost ones, at any depth)."""
-    return {i for a, b in recomputed_ranges(plan) for i in range(a, b)}
-
-
-@dataclass(frozen=True)
-class CallUnit:
-    """A range [start, stop) of module-level graph nodes that `ModuleCallExecutor` runs
-    through one checkpoint: the call `key` = (module path, occurrence) as a whole, or, when
-    `children` = (i, j), the run of that nn.Sequential call's children i..j-1."""
-
-    start: int
-    stop: int
-    key: tuple[str, int]
-    children: tuple[int, int] | None = None
-
-
-def checkpointed_units(plan: Plan, captured: CapturedGraph) -> list[CallUnit]:
-    """What the module-level executor checkpoints for `plan`, left to right. Each recomputed
-    segment is covered by whole calls (a top-level child call, or an expanded nn.Sequential
-    call inside the segment) and by runs of consecutive children of an expanded Sequential
-    that the segment covers in part (a chain with no code in between). Code between
-    top-level calls cannot be re-run on its own, so at the top level a segment is
-    checkpointed call by call. The graph input (node 0) is never in a unit."""
-    groups = captured.module_groups  # inner Sequentials come before the ones around them
-    by_range: dict[tuple[int, int], list[int]] = {}
-    for index, (_, _, a, b, _) in enumerate(groups):
-        by_range.setdefault((a, b), []).append(index)
-
-    def group_at(s: int, e: int, inside: int) -> int | None:
-        """The outermost group with nodes [s, e) nested in group `inside` (len: top level)."""
-        return max((g for g in by_range.get((s, e), ()) if g < inside), default=None)
-
-    def whole(s: int, e: int, inside: int) -> CallUnit:
-        g = group_at(s, e, inside)
-        return CallUnit(s, e, groups[g][:2] if g is not None else captured.module_calls[s - 1])
-
-    def level_items(lo: int, hi: int, g: int | None) -> list[tuple[int, int]]:
-        if g is not None:  # the children of Sequential call g
-            bounds = [*groups[g][4], hi]
-            return list(zip(bounds, bounds[1:]))
-        items, i = [], lo  # the top level: maximal groups and single calls
-        while i < hi:
-            stop = max((b for (a, b) in by_range if a == i), default=i + 1)
-            items.append((i, stop))
-            i = stop
-        return items
-
-    def cover(a: int, b: int, lo: int, hi: int, g: int | None) -> list[CallUnit]:
-        inside = len(groups) if g is None else g
-        units: list[CallUnit] = []
-        run: list[tuple[int, int, int]] = []  # (position, start, stop) of whole children
-
-        def flush() -> None:
-            if run and g is not None:
-                key, children = groups[g][:2], (run[0][0], run[-1][0] + 1)
-                units.append(CallUnit(run[0][1], run[-1][2], key, children))
-            else:
-                units.extend(whole(s, e, inside) for _, s, e in run)
-            run.clear()
-
-        for k, (s, e) in enumerate(level_items(lo, hi, g)):
-            if e <= a or s >= b:
-                continue
-            if a <= s and e <= b:
-                run.append((k, s, e))
-                continue
-            flush()  # [s, e) is a Sequential call the segment covers in part
-            units.extend(cover(a, b, s, e, group_at(s, e, inside)))
-        flush()
-        return units
-
-    n = len(captured.graph)
-    return [u for a, b in recomputed_ranges(plan) for u in cover(max(a, 1), b, 1, n, None)]
-
-
-def per_call_plan(plan: Plan, captured: CapturedGraph) -> Plan:
-    """The plan `ModuleCallExecutor` really runs: every checkpointed unit
-    (`checkpointed_units`) is a recomputed segment of its own (no nesting), the rest plain.
-    Predictions are left to the caller to redo."""
-    names = [n.name for n in captured.graph.nodes]
-    segments: list[Segment] = []
-
-    def add(start: int, stop: int, recompute: bool) -> None:
-        segments.append(Segment(start, stop, recompute, first=names[start], last=names[stop - 1]))
-
-    i = 0
-    for unit in checkpointed_units(plan, captured):
-        if i < unit.start:
-            add(i, unit.start, False)
-        add(unit.start, unit.stop, True)
-        i = unit.stop
-    if i < len(names):
-        add(i, len(names), False)
-    return Plan(
-        segments,
-        budget_bytes=plan.budget_bytes,
-        naive_peak_bytes=plan.naive_peak_bytes,
-        naive_flops=plan.naive_flops,
-        meta=dict(plan.meta, granularity=MODULE),
-    )
-
-
-class ModuleCallExecutor:
-    """Runs a module-granularity plan: each checkpointed unit (`checkpointed_units`: a whole
-    recorded call, or a run of an nn.Sequential's children) runs through
-    `torch.utils.checkpoint`, by patching the `forward` of the modules involved for the
-    duration of one forward pass (the recompute in backward runs the original code)."""
-
-    def __init__(self, captured: CapturedGraph, plan: Plan, module: nn.Module):
-        self.captured = captured
-        self.plan = plan
-        self.module = module
-        self._context_fn = checkpoint_context_fn(module)
-        self.units = checkpointed_units(plan, captured)
-        self.checkpointed = {u.key for u in self.units if u.children is None}
-        self._random = {  # NOTE [ Random state of recomputed segments ]
-            (u.key, u.children): draws_random(captured, u.start, u.stop) for u in self.units
-        }
-        self.runs: dict[tuple[str, int], dict[int, int]] = {}  # Sequential call -> {i: j}
-        for u in self.units:
-            if u.children is not None:
-                self.runs.setdefault(u.key, {})[u.children[0]] = u.children[1]
-        paths = {path for path, _ in (*self.checkpointed, *self.runs)}
-        self._modules = {path: module.get_submodule(path) for path in sorted(paths)}
-
-    def __call__(self, *args, **kwargs) -> Any:
-        counts: dict[str, int] = {}
-        patched = []
-        for path, mod in self._modules.items():
-            had_own = "forward" in mod.__dict__
-            original = mod.forward
-            mod.forward = self._patched(path, mod, original, counts)
-            patched.append((mod, had_own, original))
-        try:
-            with autocast_cache_disabled():  # plain calls too: see autocast_cache_disabled
-                return self.module(*args, **kwargs)
-        finally:
-            for mod, had_own, original in patched:
-                if had_own:
-                    mod.forward = original
-                else:
-                    del mod.forward
-
-    def _checkpoint(self, unit: tuple, fn: Callable, *args, **kwargs) -> Any:
-        # Flat tensors in (see PlanExecutor._run_level): checkpoint would hold containers and
-        # keyword arguments by strong reference until the call's backward.
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        del args, kwargs
-        with autocast_cache_disabled():
-            return checkpoint(
-                _FlatCall(fn, spec),
-                *leaves,
-                use_reentrant=False,
-                preserve_rng_state=self._random[unit],
-                context_fn=self._context_fn,
-            )
-
-    def _patched(
-        self, path: str, mod: nn.Module, original: Callable, counts: dict[str, int]
-    ) -> Callable:
-        def forward(*args, **kwargs):
-            occurrence = counts.get(path, 0)
-            counts[path] = occurrence + 1
-            key = (path, occurrence)
-            if key in self.checkpointed:
-                return self._checkpoint((key, None), original, *args, **kwargs)
-            if key in self.runs:
-                return self._run_sequential(key, list(mod), self.runs[key], *args)
-            return original(*args, **kwargs)
-
-        return forward
-
-    def _run_sequential(
-        self, key: tuple[str, int], children: list[nn.Module], runs: dict[int, int], x: Any
-    ) -> Any:
-        """nn.Sequential.forward with the runs i..j-1 in `runs` checkpointed as one function."""
-        k = 0
-        while k < len(children):
-            j = runs.get(k)
-            if j is None:
-                x = children[k](x)
-                k += 1
-            else:
-                x = self._checkpoint((key, (k, j)), _Chain(children[k:j]), x)
-                k = j
-        return x
-
-
-class _Chain:
-    """Calls modules one after the other, as nn.Sequential does."""
-
-    def __init__(self, modules: list[nn.Module]):
-        self.modules = modules
-
-    def __call__(self, x: Any) -> Any:
-        for m in self.modules:
-            x = m(x)
-        return x
-
-
-def make_executor(
-    captured: CapturedGraph, plan: Plan, module: nn.Module, compile_options: dict | None = None
-):
-    """The executor for `captured`'s granularity. `compile_options` (op level only): run each
-    leaf segment through `torch.compile(segment, **compile_options)` (NOTE [ Compiled
-    segments ])."""
-    if captured.granularity == MODULE:
-        return ModuleCallExecutor(captured, plan, module)
-    if plan.schedule:
-        return ScheduleExecutor(captured, plan, module)
-    return PlanExecutor(captured, plan, module, compile_options=compile_options)
-
-
-# ---------------------------------------------------------------------------------------
-# Compiled segments (HCModule(..., compile=True), and torch.compile(hc))
-# ---------------------------------------------------------------------------------------
-
-# NOTE [ Compiled segments ]
-# With `compile_options`, every leaf segment's generated code is compiled on its own
-# (`torch.compile(segment, dynamic=False, **options)`); the plan's structure around the
-# segments (the executor's environment, nested non-reentrant checkpoints with their
-# context_fn, autocast's cache switch) stays eager Python, so memory is still decided by the
-# plan: a recomputed segment keeps only its inputs and outputs, whatever its compiled code
-# saves inside. One rule makes this exact: a leaf segment always runs the code that returns
-# all its forward outputs, also in a recompute pass that needs fewer (the caller drops the
-# rest). Eagerly, each variant of the generated code saves the same tensors (autograd saves
-# per op); compiled, AOTAutograd's partitioner picks what a graph saves from the graph's
-# outputs, so a second variant would save a different number of tensors and non-reentrant
-# checkpoint's recompute check would fail. BatchNorm statistics frozen during a recompute
-# (`hbp.runtime.recompute`) are buffers swapped on the module: the compiled segment reads
-# them as graph inputs, so the swap needs no recompilation. Dropout: the recompute replays the
-# RNG state (checkpoint's `preserve_rng_state`); Inductor draws its random numbers from that
-# state too, so the recompute's masks are the forward's (the same masks as eager PyTorch
-# only with `torch._inductor.config.fallback_random = True`).
-
-
-def _compiled_leaf_call(leaf: _LeafCall, values: list, outputs: tuple) -> tuple:
-    """`leaf(values, outputs)` through the one compiled variant that returns every output of
-    the forward pass (the first call is the forward: see NOTE [ Compiled segments ])."""
-    if not leaf.variants:
-        module = leaf.executor.segment_module(leaf.nodes, leaf.inputs, outputs)
-        options = {"dynamic": False, **leaf.executor.compile_options}
-        leaf.variants[outputs] = torch.compile(module, **options)
-    ((full, module),) = leaf.variants.items()
-    if full == outputs:
-        return module(values)
-    produced = dict(zip(full, module(values)))
-    return tuple(produced[n] for n in outputs)

@@ -1,0 +1,127 @@
+"""Capture, calibration and planning time on captured transformers, beside a warm plain step
+(`python experiments/bench_planner.py --only real`; see that script's docstring)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from hbp.analysis.simulate import simulate
+from hbp.errors import BudgetError
+from hbp.graph.torch.capture import capture
+from hbp.integrations.torch import _calibrate_scratch, _WithLoss
+from hbp.planner import plan
+from hbp.planner.dp import entry
+
+BUDGETS = (0.5, 0.3, "min")
+
+
+def llama(layers: int):
+    """(model, args, kwargs, loss_fn) of the issue's decoder at `layers` layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=344,
+        vocab_size=2048,
+        num_hidden_layers=layers,
+        max_position_embeddings=256,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (2, 128))
+    return model, (ids,), {"labels": ids}, lambda out: out.loss
+
+
+def gpt2_medium():
+    from hbp.workloads import build
+
+    wl = build("gpt2", "medium", seed=0)
+    batch = wl.make_batch(0)
+    return wl.model, tuple(batch.args), dict(batch.kwargs), lambda out: wl.loss_fn(out, batch)
+
+
+def timed(fn):
+    """(result, CPU s, wall s) of one call."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return out, time.process_time() - c0, time.perf_counter() - w0
+
+
+def plain_step(model, args, kwargs, loss_fn) -> tuple[float, float]:
+    """Median (CPU s, wall s) of 3 warm plain steps."""
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(*args, **kwargs)).backward()
+
+    step()
+    runs = [timed(step)[1:] for _ in range(3)]
+    model.zero_grad(set_to_none=True)
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def forget_least_peaks() -> None:
+    """Cold planning: the least peaks the planner remembers per graph structure forgotten."""
+    entry._BY_FINGERPRINT.clear()
+    entry._LEAST_PEAKS.clear()
+
+
+def row(name: str, model, args, kwargs, loss_fn) -> str:
+    step_cpu, step_wall = plain_step(model, args, kwargs, loss_fn)
+    root = _WithLoss(model, loss_fn, len(args))
+    with torch.enable_grad():
+        captured, cap_cpu, cap_wall = timed(lambda: capture(root, args, kwargs))
+    _, cal_cpu, cal_wall = timed(lambda: _calibrate_scratch(captured, root, args, kwargs))
+    graph = captured.graph
+    _, sim_cpu, sim_wall = timed(lambda: simulate(graph))
+    cells, first = [], None
+    for budget in BUDGETS:
+        forget_least_peaks()
+
+        def planned(budget=budget):
+            try:
+                return plan(graph, budget)
+            except BudgetError as err:
+                return err
+
+        result, cpu, wall = timed(planned)
+        tag = " (BudgetError)" if isinstance(result, BudgetError) else ""
+        cells.append(f"{cpu:.2f} ({wall:.2f}){tag}")
+        first = (cpu, wall) if first is None else first
+    first_cpu = cap_cpu + cal_cpu + sim_cpu + first[0]
+    first_wall = cap_wall + cal_wall + sim_wall + first[1]
+    line = (
+        f"| {name} | {len(graph.nodes)} | {step_cpu:.3f} ({step_wall:.3f}) | "
+        f"{cap_cpu:.2f} ({cap_wall:.2f}) | {cal_cpu:.2f} ({cal_wall:.2f}) | "
+        + " | ".join(cells)
+        + f" | {first_cpu:.1f} ({first_wall:.1f}) | {first_cpu / step_cpu:.0f}x |"
+    )
+    print(line, flush=True)
+    return line
+
+
+def real_graphs(layers: list[int], gpt2: bool) -> list[str]:
+    lines = [
+        "## Planner on captured models: CPU s (wall s), one thread",
+        "",
+        "| model | nodes | plain step | capture | calibration | plan(0.5) | plan(0.3) | "
+        'plan("min") | first step overhead | overhead / plain step (CPU) |',
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for n in layers:
+        lines.append(row(f"Llama, {n} layers", *llama(n)))
+    if gpt2:
+        lines.append(row("GPT-2 124M (medium: 8 x 1024 tokens)", *gpt2_medium()))
+    lines += [
+        "",
+        "First step overhead = capture + calibration + naive simulation + plan(0.5). Each plan "
+        "is cold (no least peaks remembered). Timings are from a shared machine: rough.",
+    ]
+    return lines

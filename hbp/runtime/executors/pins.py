@@ -1,0 +1,144 @@
+"""Pinned values of recomputed segments, run with torch's selective-checkpoint contexts (NOTE
+[ Running pinned values ]): the mark the generated code sets around a pinned node, the policy
+that saves its outputs, and the frames that let nested pinning segments store their pins in
+their parent's recompute pass."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_PINNING = threading.local()  # .segment: the key of the segment whose pin runs now
+_PARENTS = threading.local()  # .stack: the PinParent frames running now, innermost last
+
+
+# NOTE [ Running pinned values ]
+# A recomputed segment that pins nodes (`Segment.pinned`, NOTE [ Pinned values ] in
+# hbp/analysis/simulate.py) runs its checkpoint with `create_selective_checkpoint_contexts`:
+# the caching mode asks a policy for every op the forward dispatches, and stores the outputs of
+# those it answers MUST_SAVE; the recompute's cached mode answers the same ops, counted per op
+# overload in dispatch order, from that storage. The generated code marks the pinned fx node
+# while it runs (`pin_begin(key)` / `pin_end()` around it, key = (start, stop, depth) of the
+# pinning segment, in the forward and in every recompute: plain Python, no dispatched op, so
+# the counts match), and the segment's policy (`pin_policy`) answers MUST_SAVE only for ops
+# dispatched under its own mark (nested checkpoints and other segments' pins dispatch under the
+# same mode stack) and whose outputs share no storage with their inputs (views, in-place
+# results: storing them would keep the input's storage, not the node's). A recompute's early
+# stop raises inside a node, between `pin_begin` and `pin_end`: every recompute context (and
+# a pinning forward) restores the mark on exit (`pin_mark`), else the next forward would pin
+# every op. The storage is made per checkpoint call (context_fn), so a second backward of a
+# retained graph finds the cache consumed (torch raises). A pin on a value some node later
+# mutates in place (through any view) is dropped: torch refuses a stored tensor whose version
+# changed, and recomputing it is always exact. Compiled segments (NOTE [ Compiled segments ])
+# run without pins: their ops reach the dispatch modes as one compiled region; the plan then
+# keeps less and recomputes more than it predicts.
+# Nested pinning segments. Torch recomputes a nested segment C with the frame its checkpoint
+# made in the original forward (its saved tensors are packed there), while its parent P's
+# recompute pass calls C's checkpoint again, making a new frame whose saves nobody reads. So
+# a top-level segment stores its pins in the forward, but a nested one must store them in the
+# parent's pass and have them answered by the original frame: the parent's checkpoint calls
+# push a `PinParent` frame while their forward and their recompute run (`parent_frame`);
+# C's call in P's forward stores nothing (policy `_save_nothing`: every op is marked
+# "recompute") and registers its cached mode with P's frame; C's call in P's recompute pass
+# finds it and its caching mode writes into that same storage (`nested_pin_contexts`),
+# overwriting the pinned ops' entries with their values. Calls of C in an ancestor's pass
+# (under a P frame made there) store nothing. A pass of P that stops before C runs leaves the
+# storage as the forward made it: C's pass recomputes everything.
+
+
+def pin_begin(segment: tuple[int, int, int]) -> None:
+    _PINNING.segment = segment
+
+
+def pin_end() -> None:
+    _PINNING.segment = None
+
+
+@contextlib.contextmanager
+def pin_mark() -> Iterator[None]:
+    """Restore the pinning mark on exit, also when an early stop raised inside a pinned node."""
+    before = getattr(_PINNING, "segment", None)
+    try:
+        yield
+    finally:
+        _PINNING.segment = before
+
+
+def pin_policy(segment: tuple[int, int, int]) -> Callable:
+    """The selective-checkpoint policy of the pinning segment with key `segment`."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if getattr(_PINNING, "segment", None) != segment:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in pytree.tree_leaves(ctx.op_output):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
+
+
+def _save_nothing(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class PinParent:
+    """One checkpoint call of a segment with pinning children: their key -> (a weak reference
+    to) the cached mode of the child's checkpoint made in this call's forward."""
+
+    def __init__(self):
+        self.children: dict[tuple[int, int, int], weakref.ref] = {}
+
+
+@contextlib.contextmanager
+def parent_frame(frame: PinParent | None, recompute: bool) -> Iterator[None]:
+    """While a pinning child's parent runs (its forward, or its recompute pass: `recompute`),
+    the child's checkpoint calls find the parent's frame here."""
+    if frame is None:
+        yield
+        return
+    if not hasattr(_PARENTS, "stack"):
+        _PARENTS.stack = []
+    _PARENTS.stack.append((frame, recompute))
+    try:
+        yield
+    finally:
+        _PARENTS.stack.pop()
+
+
+def nested_pin_contexts(key: tuple[int, int, int]) -> tuple:
+    """The selective-checkpoint contexts of a nested pinning segment's checkpoint call.
+
+    Called in its parent's forward (the original one, or inside a recompute pass of an
+    ancestor): stores nothing, and registers its cached mode with the parent's frame. Called in
+    its parent's recompute pass: stores the pins into the storage of the call made in that
+    parent frame's forward, whose cached mode answers them in the segment's own recompute pass
+    (if that call's frame is gone, the segment saves nothing: nothing is stored)."""
+    frame, recompute = _PARENTS.stack[-1]
+    if not recompute:
+        caching, cached = create_selective_checkpoint_contexts(_save_nothing)
+        frame.children[key] = weakref.ref(cached)
+        return caching, cached
+    ref = frame.children.get(key)
+    target = ref() if ref is not None else None
+    if target is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    caching, _ = create_selective_checkpoint_contexts(pin_policy(key))
+    if not hasattr(caching, "storage") or not hasattr(target, "storage"):
+        raise RuntimeError(  # pragma: no cover - torch internals changed
+            "hbp: torch's selective-checkpoint modes no longer keep a `storage` attribute; "
+            "nested pinned segments cannot run (plan with pins only at the top level)"
+        )
+    caching.storage = target.storage  # this pass's values go to the frame that answers them
+    return caching, contextlib.nullcontext()
