@@ -140,7 +140,6 @@ def estimate(
     Returns:
         An `Estimate`; `print` it for a table.
     """
-    from hbp.graph.torch.calibrate import calibrate_scratch
     from hbp.graph.torch.capture import capture
     from hbp.integrations.torch.loss import WithLoss  # one definition of "the step with its loss"
 
@@ -153,8 +152,8 @@ def estimate(
     root = model if loss_fn is None else WithLoss(model, loss_fn, len(inputs))
     args = inputs if loss_fn is None else (*inputs, *targets)
     with torch.enable_grad():
-        captured = capture(root, args, kwargs)
-        if calibrate_scratch(captured, args, kwargs) is None:
+        captured = capture(root, args, kwargs, calibrate=True)
+        if not captured.scratch_measured:
             warnings.warn(
                 "hbp.estimate: a profiler is running, which the measurement of kernel "
                 "workspace cannot nest in; the estimate counts tensors only (call it outside "

@@ -17,6 +17,7 @@ from hbp.allocator import (
     foreign_profiler_running,
     profiler_peak_bytes,
     release_results,
+    without_kineto_lines,
 )
 from hbp.errors import BudgetError
 from hbp.integrations.torch.outputs import grad_leaves
@@ -68,7 +69,8 @@ class StepPeakProbe:
         self._profiler = torch.profiler.profile(  # do not nest
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
-        self._profiler.start()
+        with without_kineto_lines():  # NOTE [ Quiet profiler windows ]
+            self._profiler.start()
         hold_open(self)
         marker = torch.empty(1, dtype=torch.uint8)
         self._marker_ptr = marker.data_ptr()
@@ -88,7 +90,8 @@ class StepPeakProbe:
         if self._profiler is None:
             return self._peak
         profiler, self._profiler = self._profiler, None
-        profiler.stop()
+        with without_kineto_lines():
+            profiler.stop()
         if self._end_ptr is not None:
             self._peak = profiler_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
         release_results(profiler)
@@ -97,7 +100,8 @@ class StepPeakProbe:
     def cancel(self) -> None:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
-            profiler.stop()
+            with without_kineto_lines():
+                profiler.stop()
             release_results(profiler)
 
 

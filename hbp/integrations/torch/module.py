@@ -19,6 +19,7 @@ from hbp.integrations.torch.outputs import WatchedOutputs
 from hbp.integrations.torch.planning import Compiled, Planning, plan_summary
 from hbp.planner import PLANNERS
 from hbp.planner.budget import Budget
+from hbp.planner.cache import PlanCache, save_plan
 from hbp.planner.plan import Plan
 
 #: The budget of `HCModule(model)` and `hbp.enable(model)` when none is given.
@@ -96,6 +97,9 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
             more (one warning; NOTE [ Outputs the caller lets go ]). True: count every output
             until backward ends. False: outputs backward starts from too are let go once
             backward has started.
+        plan_cache: a directory (or `hbp.planner.cache.PlanCache`) where plans are kept by
+            the captured graph's structure, the budget and the options: a restarted job or
+            another run of a sweep reads its plan there instead of planning again.
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
@@ -117,6 +121,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         calibrate: bool | None = None,
         compile: bool | dict = False,
         keeps_outputs: bool | None = None,
+        plan_cache=None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -147,6 +152,9 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if keeps_outputs not in (None, True, False):
             raise ConfigError("keeps_outputs", keeps_outputs, "None, True or False")
         self.keeps_outputs = keeps_outputs
+        if plan_cache is not None and not isinstance(plan_cache, PlanCache):
+            plan_cache = PlanCache(plan_cache)
+        self.plan_cache = plan_cache
         self._compiled: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
         self._warned: set[str] = set()
@@ -204,6 +212,17 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
                 args, kwargs, root, tag = with_loss(self.module, self.loss_fn, args, kwargs)
                 return self._prepare(args, kwargs, root, tag).plan
             return self._prepare(args, kwargs).plan
+
+    def save_plan(self, path) -> None:
+        """Write the current plan to `path` (JSON), tied to its captured graph's structure:
+        `hbp.planner.cache.load_plan(path, graph)` reads it back for the same graph. To
+        reuse plans across runs, pass `plan_cache=` a directory instead."""
+        if self._current is None:
+            raise RuntimeError(
+                "HCModule.save_plan: nothing is planned yet; run a training step (or "
+                ".prepare(*inputs)) first"
+            )
+        save_plan(self._current.plan, path, self._current.captured.graph)
 
     def summary(self) -> str:
         """The current plan in words (segments, kept bytes, predicted peak and recompute)."""

@@ -67,14 +67,6 @@ def user_hooks(module: nn.Module) -> list:
     return [h for h in hooks if not getattr(h, "__module__", "").startswith(LIBRARY_HOOKS)]
 
 
-def _calibrate_scratch(captured: CapturedGraph, root: nn.Module, args, kwargs) -> bool:
-    """Kernel workspace per op, measured by the allocator (`hbp.graph.torch.calibrate`);
-    False when it could not be measured (a profiler is running)."""
-    from hbp.graph.torch.calibrate import calibrate_scratch
-
-    return calibrate_scratch(captured, args, kwargs) is not None
-
-
 # NOTE [ Captured under a profiler ]
 # Kernel workspace is measured at capture by the CPU allocator's profiler events, and CPU
 # profiler sessions do not nest: a first step run inside `torch.profiler.profile(...)` (or
@@ -186,8 +178,8 @@ class Planning:
                 f"a module whose parameters are initialised ({', '.join(lazy[:3])} are lazy): "
                 "call it once on a batch before wrapping it in HCModule",
             )
-        captured = capture(root, args, kwargs)
-        scratch_measured = _calibrate_scratch(captured, root, args, kwargs)
+        captured = capture(root, args, kwargs, calibrate=True)
+        scratch_measured = captured.scratch_measured
         graph = captured.graph
         if captured.granularity == MODULE and not captured.tracer:
             captured.tracer = "module"  # every op-level tracer failed
@@ -201,13 +193,19 @@ class Planning:
         # schedules (NOTE [ Explicit schedules ]): `pins` stands for both
         pins = not (compiled_segments or self.compile is not False)
         device = step_device(root, args, kwargs)
-        target = self._target(captured, naive, device)
-        if captured.granularity == MODULE:
-            plan = self._module_level_plan(captured, naive, target)
+        cached = self._cached_plan(captured, pins)
+        if cached is not None:
+            plan = cached
+        elif captured.granularity == MODULE:
+            plan = self._module_level_plan(captured, naive, self._target(captured, naive, device))
         else:
             try:
                 plan = make_plan(
-                    graph, target, block_size=self.block_size, planner=self.planner, pins=pins
+                    graph,
+                    self._target(captured, naive, device),
+                    block_size=self.block_size,
+                    planner=self.planner,
+                    pins=pins,
                 )
             except BudgetError as err:
                 budget = self._budget
@@ -222,6 +220,8 @@ class Planning:
                         "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
                     ) from err
                 raise self._budget_error_without_outputs(graph, err) from err
+        if cached is None:
+            self._cache_plan(captured, pins, plan)
         plan_time_s = time.perf_counter() - start
         return_freed_heap()  # NOTE [ Planning's freed heap ]
         executor = make_executor(captured, plan, root)
@@ -262,6 +262,38 @@ class Planning:
             "counting the outputs backward starts from as kept until backward ends; it fits if "
             "the caller lets go of them once backward has started: pass keeps_outputs=False",
         )
+
+    # NOTE [ Plans kept on disk ]
+    # With `plan_cache`, the plan of a capture is kept under the captured graph's fingerprint,
+    # the budget as the caller gave it (not the bytes it resolves to: resolving "50%act" takes
+    # the least peak, the costly half of planning) and the planner options; "fit" depends on
+    # the memory free at the time and is never read back. A plan read from the cache is the
+    # one the same capture would get (`hbp.planner.cache`, NOTE [ What the fingerprint reads ]).
+
+    def _plan_cache_key(self, pins: bool) -> tuple[str, dict] | None:
+        if self.plan_cache is None or self._budget.kind is BudgetKind.FIT:
+            return None
+        options = {
+            "block_size": self.block_size,
+            "planner": self.planner,
+            "pins": pins,
+            "keeps_outputs": self.keeps_outputs,
+        }
+        return f"HCModule:{self._budget.given!r}", options
+
+    def _cached_plan(self, captured: CapturedGraph, pins: bool) -> Plan | None:
+        key = self._plan_cache_key(pins)
+        if key is None:
+            return None
+        plan = self.plan_cache.get(captured.graph, key[0], key[1])
+        if plan is not None:
+            plan.meta["from_cache"] = True
+        return plan
+
+    def _cache_plan(self, captured: CapturedGraph, pins: bool, plan: Plan) -> None:
+        key = self._plan_cache_key(pins)
+        if key is not None:
+            self.plan_cache.put(captured.graph, key[0], plan, key[1])
 
     def _target(self, captured: CapturedGraph, naive: int, device=None) -> int | str:
         """The planner's target for this capture: "min", or bytes at most `naive` (a budget
