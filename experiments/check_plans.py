@@ -33,12 +33,12 @@ BUDGETS = (1.0, 0.5, 0.25, "min")
 
 def workload_graph(name: str, profile: str, **overrides) -> Graph:
     from hbp.graph.torch.capture import capture
-    from hbp.integrations.torch import _WithLoss
+    from hbp.integrations.torch.loss import WithLoss
     from hbp.workloads import build
 
     wl = build(name, profile, seed=0, **overrides)
     batch = wl.make_batch(0)
-    root = _WithLoss(wl.model, lambda output: wl.loss_fn(output, batch), len(batch.args))
+    root = WithLoss(wl.model, lambda output: wl.loss_fn(output, batch), len(batch.args))
     with torch.enable_grad():
         return capture(root, tuple(batch.args), dict(batch.kwargs)).graph
 

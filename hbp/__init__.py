@@ -1,10 +1,12 @@
 """hbp: height-compressed backprop.
 
-Train with less activation memory: `hbp.HCModule(model, budget=0.3)` wraps any nn.Module so
-its training step stays within a memory budget with the least recomputation; the JAX
-counterpart is `hbp.jax.height_compressed_grad(fun, budget=...)`.
+Train with less activation memory: `hbp.enable(model, budget="50%act")` makes a model's
+training step stay within a memory budget with the least recomputation, in place;
+`hbp.HCModule(model, budget=...)` is the wrapper form; the JAX counterpart is
+`hbp.jax.height_compressed_grad(fun, budget=...)`.
 
-Public API (docs/architecture.md): HCModule, BudgetError, measure_step, estimate, ops.chunked_cross_entropy,
+Public API (docs/architecture.md): enable, disable, engine_of, HCModule, Budget, BudgetError,
+measure_step, estimate, ops.chunked_cross_entropy,
 jax.height_compressed, jax.height_compressed_grad. Heavy submodules load on first use, so
 `import hbp` stays cheap and does not import jax.
 """
@@ -19,6 +21,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "HCModule": ("hbp.integrations.torch", "HCModule"),
+    "enable": ("hbp.integrations.torch", "enable"),
+    "disable": ("hbp.integrations.torch", "disable"),
+    "engine_of": ("hbp.integrations.torch", "engine_of"),
+    "Budget": ("hbp.planner.budget", "Budget"),
     "measure_step": ("hbp.runtime.measure", "measure_step"),
     "estimate": ("hbp.estimate", "estimate"),
     "MemoryTracker": ("hbp.runtime.tracker", "MemoryTracker"),

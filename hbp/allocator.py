@@ -70,7 +70,7 @@ _KINETO_LINE = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w*ActivityProfiler\w*
 
 
 @contextmanager
-def _without_kineto_lines() -> Iterator[None]:
+def without_kineto_lines() -> Iterator[None]:
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -97,12 +97,12 @@ def quiet_profile(**kwargs) -> Iterator[torch.profiler.profile]:
     """`torch.profiler.profile(**kwargs)` as a context manager whose start and stop print none
     of Kineto's lines (NOTE [ Quiet profiler windows ])."""
     prof = torch.profiler.profile(**kwargs)
-    with _without_kineto_lines():
+    with without_kineto_lines():
         prof.start()
     try:
         yield prof
     finally:
-        with _without_kineto_lines():
+        with without_kineto_lines():
             prof.stop()
 
 

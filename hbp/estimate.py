@@ -40,8 +40,8 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.planner import min_feasible_peak
 from hbp.planner import plan as make_plan
-from hbp.planner.budget import parse_budget
-from hbp.planner.plan import MIB
+from hbp.planner.budget import Budget
+from hbp.units import MIB
 
 __all__ = ["Estimate", "FrontierPoint", "estimate", "main"]
 
@@ -84,16 +84,9 @@ class Estimate:
     estimate_time_s: float = 0.0
 
     def fits(self, budget) -> bool:
-        """Whether a plan fits `budget` (a fraction of the naive peak, bytes or a size)."""
-        if budget == "min":
-            return True
-        try:
-            budget_bytes = parse_budget(budget, self.naive_peak_bytes)
-        except ConfigError:  # bytes above the naive peak: the plain step fits
-            if parse_budget(budget, 2**62) > self.naive_peak_bytes:
-                return True
-            raise
-        return budget_bytes >= self.min_peak_bytes
+        """Whether a plan fits `budget` (any form of `hbp.Budget`)."""
+        target = Budget.parse(budget).resolve(self.naive_peak_bytes, lambda: self.min_peak_bytes)
+        return target == "min" or target >= self.min_peak_bytes
 
     def __str__(self) -> str:
         naive_time = self.step_flops / self.flops_per_s
@@ -147,9 +140,8 @@ def estimate(
     Returns:
         An `Estimate`; `print` it for a table.
     """
-    from hbp.graph.torch.calibrate import calibrate_scratch
     from hbp.graph.torch.capture import capture
-    from hbp.integrations.torch import _WithLoss  # one definition of "the step with its loss"
+    from hbp.integrations.torch.loss import WithLoss  # one definition of "the step with its loss"
 
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "an nn.Module")
@@ -157,11 +149,11 @@ def estimate(
         raise ConfigError("loss_fn", loss_fn, "a callable loss_fn(output, *targets) or None")
     start = time.perf_counter()
     targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
-    root = model if loss_fn is None else _WithLoss(model, loss_fn, len(inputs))
+    root = model if loss_fn is None else WithLoss(model, loss_fn, len(inputs))
     args = inputs if loss_fn is None else (*inputs, *targets)
     with torch.enable_grad():
-        captured = capture(root, args, kwargs)
-        if calibrate_scratch(captured, args, kwargs) is None:
+        captured = capture(root, args, kwargs, calibrate=True)
+        if not captured.scratch_measured:
             warnings.warn(
                 "hbp.estimate: a profiler is running, which the measurement of kernel "
                 "workspace cannot nest in; the estimate counts tensors only (call it outside "
@@ -171,13 +163,13 @@ def estimate(
             )
     capture_time = time.perf_counter() - start
     graph = captured.graph
-    module_level = _ModuleLevel(model, captured, block_size, planner)
-    if not keeps_outputs and module_level.hc is None:
+    module_level = _ModuleLevel(captured, block_size, planner)
+    if not keeps_outputs and not module_level.active:
         graph.held_outputs = []  # the outputs backward starts from are held regardless
     info = GraphInfo.of(graph)
     naive = simulate(graph, info=info)
     step_flops = float(info.flops.sum() + info.backward_flops.sum())
-    if module_level.hc is None:
+    if not module_level.active:
         minimum, _ = min_feasible_peak(graph, block_size=block_size, info=info)
     else:  # the fallback's executable plans, as HCModule chooses them
         minimum = module_level.minimum(naive.peak_bytes)
@@ -206,19 +198,16 @@ def _frontier_point(
 ):
     """The plan at `budget` as a FrontierPoint (step time left 0); None below the minimum.
     The naive step needs no plan; "min" is planned at the minimum already found."""
-    target = minimum if budget == "min" else budget
-    if budget != "min":
-        try:
-            budget_bytes = parse_budget(budget, naive.peak_bytes)
-        except ConfigError:  # bytes above the naive peak: the plain step
-            budget_bytes = parse_budget(budget, 2**62)
-        if budget_bytes >= naive.peak_bytes:
-            return FrontierPoint(budget, budget_bytes, int(naive.peak_bytes), 0.0, 0.0)
-        if budget_bytes < minimum:
+    resolved = Budget.parse(budget).resolve(naive.peak_bytes, lambda: minimum)
+    target = minimum if resolved == "min" else resolved
+    if resolved != "min":
+        if resolved >= naive.peak_bytes:
+            return FrontierPoint(budget, int(naive.peak_bytes), int(naive.peak_bytes), 0.0, 0.0)
+        if resolved < minimum:
             return None
     try:
-        if module_level is not None and module_level.hc is not None:
-            plan = module_level.plan(naive.peak_bytes, None if budget == "min" else budget_bytes)
+        if module_level is not None and module_level.active:
+            plan = module_level.plan(naive.peak_bytes, None if resolved == "min" else resolved)
         else:
             plan = make_plan(graph, target, block_size=block_size, planner=planner)
     except BudgetError:
@@ -234,25 +223,33 @@ def _frontier_point(
 
 class _ModuleLevel:
     """Where the capture fell back to module level, the plans HCModule runs there: chosen
-    among the executable ones (NOTE [ Module-level plans ] in hbp/integrations/torch.py), so
-    `min_peak_bytes` is HCModule's `budget="min"` and `BudgetError.minimum`, not the
-    planner's least plan over the module graph (which the fallback cannot execute: a
-    wav2vec2 for CTC, 7.9 MiB naive, was estimated to reach 3.11 MiB where HCModule's least
-    is 4.45). `hc` is None for op-level captures."""
+    among the executable ones (NOTE [ Module-level plans ] in hbp/planner/module_level.py),
+    so `min_peak_bytes` is HCModule's `budget="min"` and `BudgetError.minimum`, not the
+    planner's least plan over the module graph (which the fallback cannot execute).
+    `active` is False for op-level captures."""
 
-    def __init__(self, model: nn.Module, captured, block_size: int, planner: str):
-        from hbp.integrations.torch import MODULE, HCModule
+    def __init__(self, captured, block_size: int, planner: str):
+        from hbp.graph.torch.capture import MODULE
 
-        self.captured, self.hc = captured, None
-        if captured.granularity == MODULE:
-            self.hc = HCModule(model, budget="min", block_size=block_size, planner=planner)
+        self.captured, self.block_size, self.planner = captured, block_size, planner
+        self.active = captured.granularity == MODULE
 
     def minimum(self, naive_peak_bytes: int) -> int:
         return int(self.plan(naive_peak_bytes, None).predicted_peak_bytes)
 
     def plan(self, naive_peak_bytes: int, budget_bytes: int | None):
-        """HCModule's module-level plan for `budget_bytes` (None: the least)."""
-        return self.hc._module_level_plan(self.captured, int(naive_peak_bytes), budget_bytes)
+        """The module-level plan for `budget_bytes` (None: the least)."""
+        from hbp.planner.module_level import module_level_plan
+        from hbp.runtime.executors.module_calls import per_call_plan
+
+        return module_level_plan(
+            self.captured,
+            int(naive_peak_bytes),
+            budget_bytes,
+            executable=per_call_plan,
+            block_size=self.block_size,
+            planner=self.planner,
+        )
 
 
 def _device(model: nn.Module, args) -> torch.device:

@@ -30,7 +30,7 @@ def _seed():
 def count_captures(monkeypatch):
     """`count_captures()` returns a list that every capture HCModule makes from then on
     appends to (how tests check that plans are cached per input signature)."""
-    import hbp.integrations.torch as hbp_torch
+    import hbp.integrations.torch.planning as hbp_torch
 
     def start() -> list:
         captures = []

@@ -584,16 +584,17 @@ def test_eval_no_grad_train_to_state_dict_and_print(count_captures):
     assert captures == [1, 1]
     assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
 
-    # state dicts: "module."-prefixed keys; the unwrapped model's dict loads both ways
+    # state dicts: the plain model's keys, loaded both ways (with the "module." prefix too)
     plain = TinyMobileNetV2().double()
-    assert set(hc.state_dict()) == {f"module.{k}" for k in plain.state_dict()}
-    plain.load_state_dict(hc.module.state_dict())
+    assert set(hc.state_dict()) == set(plain.state_dict())
+    plain.load_state_dict(hc.state_dict())
     for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
         assert torch.equal(a, b)
     fresh = TinyMobileNetV2().double()
     hc.load_state_dict(fresh.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
     hc.load_state_dict(plain.state_dict())
+    hc.load_state_dict({f"module.{k}": v for k, v in plain.state_dict().items()})
     with pytest.raises(RuntimeError, match="Missing key"):
         hc.load_state_dict({"module.classifier.1.bias": plain.classifier[1].bias}, strict=True)
 

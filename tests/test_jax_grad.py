@@ -306,3 +306,29 @@ def test_argnums_list_and_out_of_range(mlp):
         hj.height_compressed_grad(mlp_loss, budget=1.0, argnums=(0, 2))(params, x)
     with pytest.raises(hbp.ConfigError, match="argnums"):
         hj.height_compressed_grad(mlp_loss, argnums=())
+
+
+def test_every_budget_form_plans_and_the_default_never_raises():
+    """The JAX side takes the budget forms HCModule takes ("N%act", "min", "fit", bytes) and its
+    default is one every function meets: same gradients as jax.grad, a plan each time."""
+    import jax
+    import jax.numpy as jnp
+
+    import hbp.jax as hj
+
+    def loss(w, x):
+        for _ in range(6):
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x * x)
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (32, 32)) * 0.2
+    x = jax.random.normal(jax.random.PRNGKey(1), (64, 32))
+    expected = jax.grad(loss)(w, x)
+    for budget in (None, "30%act", "min", "fit", 10**12):
+        grad = (
+            hj.height_compressed_grad(loss)
+            if budget is None
+            else (hj.height_compressed_grad(loss, budget=budget))
+        )
+        assert jnp.allclose(grad(w, x), expected, rtol=1e-5, atol=1e-6), budget
+        assert grad.plan is not None

@@ -1,7 +1,8 @@
-"""Outputs the caller lets go (NOTE [ Outputs the caller lets go ] in hbp/integrations/torch.py):
-a module returning its loss and its logits, trained with `model(x).loss.backward()`, frees the
-logits before backward; HCModule must not keep them alive, and from the second step plans
-without them. A caller that keeps them is counted again."""
+"""Outputs the caller lets go (NOTE [ Outputs the caller lets go ] in
+hbp/integrations/torch/outputs.py): a module returning its loss and its logits, trained with
+`model(x).loss.backward()`, frees the logits before backward; HCModule must not keep them
+alive, and plans without them from the first step, with no flag. A caller that keeps them is
+counted from the next step, with one warning."""
 
 from __future__ import annotations
 
@@ -69,21 +70,20 @@ def _measured(module, step, *batch) -> int:
     return allocator_peak(lambda: step(module, *batch))[1]
 
 
-def test_outputs_the_caller_drops_are_freed_and_planned_without_from_the_second_step():
+def test_outputs_the_caller_drops_are_planned_without_from_the_first_step():
     torch.manual_seed(0)
     model, batch = TinyLM(), _batch()
     hc = hbp.HCModule(model, budget="min")
     first = _measured(hc, _drop, *batch)
-    first_predicted = hc.plan.predicted_peak_bytes
-    assert hc.captured.graph.held_outputs is None  # the first step counts the logits
-    _measured(hc, _drop, *batch)  # the plan made after the first step
-    second = _measured(hc, _drop, *batch)
+    graph = hc.captured.graph
+    assert graph.held_outputs == [graph.outputs[0]]  # the loss, not the logits
+    assert abs(hc.plan.predicted_peak_bytes - first) <= 0.03 * first
+    kept = hbp.HCModule(TinyLM(), budget="min", keeps_outputs=True)
+    kept.prepare(*batch)
     logits = 4 * TOKENS * VOCAB
-    logits_name = hc.captured.graph.outputs[1]
-    assert logits_name not in hc.captured.graph.held_outputs
-    assert hc.plan.predicted_peak_bytes <= first_predicted - logits // 2
-    assert second <= first - logits // 2, (first, second)
-    assert abs(hc.plan.predicted_peak_bytes - second) <= 0.03 * second
+    assert hc.plan.predicted_peak_bytes <= kept.plan.predicted_peak_bytes - logits // 2
+    second = _measured(hc, _drop, *batch)  # nothing planned again
+    assert abs(second - first) <= 0.03 * first
     # the same gradients as plain autograd
     model.zero_grad(set_to_none=True)
     _drop(model, *batch)
@@ -114,7 +114,7 @@ def test_no_reference_cycle_keeps_the_outputs_alive():
         gc.enable()
 
 
-def test_a_caller_that_keeps_the_outputs_again_is_counted_again():
+def test_a_caller_that_keeps_the_outputs_is_counted_from_the_next_step():
     torch.manual_seed(0)
     hc = hbp.HCModule(TinyLM(), budget="min")
     batch = _batch()
@@ -122,7 +122,7 @@ def test_a_caller_that_keeps_the_outputs_again_is_counted_again():
     _drop(hc, *batch)
     low = hc.plan.predicted_peak_bytes
     _keep(hc, *batch)
-    with pytest.warns(UserWarning, match="now keeps outputs it let go before"):
+    with pytest.warns(UserWarning, match="the caller keeps head alive until backward ends"):
         _keep(hc, *batch)
     assert hc.captured.graph.held_outputs is None or len(hc.captured.graph.held_outputs) == 2
     kept = _measured(hc, _keep, *batch)
@@ -147,8 +147,8 @@ def test_keeps_outputs_fixes_the_assumption():
 
 @pytest.mark.slow
 def test_transformers_gpt2_trained_through_its_loss_plans_without_the_logits():
-    """`model(**batch).loss.backward()` on a real transformers model: from the second step the
-    prediction is the allocator's peak within 3%, below the first step's."""
+    """`model(**batch).loss.backward()` on a real transformers model: from the first step the
+    prediction is the allocator's peak within 3%, below the plan that counts the logits."""
     torch.manual_seed(0)
     model, _, kwargs = gpt2()
     with warnings.catch_warnings():
@@ -158,12 +158,11 @@ def test_transformers_gpt2_trained_through_its_loss_plans_without_the_logits():
         def step(module):
             module(**kwargs).loss.backward()
 
-        _measured(hc, step)
-        first_predicted = hc.plan.predicted_peak_bytes
-        _measured(hc, step)
         measured = _measured(hc, step)
+        kept = hbp.HCModule(model, budget="min", keeps_outputs=True)
+        kept.prepare(**kwargs)
     assert hc.captured.granularity == "op"
-    assert hc.plan.predicted_peak_bytes < first_predicted
+    assert hc.plan.predicted_peak_bytes < kept.plan.predicted_peak_bytes
     assert abs(hc.plan.predicted_peak_bytes - measured) <= 0.03 * measured
 
 
@@ -178,15 +177,15 @@ def test_estimate_without_the_outputs_is_the_plain_step_that_drops_them():
     assert abs(dropped.naive_peak_bytes - measured) <= 0.03 * measured
 
 
-def test_a_budget_that_fits_only_without_the_outputs_says_keeps_outputs_false():
+def test_a_budget_that_fits_only_without_the_outputs_plans_with_no_flag():
     torch.manual_seed(0)
     batch = _batch()
     dropped = hbp.HCModule(TinyLM(), budget="min", keeps_outputs=False)
     dropped.prepare(*batch)
     budget = dropped.plan.predicted_peak_bytes
-    with pytest.raises(hbp.BudgetError, match="keeps_outputs=False"):
-        hbp.HCModule(TinyLM(), budget=budget).prepare(*batch)
-    fits = hbp.HCModule(TinyLM(), budget=budget, keeps_outputs=False)
+    with pytest.raises(hbp.BudgetError, match="smallest feasible budget"):
+        hbp.HCModule(TinyLM(), budget=budget, keeps_outputs=True).prepare(*batch)
+    fits = hbp.HCModule(TinyLM(), budget=budget)
     measured = _measured(fits, _drop, *batch)
     assert measured <= 1.05 * budget
 

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from hbp.allocator import _without_kineto_lines, allocator_peak, quiet_profile
+from hbp.allocator import without_kineto_lines, allocator_peak, quiet_profile
 
 KINETO = (
     b"USDT:2026-01-01 10:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
@@ -14,7 +14,7 @@ KINETO = (
 
 
 def test_kineto_lines_are_dropped_and_other_stderr_is_kept(capfd):
-    with _without_kineto_lines():
+    with without_kineto_lines():
         os.write(2, KINETO + b"a warning hbp must not swallow\n")
     err = capfd.readouterr().err
     assert "USDT" not in err and "STAGE" not in err

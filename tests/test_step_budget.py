@@ -4,8 +4,8 @@ A small LM (embedding, 8 Linear layers with in-place relu_, a head tied to the e
 tuple output) whose cross-entropy the caller computes on the logits: the loss and its
 backward run while the module's saved tensors are alive. With `loss_fn` hbp plans the whole
 step and the allocator's peak meets the budget from the first step; without it, the closed
-loop (`calibrate=True` on CPU) measures the first step and plans again, so the budget holds
-from the second step on."""
+loop (on by default, on CPU as on CUDA) measures the first step and plans again, so the budget
+holds from the second step on."""
 
 import warnings
 
@@ -56,10 +56,11 @@ def batch():
 
 
 def test_closed_loop_meets_the_budget_from_the_second_step():
+    """On by default, on CPU as on CUDA (no calibrate= flag)."""
     torch.manual_seed(0)
     model = TiedLM()
     idx, targets = batch()
-    hc = hbp.HCModule(model, 0.8, calibrate=True)
+    hc = hbp.HCModule(model, 0.8)
     with pytest.warns(UserWarning, match="Planned again"):
         entropy_regularised_loss(hc(idx), targets).backward()
         first = hc.measured_peak_bytes

@@ -144,7 +144,7 @@ class Graph:
             (`model(**batch).loss.backward()` drops the logits before backward), or, if
             backward starts from it, once backward has started (`loss_fn(model(x),
             y).backward()`): NOTE [ Outputs the caller lets go ] in
-            hbp/integrations/torch.py.
+            hbp/integrations/torch/outputs.py.
         rng_state_bytes: bytes of one copy of the random number generator's state, counted
             in the memory the step's peak is measured in: a recomputed segment that draws
             random numbers keeps copies of it (NOTE [ Random state of recomputed segments ]

@@ -323,7 +323,7 @@ def _check_loss(program: Program, has_aux: bool) -> None:
 
 def height_compressed(
     fun,
-    budget: float | int | str = 0.3,
+    budget: float | int | str = "50%act",
     *,
     argnums: int | tuple[int, ...] | None = None,
     block_size: int = 1,
@@ -341,9 +341,11 @@ def height_compressed(
 
     Args:
         fun: a JAX-traceable function.
-        budget: float in (0, 1] = fraction of the simulated naive peak; int = bytes; str like
-            "64MiB". Infeasible -> `hbp.BudgetError` (with `.minimum`); malformed ->
-            `hbp.ConfigError`.
+        budget: any form of `hbp.Budget`, as `hbp.HCModule` takes it: a float in (0, 1]
+            (fraction of the simulated naive peak), "N%act" (the least peak plus N% of what
+            checkpointing can save; the default, which always has a plan), bytes (int or
+            "64MiB"), "min" or "fit". Infeasible -> `hbp.BudgetError` (with `.minimum`);
+            malformed -> `hbp.ConfigError`.
         block_size: granularity of the plan's leaves (planner option).
         planner: planner name (see `hbp.planner.plan`).
         strategy: "auto" (default), "fenced", "pieces" or "remat" (see the
@@ -365,7 +367,7 @@ def height_compressed(
 
 def height_compressed_grad(
     fun,
-    budget: float | int | str = 0.3,
+    budget: float | int | str = "50%act",
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
     *,

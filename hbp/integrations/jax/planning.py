@@ -10,6 +10,7 @@ from hbp.errors import ConfigError
 from hbp.graph.jax_capture import CapturedFunction, Program, abstractify, capture_program
 from hbp.integrations.jax.pieces import PiecesExecutor
 from hbp.integrations.jax.segments import SegmentInfo, check_segments, resolve_segments
+from hbp.planner.budget import Budget
 from hbp.planner.plan import Plan
 from hbp.runtime.heap import return_freed_heap
 
@@ -41,11 +42,23 @@ def make_plan(graph, budget, *, block_size: int = 1, planner: str = "optimal") -
     return hbp_plan(graph, budget, block_size=block_size, planner=planner, pins=False)
 
 
-def check_options(budget, block_size, strategy, plan) -> None:
-    from hbp.planner.budget import parse_budget
+def resolve_budget(graph, budget: Budget, *, block_size: int = 1, planner: str = "optimal"):
+    """The planner's target for `budget` on `graph`: "min", or bytes (`Budget.resolve`; "fit"
+    reads the machine's available memory: XLA:CPU's arrays are host memory)."""
+    from hbp.analysis.simulate import simulate
+    from hbp.planner import min_feasible_peak
 
-    if plan is None and not (isinstance(budget, str) and budget == "min"):
-        parse_budget(budget, 1 << 62)  # type and range checks; bytes vs naive peak come later
+    naive = simulate(graph).peak_bytes
+
+    def least_peak() -> int:
+        return min_feasible_peak(graph, block_size=block_size, nested=planner != "one_level")[0]
+
+    return budget.resolve(naive, least_peak)
+
+
+def check_options(budget, block_size, strategy, plan) -> None:
+    if plan is None:
+        Budget.parse(budget)  # every form hbp.HCModule takes; bytes vs naive peak come later
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError("block_size", block_size, "a positive int")
     if strategy not in STRATEGIES:
@@ -106,8 +119,14 @@ class Planned:
     def _make_plan(self, captured: CapturedFunction) -> Plan:
         fixed = self._fixed_plan
         if fixed is None:
+            target = resolve_budget(
+                captured.graph,
+                Budget.parse(self.budget),
+                block_size=self.block_size,
+                planner=self.planner,
+            )
             return make_plan(
-                captured.graph, self.budget, block_size=self.block_size, planner=self.planner
+                captured.graph, target, block_size=self.block_size, planner=self.planner
             )
         return fixed if isinstance(fixed, Plan) else Plan(segments=list(fixed))
 

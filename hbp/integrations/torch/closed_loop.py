@@ -1,0 +1,216 @@
+"""The closed loop: the first training step of each input signature is measured by the
+allocator and, above the budget, planned again (NOTE [ The step around the module ] in
+loss.py). It sees what the plan cannot: the caller's loss and its backward, kernel workspace,
+compiled kernels' buffers."""
+
+from __future__ import annotations
+
+import atexit
+import warnings
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from hbp.allocator import (
+    close_open_windows,
+    foreign_profiler_running,
+    profiler_peak_bytes,
+    release_results,
+    without_kineto_lines,
+)
+from hbp.errors import BudgetError
+from hbp.integrations.torch.outputs import grad_leaves
+from hbp.units import MIB
+
+# a measurement still recording when the process exits: a CPU profiler left running then
+# crashes the interpreter's shutdown
+atexit.register(close_open_windows)
+
+#: Times the closed loop plans again for one signature before it stops measuring.
+MAX_REPLANS = 3
+
+#: A measured step this fraction above the budget counts as within it (allocator rounding).
+TOLERANCE = 0.01
+
+# NOTE [ No CPU measurement inside torch.compile(hc) ]
+# Under torch.compile(hc) the step runs inside the compiled caller's frame, whose profiler
+# range ("Torch-Compiled Region") opened before the measurement's profiler started. A CPU
+# profiler session started there records results that crash the process when they are freed
+# (a bad free in kineto's Result / MemoryTraceLogger destructors, seen after the closed loop
+# planned such a step again). So on CPU the loop is off for torch.compile(hc) calls (a warning
+# says so and points to `compile=True`, which compiles the same segments from outside any
+# compiled region); CUDA's measurement needs no profiler and stays on.
+
+
+class StepPeakProbe:
+    """The allocator's peak from `__init__` to `end()`, above the level at `__init__`.
+
+    CUDA: max_memory_allocated, read in `end()`. CPU: a profiler with memory events
+    (`hbp.allocator.profiler_peak_bytes`); `end()` runs inside the autograd engine (a
+    queued callback), where a profiler cannot be stopped for good (the engine restores the
+    thread's profiler state when backward returns), so it marks the end with a 1-byte
+    allocation and `stop()`, called at the module's next call or when
+    `HCModule.measured_peak_bytes` is read, stops the profiler and reads the window."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._profiler = None
+        self._peak: int | None = None
+        self._end_ptr: int | None = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._base = torch.cuda.memory_allocated(device)
+            return
+        from hbp.allocator import close_open_windows, hold_open
+
+        close_open_windows()  # another module's measurement still recording: CPU profilers
+        self._profiler = torch.profiler.profile(  # do not nest
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+        with without_kineto_lines():  # NOTE [ Quiet profiler windows ]
+            self._profiler.start()
+        hold_open(self)
+        marker = torch.empty(1, dtype=torch.uint8)
+        self._marker_ptr = marker.data_ptr()
+        del marker
+
+    def end(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._peak = int(torch.cuda.max_memory_allocated(self.device) - self._base)
+        elif self._end_ptr is None:
+            marker = torch.empty(1, dtype=torch.uint8)
+            self._end_ptr = marker.data_ptr()
+            del marker
+
+    def stop(self) -> int | None:
+        """The measured peak (None if the step's backward never ended); stops the profiler."""
+        if self._profiler is None:
+            return self._peak
+        profiler, self._profiler = self._profiler, None
+        with without_kineto_lines():
+            profiler.stop()
+        if self._end_ptr is not None:
+            self._peak = profiler_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
+        release_results(profiler)
+        return self._peak
+
+    def cancel(self) -> None:
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            with without_kineto_lines():
+                profiler.stop()
+            release_results(profiler)
+
+
+def step_device(root: nn.Module | None, args, kwargs) -> torch.device:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    for p in root.parameters() if root is not None else ():
+        return p.device
+    return torch.device("cpu")
+
+
+class ClosedLoop:
+    """The closed loop (a mixin of `HCModule`)."""
+
+    def _run_measured(self, compiled, executor, args, kwargs, in_compiled_region):
+        device = step_device(compiled.root, args, kwargs)
+        calibrate = self.calibrate is not False  # on by default, on CPU as on CUDA
+        if device.type == "cpu" and in_compiled_region and calibrate:
+            # NOTE [ No CPU measurement inside torch.compile(hc) ]
+            if self.calibrate:
+                self._warn_once(
+                    "compiled-region-cpu",
+                    "HCModule: a torch.compile(hc) step on CPU cannot be measured by the "
+                    "allocator (a profiler started inside the compiled caller's region corrupts "
+                    "its results), so the closed loop is off there; HCModule(model, budget, "
+                    "compile=True) compiles the same segments and keeps the loop.",
+                )
+            calibrate = False
+        if compiled.settled or not (device.type == "cuda" or calibrate):
+            return executor(*args, **kwargs)
+        if device.type == "cpu" and foreign_profiler_running():
+            return executor(*args, **kwargs)  # a profiler is running: cannot nest
+        probe = StepPeakProbe(device)
+        try:
+            output = executor(*args, **kwargs)
+        except BaseException:
+            probe.cancel()
+            raise
+        leaves = grad_leaves(executor, output)
+        if not leaves:
+            probe.cancel()
+            return output
+        self._probe = (probe, compiled)
+        queued = []
+
+        def on_grad(grad):
+            if not queued:  # the first output gradient: the rest of backward follows
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(probe.end)
+            return grad
+
+        for t in leaves:
+            t.register_hook(on_grad)
+        return output
+
+    def _finish_probe(self) -> None:
+        """Read a measured step whose backward has ended (see `StepPeakProbe`); drop one
+        whose backward never ran."""
+        measured = self._stop_probe()
+        if measured is not None:
+            self._step_measured(*measured)
+
+    def _stop_probe(self):
+        """(compiled, peak) of a measured step whose backward has ended, else None; the
+        measurement is over either way."""
+        if self._probe is None:
+            return None
+        (probe, compiled), self._probe = self._probe, None
+        peak = probe.stop()
+        return None if peak is None else (compiled, peak)
+
+    def _step_measured(self, compiled, peak: int) -> None:
+        """A measured step peaked at `peak` bytes; above the budget, plan again for the
+        budget less what the plan did not see (at most `MAX_REPLANS` times).
+
+        What it did not see is the measured peak less the plan's predicted one, not the
+        excess over the budget: a plan predicted below its budget, re-planned for the budget
+        less the excess, may fit that target as it is and be chosen again (an MLP whose caller
+        holds its output and an mse_loss: 1.042x its budget, then 1.042x again)."""
+        compiled.measured_peak_bytes = self._measured_peak_bytes = peak
+        compiled.measurements += 1
+        excess = peak - compiled.budget_bytes
+        if excess <= TOLERANCE * compiled.budget_bytes or compiled.measurements > MAX_REPLANS:
+            compiled.settled = True
+            return
+        unseen = peak - compiled.plan.predicted_peak_bytes
+        target = min(compiled.budget_bytes - unseen, compiled.plan.budget_bytes - excess)
+        message = (
+            f"HCModule: the measured step peaked at {peak / MIB:.2f} MiB (allocator), "
+            f"{excess / MIB:.2f} MiB above the budget of {compiled.budget_bytes / MIB:.2f} MiB: "
+            "memory outside the module (the caller's loss and its backward), kernel "
+            "workspace or compiled kernels' buffers the plan did not see. "
+        )
+        try:
+            self._replan(compiled, target)
+        except BudgetError as err:
+            compiled.settled = True
+            warnings.warn(
+                message + f"No plan fits {target / MIB:.2f} MiB (the least is "
+                f"{err.minimum / MIB:.2f} MiB): the budget cannot be met this way; pass "
+                "loss_fn= so that hbp plans the loss too, or raise the budget.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        warnings.warn(
+            message + f"Planned again for {target / MIB:.2f} MiB; the next steps keep the budget "
+            "(hc.measured_peak_bytes holds the measured figure).",
+            UserWarning,
+            stacklevel=4,
+        )

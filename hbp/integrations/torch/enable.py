@@ -1,0 +1,153 @@
+"""`hbp.enable(model, budget=...)` / `hbp.disable(model)`: hbp turned on in place, the
+convention of transformers' `gradient_checkpointing_enable()` and Liger's
+`apply_liger_kernel_to_*`.
+
+    hbp.enable(model, budget="50%act")       # returns the model
+    trainer = Trainer(model=model, ...)      # or any loop: model(**batch).loss.backward()
+
+NOTE [ Enabled in place ]
+The model keeps its class, its parameters, its state_dict keys, its hooks and its methods
+(`save_pretrained`, `generate`): only the instance's `forward` changes, to an `EnabledForward`
+that has the original forward's signature (`inspect.signature(model.forward)`, which Trainer
+reads to keep a batch's columns) and hands training calls to an engine, an HCModule over the
+model kept in `model.__dict__` (not a submodule: no state_dict key, no `.modules()` entry).
+Calls without grad (`generate`, evaluation under `torch.no_grad()`) run the original forward.
+The engine's capture and its module-level executor call the model again; those inner calls
+(the engine is `inside`) run the original forward too, and the capture runs without the model's
+own forward hooks (they run once, around the enabled forward, as nn.Module calls them). `disable` puts back the forward the
+instance had (none, or one set by another library before). Enabling an enabled model with the
+same budget and options does nothing; with others it replaces the engine.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from hbp.errors import ConfigError
+from hbp.integrations.torch.module import DEFAULT_BUDGET, HCModule
+
+__all__ = ["EnabledForward", "disable", "enable", "engine_of", "is_enabled"]
+
+#: Where the engine lives in the model's `__dict__` (not a submodule).
+ENGINE_ATTR = "_hbp_engine"
+
+
+class _Engine(HCModule):
+    """HCModule over a model whose own `forward` is an `EnabledForward`: the plain call is
+    the original forward, train/eval flags are the model's."""
+
+    def __init__(self, model: nn.Module, previous_forward, budget, options: dict):
+        super().__init__(model, budget, **options)
+        self.previous_forward = previous_forward  # an instance forward set before, or None
+        self.options = (budget, options)
+        self.inside = False
+
+    def original_forward(self, *args, **kwargs):
+        if self.previous_forward is not None:
+            return self.previous_forward(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def _plain(self, *args, **kwargs):
+        return self.original_forward(*args, **kwargs)
+
+    @torch.compiler.disable(reason="hbp runs its plan outside Dynamo")
+    def enter(self, args, kwargs):
+        self.training = self.module.training
+        self.inside = True
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            self.inside = False
+
+    def _compile(self, *args, **kwargs):
+        """Capture and plan without the model's own forward hooks: they run around the
+        enabled forward (nn.Module's call) as usual, so the graph must not hold them too."""
+        hooks = self.module._forward_hooks, self.module._forward_pre_hooks
+        saved = [dict(h) for h in hooks]
+        for h in hooks:
+            h.clear()
+        try:
+            return super()._compile(*args, **kwargs)
+        finally:
+            for h, items in zip(hooks, saved):
+                h.update(items)
+
+
+class EnabledForward:
+    """The `forward` of an enabled model: training calls go to its engine, the rest to the
+    original forward (NOTE [ Enabled in place ])."""
+
+    __name__ = "forward"
+
+    def __init__(self, engine: _Engine):
+        self.engine = engine
+
+    @property
+    def __wrapped__(self):  # inspect.signature(model.forward): the original's
+        engine = self.engine
+        if engine.previous_forward is not None:
+            return engine.previous_forward
+        return types.MethodType(type(engine.module).forward, engine.module)
+
+    @property
+    def __doc__(self):  # noqa: D105
+        return type(self.engine.module).forward.__doc__
+
+    def __call__(self, *args, **kwargs):
+        engine = self.engine
+        if engine.inside or not torch.is_grad_enabled():
+            return engine.original_forward(*args, **kwargs)
+        return engine.enter(args, kwargs)
+
+
+def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Module:
+    """Make `model`'s training steps fit `budget` with the least recompute, in place.
+
+    Args:
+        model: any nn.Module (a whole model, or a submodule such as `model.model`).
+        budget: any form of `hbp.Budget` (fraction, "N%act", bytes, size, "min", "fit").
+        options: HCModule's keyword options (planner, block_size, keeps_outputs,
+            calibrate, compile, loss_fn, plan_in_eval, verbose).
+
+    Returns:
+        `model` itself, with `forward` replaced (NOTE [ Enabled in place ]).
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__, "an nn.Module")
+    engine = model.__dict__.get(ENGINE_ATTR)
+    if engine is not None:
+        if engine.options == (budget, options):
+            return model
+        disable(model)
+    previous = model.__dict__.get("forward")
+    engine = _Engine(model, previous, budget, options)
+    model.__dict__[ENGINE_ATTR] = engine
+    model.__dict__["forward"] = EnabledForward(engine)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo `enable`: the model's forward is the one it had before. Returns `model`."""
+    engine = model.__dict__.pop(ENGINE_ATTR, None)
+    if engine is None:
+        return model
+    if engine.previous_forward is not None:
+        model.__dict__["forward"] = engine.previous_forward
+    else:
+        model.__dict__.pop("forward", None)
+    return model
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether `hbp.enable` is on for `model`."""
+    return ENGINE_ATTR in model.__dict__
+
+
+def engine_of(model: nn.Module) -> HCModule | None:
+    """The HCModule that runs an enabled model's training steps (`.plan`, `.summary()`,
+    `.measured_peak_bytes`), or None."""
+    return model.__dict__.get(ENGINE_ATTR)

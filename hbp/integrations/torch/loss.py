@@ -1,0 +1,51 @@
+"""The step with its loss: `HCModule(model, loss_fn=...)` plans the loss and its backward with
+the module (NOTE [ The step around the module ]); `hbp.estimate(loss_fn=)` estimates the same
+step."""
+
+from __future__ import annotations
+
+from torch import nn
+
+# NOTE [ The step around the module ]
+# A budget is a promise on the whole training step: the module's forward, the caller's loss,
+# the loss's backward and the module's backward. The loss runs while everything the module
+# saved for backward is alive, and its backward allocates the gradient of the module's outputs
+# (e.g. the logits' gradient) at that moment, so it adds to the peak the plan was made for.
+# Two ways to keep the promise:
+# - `loss_fn`: hbp captures the module and the loss as one graph (`WithLoss`), so the plan
+#   sees the loss and its gradients, and can even recompute around them.
+# - The closed loop, when hbp cannot see the loss: the first training step of a signature is
+#   measured by the allocator (CUDA: `max_memory_allocated`; CPU: profiler memory events),
+#   from the start of the forward to the end of the backward (an autograd engine callback
+#   queued by a hook on the outputs). If that peak is above the budget, the signature is
+#   planned again for the budget minus the excess, with a warning, and the next step is
+#   measured again (at most `MAX_REPLANS` times): closed_loop.py.
+# - Compiled segments (`compile=`): the plan's cost model is eager autograd's, and Inductor's
+#   kernels save and allocate otherwise (a compiled region frees its saved tensors when its
+#   whole backward ends); the closed loop measures them the same way.
+
+
+class WithLoss(nn.Module):
+    """`loss_fn(module(*inputs, **kwargs), *targets)` as one module: the first `n_inputs`
+    positional arguments are the module's, the rest the targets."""
+
+    def __init__(self, module: nn.Module, loss_fn, n_inputs: int):
+        super().__init__()
+        self.module = module
+        self.loss_fn = loss_fn
+        self.n_inputs = n_inputs
+
+    def forward(self, *args, **kwargs):
+        output = self.module(*args[: self.n_inputs], **kwargs)
+        return self.loss_fn(output, *args[self.n_inputs :])
+
+
+def with_loss(module: nn.Module, loss_fn, args, kwargs) -> tuple[tuple, dict, nn.Module, tuple]:
+    """(args, kwargs, root, tag) of the whole step of `module(*args, **kwargs)` whose
+    `kwargs["targets"]` (a tensor or a tuple) go to `loss_fn`: the module and `loss_fn` as one
+    module taking the inputs followed by the targets; `tag` keys its plans apart."""
+    kwargs = dict(kwargs)
+    targets = kwargs.pop("targets")
+    targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+    root = WithLoss(module, loss_fn, len(args))
+    return (*args, *targets), kwargs, root, ("loss", len(args), id(loss_fn))

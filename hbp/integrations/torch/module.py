@@ -1,0 +1,297 @@
+"""`hbp.HCModule`: the wrapper form. `HCModule(model, budget=...)` makes the module's training
+step fit a memory budget with the least recompute; `hbp.enable(model, ...)` does the same in
+place (enable.py). What happens at a call: NOTE [ A call of HCModule ] below."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from hbp.errors import ConfigError
+from hbp.graph.torch.capture import CapturedGraph
+from hbp.integrations.torch.closed_loop import ClosedLoop, StepPeakProbe
+from hbp.integrations.torch.compile import CompiledSegments, dynamo_callback_set
+from hbp.integrations.torch.loss import with_loss
+from hbp.integrations.torch.outputs import WatchedOutputs
+from hbp.integrations.torch.planning import Compiled, Planning, plan_summary
+from hbp.planner import PLANNERS
+from hbp.planner.budget import Budget
+from hbp.planner.cache import PlanCache, save_plan
+from hbp.planner.plan import Plan
+
+#: The budget of `HCModule(model)` and `hbp.enable(model)` when none is given.
+DEFAULT_BUDGET = "50%act"
+
+# NOTE [ A call of HCModule ]
+# On the first training call for an input signature (shapes, dtypes, devices, requires_grad,
+# None-ness and values of non-tensor arguments, train/eval flags, grad and autocast modes, the
+# parameters' identity, dtype, device and requires_grad) the module is captured
+# (`hbp.graph.torch.capture.capture`), the least-recompute plan that fits the budget is made
+# (`hbp.planner.plan`), and an executor is built (`hbp.runtime.executors.segments`); all three are cached
+# per signature (planning.py). Under `torch.no_grad()` / `torch.inference_mode()`, or when
+# nothing requires grad, the wrapped module just runs; in eval mode too, unless
+# `plan_in_eval=True`. Like `torch.utils.checkpoint`, recomputation re-runs forward code during
+# backward: forward hooks of submodules fire again, and the RNG state is replayed (dropout
+# masks are those of the original forward). What the forward does is kept: `torch.no_grad()` /
+# `torch.autocast` blocks inside it; outputs come back in the module's own containers
+# (ModelOutput, dataclasses, namedtuples...). `torch.utils.checkpoint` calls inside the module
+# are traced through: the plan decides what is recomputed.
+
+
+class _Forward:
+    """`hc.forward`: HCModule's step, with the wrapped module's forward's signature and name
+    (`inspect.signature(hc.forward)`: what transformers' Trainer reads to keep a batch's
+    columns)."""
+
+    def __get__(self, hc, owner=None):
+        if hc is None:
+            return owner._forward
+        if torch.compiler.is_compiling():  # Dynamo traces the plain method
+            return hc._forward
+        step = functools.partial(owner._forward, hc)
+        module = hc.__dict__.get("_modules", {}).get("module")
+        if module is not None:
+            wrapped = module.forward
+            functools.update_wrapper(step, wrapped, assigned=("__doc__", "__name__"), updated=())
+        return step
+
+
+class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module):
+    """Wraps `module` so its training step stays within `budget` with the least recompute.
+
+    Args:
+        module: any nn.Module; it becomes the submodule `.module` (so `.parameters()`,
+            `.train()`, `.to()` pass through). The wrapper is transparent: `hc.forward` has
+            the module's forward's signature, attributes HCModule does not define are the
+            module's (`hc.config`, `hc.generate`, `hc.save_pretrained`), and `state_dict()`
+            keys are the module's own (`load_state_dict` takes them with or without the
+            "module." prefix).
+        budget: any form of `hbp.Budget` (hbp/planner/budget.py's table): a float in
+            (0, 1] (fraction of the naive step peak), "N%act" (of what checkpointing can
+            save), bytes (int or "64MiB"), "min" or "fit".
+        block_size: granularity of the interval tree's leaves, in graph nodes (planner).
+        planner: planner name, see `hbp.planner.plan` ("optimal", ...).
+        verbose: print the plan summary whenever a new signature is planned.
+        plan_in_eval: also plan (and enforce the budget) in eval mode when grad is enabled
+            (eval-mode fine-tuning); by default eval mode runs the plain module.
+        loss_fn: the step's loss, `loss_fn(output, *targets)`. Then `hc(*inputs,
+            targets=y)` (or a tuple of targets) returns the loss, and the plan covers the
+            whole step: the loss, its backward and the gradients flowing back into the module
+            (see NOTE [ The step around the module ]). `hc(*inputs)` still returns the output.
+        calibrate: measure the first training step of each signature with the allocator
+            and plan again if it is above the budget (the closed loop, closed_loop.py). None
+            (default) or True: on, on CUDA (at no cost) and on CPU (profiler memory events:
+            slower, once per signature; off inside torch.compile(hc) on CPU, NOTE [ No CPU
+            measurement inside torch.compile(hc) ]). False: off on CPU.
+        compile: run each segment of the plan through `torch.compile`: True, or a dict of
+            `torch.compile` keyword arguments (`{"backend": "aot_eager"}`, `{"mode": ...}`).
+            `torch.compile(hc)` does the same with the default options (NOTE [ torch.compile
+            of an HCModule ]).
+        keeps_outputs: whether the caller keeps the module's outputs alive until backward
+            ends. None (default): assume it lets go of those backward does not start from
+            (`model(**batch).loss.backward()`, Trainer, `loss_fn(hc(x), y).backward()`), see
+            when backward ends which it keeps, and plan again from the next step if it keeps
+            more (one warning; NOTE [ Outputs the caller lets go ]). True: count every output
+            until backward ends. False: outputs backward starts from too are let go once
+            backward has started.
+        plan_cache: a directory (or `hbp.planner.cache.PlanCache`) where plans are kept by
+            the captured graph's structure, the budget and the options: a restarted job or
+            another run of a sweep reads its plan there instead of planning again.
+
+    Attributes:
+        plan: the plan of the most recent training call (None before the first).
+        captured: its captured graph (`CapturedGraph`, `.graph` is hbp's IR).
+        measured_peak_bytes: the allocator's peak of the last measured step (above the level
+            before it, the caller's loss and backward included), or None.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        budget: float | int | str | Budget = DEFAULT_BUDGET,
+        *,
+        block_size: int = 1,
+        planner: str = "optimal",
+        verbose: bool = False,
+        plan_in_eval: bool = False,
+        loss_fn=None,
+        calibrate: bool | None = None,
+        compile: bool | dict = False,
+        keeps_outputs: bool | None = None,
+        plan_cache=None,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"HCModule wraps an nn.Module, got {type(module).__name__}")
+        self._budget = Budget.parse(budget)  # malformed budgets fail here, not at a step
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError("block_size", block_size, "an int >= 1")
+        if planner not in PLANNERS:
+            raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
+        self.module = module
+        # not `.forward`: HCModule's own (`_Forward`) has the module's signature
+        self.budget = budget
+        self.block_size = block_size
+        self.planner = planner
+        self.verbose = verbose
+        self.plan_in_eval = bool(plan_in_eval)
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError("loss_fn", loss_fn, "a callable loss_fn(output, *targets) or None")
+        self.loss_fn = loss_fn
+        if calibrate not in (None, True, False):
+            raise ConfigError("calibrate", calibrate, "None, True or False")
+        self.calibrate = calibrate
+        self._measured_peak_bytes: int | None = None
+        self._probe: tuple[StepPeakProbe, Compiled] | None = None
+        if not isinstance(compile, (bool, dict)):
+            raise ConfigError("compile", compile, "True, False or a dict of torch.compile options")
+        self.compile = compile
+        if keeps_outputs not in (None, True, False):
+            raise ConfigError("keeps_outputs", keeps_outputs, "None, True or False")
+        self.keeps_outputs = keeps_outputs
+        if plan_cache is not None and not isinstance(plan_cache, PlanCache):
+            plan_cache = PlanCache(plan_cache)
+        self.plan_cache = plan_cache
+        self._compiled: dict[tuple, Compiled] = {}
+        self._current: Compiled | None = None
+        self._warned: set[str] = set()
+        self.register_load_state_dict_pre_hook(_accept_unwrapped_keys)
+
+    # -- public -----------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._current.plan if self._current else None
+
+    @property
+    def captured(self) -> CapturedGraph | None:
+        return self._current.captured if self._current else None
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The allocator's peak of the last measured step, in bytes (None before one)."""
+        self._finish_probe()
+        return self._measured_peak_bytes
+
+    @property
+    def compiled(self) -> Compiled | None:
+        """Capture, plan, executor and timings of the most recent training call."""
+        return self._current
+
+    forward = _Forward()
+
+    def _forward(self, *args, **kwargs):
+        # NOTE [ torch.compile of an HCModule ]
+        if torch.compiler.is_compiling() or dynamo_callback_set():
+            return self._forward_with_compiled_segments(*args, **kwargs)
+        return self._step(args, kwargs, compiled_segments=False)
+
+    def _step(self, args, kwargs, compiled_segments: bool):
+        """The call as a training step: captured, planned (once per signature) and run by the
+        executor (`compiled_segments`: a torch.compile(hc) call, its segments compiled)."""
+        if self.loss_fn is not None and "targets" in kwargs:
+            return self._forward_with_loss(args, kwargs, compiled_segments)
+        if not self._plans_for(args, kwargs):
+            return self._plain(*args, **kwargs)
+        compiled = self._prepare(args, kwargs, compiled_segments=compiled_segments)
+        return self._run(compiled, args, kwargs, compiled_segments)
+
+    def _plain(self, *args, **kwargs):
+        """The module's own call, without a plan."""
+        return self.module(*args, **kwargs)
+
+    def prepare(self, *args, **kwargs) -> Plan:
+        """Capture and plan for these inputs as a training step (grad enabled, current
+        train/eval flags) without running the step; return the plan. Later calls with the
+        same signature reuse it. With `loss_fn`, pass `targets=` to plan the whole step."""
+        with torch.enable_grad():
+            if self.loss_fn is not None and "targets" in kwargs:
+                args, kwargs, root, tag = with_loss(self.module, self.loss_fn, args, kwargs)
+                return self._prepare(args, kwargs, root, tag).plan
+            return self._prepare(args, kwargs).plan
+
+    def save_plan(self, path) -> None:
+        """Write the current plan to `path` (JSON), tied to its captured graph's structure:
+        `hbp.planner.cache.load_plan(path, graph)` reads it back for the same graph. To
+        reuse plans across runs, pass `plan_cache=` a directory instead."""
+        if self._current is None:
+            raise RuntimeError(
+                "HCModule.save_plan: nothing is planned yet; run a training step (or "
+                ".prepare(*inputs)) first"
+            )
+        save_plan(self._current.plan, path, self._current.captured.graph)
+
+    def summary(self) -> str:
+        """The current plan in words (segments, kept bytes, predicted peak and recompute)."""
+        if self._current is None:
+            return "HCModule: not planned yet (call it, or .prepare(*inputs), in training mode)"
+        return plan_summary(self._current)
+
+    def extra_repr(self) -> str:
+        extra = ", plan_in_eval=True" if self.plan_in_eval else ""
+        extra += f", compile={self.compile!r}" if self.compile is not False else ""
+        return (
+            f"budget={self.budget!r}, block_size={self.block_size}, planner={self.planner!r}"
+            + extra
+        )
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_compiled"], state["_current"] = {}, None  # rebuilt on the next call
+        state["_probe"] = None  # a measurement in flight (a profiler) stays with the original
+        return state
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)  # hc.config, hc.generate, hc.save_pretrained, ...
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The wrapped module's state dict: its own keys, no "module." prefix."""
+        return self.module.state_dict(
+            *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+        )
+
+    # -- the step around the module (NOTE [ The step around the module ] in loss.py) ------
+
+    def _forward_with_loss(self, args, kwargs, compiled_segments: bool = False):
+        step_args, step_kwargs, root, tag = with_loss(self.module, self.loss_fn, args, kwargs)
+        if not self._plans_for(args, step_kwargs):
+            return root(*step_args, **step_kwargs)
+        compiled = self._prepare(step_args, step_kwargs, root, tag, compiled_segments)
+        return self._run(compiled, step_args, step_kwargs, compiled_segments)
+
+    def _run(self, compiled, args, kwargs, compiled_segments: bool = False):
+        """Run the executor (`compiled_segments`: a torch.compile(hc) call); measure the step
+        with the allocator while the closed loop is open (NOTE [ The step around the
+        module ]); see which outputs the caller keeps (NOTE [ Outputs the caller lets go ])."""
+        measured = self._stop_probe()
+        if self._outputs_observed(compiled) and measured and measured[0] is compiled:
+            measured = None  # planned again for the outputs the caller keeps: measure anew
+        if measured is not None:
+            self._step_measured(*measured)
+        if compiled_segments and compiled.pins:
+            self._plan_without_pins(compiled)
+        executor = self._executor(compiled, compiled_segments)
+        output = self._run_measured(compiled, executor, args, kwargs, compiled_segments)
+        self._watch_outputs(compiled, executor, output)
+        return output
+
+
+def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:
+    """`load_state_dict` pre-hook: a state dict of the unwrapped module (no key under
+    `prefix` starts with "module.", e.g. a checkpoint saved before wrapping) is loaded into
+    `.module`."""
+    own = [k for k in state_dict if k.startswith(prefix)]
+    if own and not any(k.startswith(prefix + "module.") for k in own):
+        for k in own:
+            state_dict[prefix + "module." + k[len(prefix) :]] = state_dict.pop(k)

@@ -1,0 +1,387 @@
+"""Planning per input signature: capture, plan and executor, made on the first call of a
+signature and cached (`Compiled`)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from hbp.allocator import foreign_profiler_running
+from hbp.analysis.simulate import simulate
+from hbp.errors import BudgetError, ConfigError
+from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, capture
+from hbp.integrations.torch.closed_loop import step_device
+from hbp.planner.budget import BudgetKind
+from hbp.planner.module_level import module_level_plan
+from hbp.planner.plan import Plan
+from hbp.runtime.executors import make_executor
+from hbp.runtime.executors.module_calls import per_call_plan
+from hbp.runtime.heap import return_freed_heap
+
+#: Distinct input signatures after which HCModule warns that it keeps re-planning.
+MANY_SIGNATURES = 8
+
+
+@dataclass
+class Compiled:
+    """What HCModule caches per input signature.
+
+    `budget_bytes`: the budget this signature must meet (the plan's own `budget_bytes` is
+    lowered when the closed loop plans again); `measured_peak_bytes`: the allocator's peak of
+    the last measured step (None before); `measurements`: steps measured so far; `settled`:
+    a measured step met the budget (or the loop gave up), so later steps are not measured."""
+
+    captured: CapturedGraph
+    plan: Plan
+    executor: Any
+    naive_peak_bytes: int
+    capture_time_s: float
+    plan_time_s: float
+    root: nn.Module | None = None
+    budget_bytes: int = 0
+    measured_peak_bytes: int | None = None
+    measurements: int = 0
+    settled: bool = False
+    segments_compiled: Any = None  # the executor with compiled segments, made on first use
+    outputs_watched: bool = False  # a step showed which outputs the caller keeps
+    outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
+    scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
+    pins: bool = True  # plans may pin values (False: its segments run compiled)
+    device: Any = None  # where the step runs
+
+
+#: Libraries whose own forward hooks are part of their models (transformers collects
+#: hidden states and attentions with them): no warning is about them.
+LIBRARY_HOOKS = ("transformers.", "diffusers.", "timm.", "torchvision.")
+
+
+def user_hooks(module: nn.Module) -> list:
+    """The forward (pre-)hooks on `module` that its library did not install itself."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return [h for h in hooks if not getattr(h, "__module__", "").startswith(LIBRARY_HOOKS)]
+
+
+# NOTE [ Captured under a profiler ]
+# Kernel workspace is measured at capture by the CPU allocator's profiler events, and CPU
+# profiler sessions do not nest: a first step run inside `torch.profiler.profile(...)` (or
+# any allocator measurement) plans without workspace, so its plan under-counts attention
+# scores and convolution buffers. HCModule warns, and the first call of that signature outside
+# a profiler captures and plans it again with the workspace measured. Steps still inside the
+# profiler keep the first plan (there is nothing better to plan with there).
+
+
+def plan_summary(compiled: Compiled) -> str:
+    """The capture in one line, then the plan (`str(Plan)`: predictions and segment tree)."""
+    captured = compiled.captured
+    head = (
+        f"HCModule: {captured.granularity}-level capture, {len(captured.graph)} nodes, "
+        f"captured in {compiled.capture_time_s:.2f} s, planned in {compiled.plan_time_s:.2f} s"
+    )
+    if captured.fallback_reason:
+        head += f" (op-level capture failed: {captured.fallback_reason})"
+    return f"{head}\n{compiled.plan}"
+
+
+class Planning:
+    """Capture, plan and executor per input signature (a mixin of `HCModule`)."""
+
+    def _plans_for(self, args, kwargs) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        differentiable = any(p.requires_grad for p in self.module.parameters())
+        if not differentiable:
+            leaves, _ = tree_flatten((args, kwargs))
+            differentiable = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+        if differentiable and not (self.training or self.plan_in_eval):
+            self._warn_once(
+                "eval",
+                "HCModule in eval mode with grad enabled runs the plain module: the budget is "
+                "not enforced. Use torch.no_grad() to evaluate, or HCModule(..., "
+                "plan_in_eval=True) to train in eval mode within the budget.",
+                stacklevel=6,  # the caller of hc(...), past nn.Module's call wrappers
+            )
+            return False
+        return differentiable
+
+    def _prepare(
+        self,
+        args,
+        kwargs,
+        root: nn.Module | None = None,
+        tag: Any = None,
+        compiled_segments: bool = False,
+    ) -> Compiled:
+        """The capture, plan and executor of this call's signature (made on first use);
+        `compiled_segments`: the call runs its segments compiled (torch.compile(hc))."""
+        key = (tag, self._signature(args, kwargs))
+        compiled = self._compiled.get(key)
+        if (
+            compiled is not None
+            and not compiled.scratch_measured
+            and not foreign_profiler_running()
+        ):
+            compiled = None  # NOTE [ Captured under a profiler ]
+        if compiled is None:
+            compiled = self._compile(args, kwargs, root, compiled_segments)
+            self._compiled[key] = compiled
+            if len(self._compiled) == MANY_SIGNATURES + 1:
+                self._warn_once(
+                    "signatures",
+                    f"HCModule has planned for {len(self._compiled)} different input signatures: "
+                    "every new shape/dtype/requires_grad pattern is captured and planned again. "
+                    "Pad or bucket inputs to a few shapes.",
+                )
+        self._current = compiled
+        return compiled
+
+    def _signature(self, args, kwargs) -> tuple:
+        leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
+        parts: list[Any] = [str(spec), self.training, ambient_modes()]  # grad and autocast
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                parts.append(
+                    (tuple(x.shape), x.dtype, x.device, x.requires_grad, x.is_contiguous())
+                )
+            elif x is None or isinstance(x, (bool, int, float, str)):
+                parts.append((type(x).__name__, x))
+            else:
+                parts.append((type(x).__name__, id(x)))
+        # .to()/.half() keep the Parameter objects and change their dtype/device.
+        parts.append(
+            tuple((id(p), p.requires_grad, p.dtype, p.device) for p in self.module.parameters())
+        )
+        parts.append(tuple((id(b), b.dtype, b.device) for b in self.module.buffers()))
+        parts.append(tuple(m.training for m in self.module.modules()))
+        return tuple(parts)
+
+    def _compile(
+        self, args, kwargs, root: nn.Module | None = None, compiled_segments: bool = False
+    ) -> Compiled:
+        from hbp.planner import plan as make_plan  # the planner is pure: import on use
+
+        root = self.module if root is None else root
+        lazy = [
+            name
+            for name, p in self.module.named_parameters()
+            if isinstance(p, nn.parameter.UninitializedParameter)
+        ]
+        if lazy:
+            raise ConfigError(
+                "module",
+                type(self.module).__name__,
+                f"a module whose parameters are initialised ({', '.join(lazy[:3])} are lazy): "
+                "call it once on a batch before wrapping it in HCModule",
+            )
+        captured = capture(root, args, kwargs, calibrate=True)
+        scratch_measured = captured.scratch_measured
+        graph = captured.graph
+        if captured.granularity == MODULE and not captured.tracer:
+            captured.tracer = "module"  # every op-level tracer failed
+        elif self.keeps_outputs is False:
+            graph.held_outputs = []  # the outputs backward starts from are held regardless
+        elif self.keeps_outputs is None:  # NOTE [ Outputs the caller lets go ]
+            graph.held_outputs = sorted(graph.backward_seeds(), key=graph.index)
+        naive = simulate(graph).peak_bytes
+        start = time.perf_counter()
+        # compiled segments run without pins (NOTE [ Running pinned values ]) or explicit
+        # schedules (NOTE [ Explicit schedules ]): `pins` stands for both
+        pins = not (compiled_segments or self.compile is not False)
+        device = step_device(root, args, kwargs)
+        cached = self._cached_plan(captured, pins)
+        if cached is not None:
+            plan = cached
+        elif captured.granularity == MODULE:
+            plan = self._module_level_plan(captured, naive, self._target(captured, naive, device))
+        else:
+            try:
+                plan = make_plan(
+                    graph,
+                    self._target(captured, naive, device),
+                    block_size=self.block_size,
+                    planner=self.planner,
+                    pins=pins,
+                )
+            except BudgetError as err:
+                budget = self._budget
+                if (
+                    budget.kind is BudgetKind.BYTES
+                    and type(budget.given) is int
+                    and budget.value == 1
+                ):
+                    raise BudgetError(
+                        err.budget,
+                        err.minimum,
+                        "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
+                    ) from err
+                raise self._budget_error_without_outputs(graph, err) from err
+        if cached is None:
+            self._cache_plan(captured, pins, plan)
+        plan_time_s = time.perf_counter() - start
+        return_freed_heap()  # NOTE [ Planning's freed heap ]
+        executor = make_executor(captured, plan, root)
+        self._warn_about(captured, executor)
+        compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
+        compiled.root, compiled.budget_bytes = root, plan.budget_bytes
+        compiled.device = device
+        compiled.scratch_measured, compiled.pins = scratch_measured, pins
+        if not scratch_measured:
+            warnings.warn(
+                "HCModule: planned under a running profiler, which the measurement of kernel "
+                "workspace cannot nest in: this plan counts tensors only and may exceed the "
+                "budget. hbp measures and plans again at the first call outside the profiler.",
+                UserWarning,
+                stacklevel=6,
+            )
+        if self.verbose:
+            print(plan_summary(compiled))
+        return compiled
+
+    def _budget_error_without_outputs(self, graph, err: BudgetError) -> BudgetError:
+        """`err`, saying so when the budget fits once the caller lets go of the outputs
+        backward starts from once backward has started (NOTE [ Outputs the caller lets go ])."""
+        from hbp.planner import plan as make_plan
+
+        if self.keeps_outputs is not None or graph.held_outputs == []:
+            return err
+        held, graph.held_outputs = graph.held_outputs, []
+        try:
+            make_plan(graph, err.budget, block_size=self.block_size, planner=self.planner)
+        except BudgetError:
+            return err
+        finally:
+            graph.held_outputs = held
+        return BudgetError(
+            err.budget,
+            err.minimum,
+            "counting the outputs backward starts from as kept until backward ends; it fits if "
+            "the caller lets go of them once backward has started: pass keeps_outputs=False",
+        )
+
+    # NOTE [ Plans kept on disk ]
+    # With `plan_cache`, the plan of a capture is kept under the captured graph's fingerprint,
+    # the budget as the caller gave it (not the bytes it resolves to: resolving "50%act" takes
+    # the least peak, the costly half of planning) and the planner options; "fit" depends on
+    # the memory free at the time and is never read back. A plan read from the cache is the
+    # one the same capture would get (`hbp.planner.cache`, NOTE [ What the fingerprint reads ]).
+
+    def _plan_cache_key(self, pins: bool) -> tuple[str, dict] | None:
+        if self.plan_cache is None or self._budget.kind is BudgetKind.FIT:
+            return None
+        options = {
+            "block_size": self.block_size,
+            "planner": self.planner,
+            "pins": pins,
+            "keeps_outputs": self.keeps_outputs,
+        }
+        return f"HCModule:{self._budget.given!r}", options
+
+    def _cached_plan(self, captured: CapturedGraph, pins: bool) -> Plan | None:
+        key = self._plan_cache_key(pins)
+        if key is None:
+            return None
+        plan = self.plan_cache.get(captured.graph, key[0], key[1])
+        if plan is not None:
+            plan.meta["from_cache"] = True
+        return plan
+
+    def _cache_plan(self, captured: CapturedGraph, pins: bool, plan: Plan) -> None:
+        key = self._plan_cache_key(pins)
+        if key is not None:
+            self.plan_cache.put(captured.graph, key[0], plan, key[1])
+
+    def _target(self, captured: CapturedGraph, naive: int, device=None) -> int | str:
+        """The planner's target for this capture: "min", or bytes at most `naive` (a budget
+        at or above the plain step's peak is met by the plain step, not an error: the same
+        budget can be below the naive peak of another input signature)."""
+        return self._budget.resolve(naive, lambda: self._least_peak(captured, naive), device)
+
+    def _least_peak(self, captured: CapturedGraph, naive: int) -> int:
+        """The least peak a plan of this capture reaches ("min")."""
+        from hbp.planner import min_feasible_peak
+
+        if captured.granularity == MODULE:
+            return self._module_level_plan(captured, naive, "min").predicted_peak_bytes
+        nested = self.planner != "one_level"
+        return min_feasible_peak(captured.graph, block_size=self.block_size, nested=nested)[0]
+
+    def _module_level_plan(self, captured: CapturedGraph, naive: int, target: int | str) -> Plan:
+        """The executable module-level plan for `target` (NOTE [ Module-level plans ] in
+        hbp/planner/module_level.py)."""
+        return module_level_plan(
+            captured,
+            naive,
+            None if target == "min" else int(target),
+            executable=per_call_plan,
+            block_size=self.block_size,
+            planner=self.planner,
+        )
+
+    def _warn_about(self, captured: CapturedGraph, executor) -> None:
+        if captured.inlined_checkpoints:
+            self._warn_once(
+                "checkpoint",
+                f"{type(self.module).__name__} calls torch.utils.checkpoint "
+                f"({captured.inlined_checkpoints}x); HCModule traces through those calls and its "
+                "plan decides what is recomputed (a fractional budget is relative to the peak "
+                "without that checkpointing)",
+            )
+        hooked = [name for name, m in self.module.named_modules() if name and user_hooks(m)]
+        listed = f"{', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''}"
+        if hooked and captured.tracer == "export":
+            self._warn_once(
+                "hooks",
+                f"forward hooks on {listed} were traced into the captured graph: what they "
+                "compute is kept, their Python side effects (storing tensors, logging) do not "
+                "happen again on later steps",
+            )
+        elif hooked and any(s.recompute for s in executor.plan.segments):
+            self._warn_once(
+                "hooks",
+                f"forward hooks on {listed} run again when HCModule recomputes their modules "
+                "during backward",
+            )
+        root = self.module
+        if captured.granularity != MODULE and (root._forward_hooks or root._forward_pre_hooks):
+            self._warn_once(
+                "root-hooks",
+                f"forward hooks registered on the wrapped {type(root).__name__} itself do not "
+                "run: HCModule executes its captured graph; register them on the HCModule",
+            )
+        placeholders = {n.name for n in captured.graph.nodes if n.is_input}
+        for block in getattr(executor, "blocks", []):
+            if any(block.inputs[i].name in placeholders for i in block.cloned):
+                self._warn_once(
+                    "input-mutation",
+                    "the module mutates one of its inputs in place inside a recomputed segment; "
+                    "HCModule works on a copy there, so the caller's tensor is left unchanged",
+                )
+
+    def _replan(self, compiled, target_bytes: int | str) -> None:
+        from hbp.planner import plan as make_plan
+
+        captured = compiled.captured
+        if captured.granularity == MODULE:
+            plan = self._module_level_plan(captured, compiled.naive_peak_bytes, target_bytes)
+        else:
+            target = target_bytes if target_bytes == "min" else int(target_bytes)
+            plan = make_plan(
+                captured.graph,
+                target,
+                block_size=self.block_size,
+                planner=self.planner,
+                pins=compiled.pins,
+            )
+        compiled.plan = plan
+        compiled.executor = make_executor(captured, plan, compiled.root or self.module)
+        compiled.segments_compiled = None
+
+    def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=stacklevel)

@@ -1,0 +1,150 @@
+"""`hbp.enable(model, budget=...)` in place, and the transparent `HCModule`: the model keeps its
+class, forward signature, parameters, state_dict keys, hooks, save_pretrained/from_pretrained
+and generate; training steps are the plain model's (same loss and gradients) within the
+budget; `hbp.disable` restores it."""
+
+import copy
+import inspect
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hbp
+from hbp.allocator import allocator_peak
+from hbp.errors import CaptureWarning
+from tests.models.real import gpt2, llama
+
+
+def _same_grads(a: nn.Module, b: nn.Module, exact: bool = True) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        if exact:
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def _step(model, kwargs, seed=0):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = model(**kwargs).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_enable_in_place_keeps_the_model_and_its_step():
+    torch.manual_seed(0)
+    plain, _, kwargs = gpt2()
+    model = copy.deepcopy(plain)
+    signature, keys = inspect.signature(model.forward), list(model.state_dict())
+    n_modules = len(list(model.modules()))
+    assert hbp.enable(model, budget="min") is model
+    assert hbp.enable(model, budget="min") is model  # idempotent
+    assert type(model) is type(plain) and len(list(model.modules())) == n_modules
+    assert inspect.signature(model.forward) == signature
+    assert list(model.state_dict()) == keys
+    for step in range(2):
+        assert torch.equal(_step(plain, kwargs, step), _step(model, kwargs, step))
+        _same_grads(plain, model)
+    engine = hbp.engine_of(model)
+    assert engine.captured.granularity == "op" and engine.plan.predicted_recompute_flops > 0
+    measured = allocator_peak(lambda: _step(model, kwargs))[1]
+    assert measured <= 1.05 * engine.plan.budget_bytes, (measured, engine.plan.budget_bytes)
+
+
+def test_no_grad_calls_and_generate_run_the_plain_forward(count_captures):
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    captures = count_captures()
+    hbp.enable(model)
+    with torch.no_grad():
+        out = model.generate(kwargs["input_ids"][:, :4], max_new_tokens=3, do_sample=False)
+        model(**kwargs)
+    assert out.shape == (4, 7) and captures == []
+    _step(model, kwargs)
+    assert captures == [1]
+
+
+def test_disable_restores_the_forward_and_enable_replaces_the_budget():
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    forward = model.forward
+    hbp.enable(model, budget=0.9)
+    hbp.enable(model, budget="min")
+    assert hbp.engine_of(model).budget == "min"
+    assert hbp.disable(model) is model
+    assert "forward" not in model.__dict__ and hbp.engine_of(model) is None
+    assert model.forward == forward
+    hbp.disable(model)  # idempotent
+
+
+def test_enable_on_a_submodule_and_hooks_run_once():
+    """`hbp.enable(model.model)`: the decoder alone, under the model's own head and loss."""
+    torch.manual_seed(0)
+    plain, _, kwargs = llama()
+    model = copy.deepcopy(plain)
+    calls = []
+    model.model.register_forward_hook(lambda *args: calls.append(1))
+    hbp.enable(model.model, budget="min")
+    for step in range(2):
+        torch.testing.assert_close(_step(plain, kwargs, step), _step(model, kwargs, step))
+        _same_grads(plain, model, exact=False)
+    assert calls == [1, 1]
+    assert hbp.engine_of(model.model).captured.granularity == "op"
+
+
+def test_save_pretrained_from_pretrained_deepcopy_and_pickle(tmp_path):
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    hbp.enable(model, budget="min")
+    _step(model, kwargs)
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    twin = copy.deepcopy(model)
+    assert hbp.engine_of(twin).module is twin
+    again = pickle.loads(pickle.dumps(model))
+    assert hbp.engine_of(again).module is again
+    torch.testing.assert_close(_step(model, kwargs), _step(again, kwargs))
+
+
+def test_hcmodule_is_transparent(tmp_path):
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    hc = hbp.HCModule(model, budget="min")
+    assert inspect.signature(hc.forward) == inspect.signature(model.forward)
+    assert hc.config is model.config and hc.device == model.device and hc.dtype == model.dtype
+    assert set(hc.state_dict()) == set(model.state_dict())
+    hc.load_state_dict(model.state_dict())
+    hc.load_state_dict({f"module.{k}": v for k, v in model.state_dict().items()})
+    _step(hc, kwargs)
+    hc.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+    with torch.no_grad():
+        assert hc.generate(kwargs["input_ids"][:, :4], max_new_tokens=2).shape == (4, 6)
+    with pytest.raises(AttributeError):
+        hc.no_such_attribute  # noqa: B018
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        if h.sum() > 0:  # data-dependent control flow: no op-level capture
+            h = h * 2
+        return self.b(h)
+
+
+def test_the_tracer_after_the_module_level_fallback_has_a_name():
+    hc = hbp.HCModule(DataDependent(), budget="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        hc(torch.randn(4, 8)).sum().backward()
+    assert hc.captured.granularity == "module" and hc.captured.tracer == "module"

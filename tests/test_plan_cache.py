@@ -1,0 +1,54 @@
+"""HCModule keeps plans on disk (`plan_cache=`) and writes one plan (`save_plan`): a second
+module of the same structure reads its plan back instead of planning, with the same plan, the
+same gradients and the budget held."""
+
+import torch
+from torch import nn
+
+import hbp
+from hbp.planner.cache import load_plan
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(6)]
+    )
+
+
+def test_plan_cache_reads_the_plan_back_for_the_same_structure(tmp_path):
+    x = torch.randn(1024, 64)
+    first = hbp.HCModule(_model(), budget="50%act", plan_cache=tmp_path)
+    first(x).square().mean().backward()
+    assert not first.plan.meta.get("from_cache")
+    assert list(tmp_path.iterdir()), "the plan was not written"
+
+    plain = _model(seed=1)
+    second = hbp.HCModule(_model(seed=1), budget="50%act", plan_cache=tmp_path)
+    second(x).square().mean().backward()
+    assert second.plan.meta.get("from_cache") is True
+    assert second.plan.segments == first.plan.segments
+    assert any(s.recompute for s in second.plan.segments)
+    plain(x).square().mean().backward()
+    for p, q in zip(second.module.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    peak = hbp.measure_step(lambda: second(x).square().mean().backward(), params=second.module)
+    assert peak.peak_bytes <= 1.05 * second.plan.budget_bytes
+
+    other_budget = hbp.HCModule(_model(), budget="min", plan_cache=tmp_path)
+    other_budget(x).square().mean().backward()
+    assert not other_budget.plan.meta.get("from_cache")  # another budget: planned
+
+
+def test_save_plan_writes_a_plan_that_loads_for_its_graph(tmp_path):
+    hc = hbp.HCModule(_model(), budget="50%act")
+    try:
+        hc.save_plan(tmp_path / "none.json")
+    except RuntimeError as err:
+        assert "nothing is planned yet" in str(err)
+    else:
+        raise AssertionError("save_plan before a step must raise")
+    hc(torch.randn(1024, 64)).square().mean().backward()
+    hc.save_plan(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json", hc.captured.graph)
+    assert loaded.segments == hc.plan.segments
