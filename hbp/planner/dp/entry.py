@@ -110,6 +110,12 @@ def _solve(
     `nested_pins`: whether children of nested levels pin too, None: the solver's default;
     `tables_only`: None where the tables find no plan, instead of the least-peak plan or a
     BudgetError, for a caller that only reads the tables' value)."""
+    known = None if info.rng_state_bytes else _known_least_peak(info, cuts, nested)
+    if known is not None and known > budget_bytes:
+        # NOTE [ Known least peaks skip the tables ]
+        if tables_only:
+            return None
+        raise BudgetError(budget_bytes, known, _plans_over(info, cuts, nested))
     model = CostModel(info, cuts)
     with planning(len(cuts)):
         slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
@@ -527,6 +533,23 @@ def _least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
             known[key] = _least_peak(info, model, nested)
     peak, segments = known[key]
     return peak, copy.deepcopy(segments)
+
+
+def _known_least_peak(info: GraphInfo, cuts: list[int], nested: bool) -> int | None:
+    """The least peak over `cuts` where `_least_peak_cached` already has it, else None."""
+    known = _LEAST_PEAKS.get(id(info))
+    found = None if known is None else known.get((tuple(cuts), nested))
+    return None if found is None else found[0]
+
+
+# NOTE [ Known least peaks skip the tables ]
+# The recompute tables find a plan only where some plan over the same cuts has a modelled
+# peak within the budget (their slots round bytes up; a pin only adds charges: NOTE [ Pin
+# candidates ] in hbp.planner.dp.cost_model), and the least-peak DP's value is the least such
+# peak over those cuts. Where it is already known (remembered: "min" computes it before
+# planning at it) and above the budget, the tables would end in INF and `_solve` raise this
+# same BudgetError after them, so it is raised at once. Graphs with generator states are
+# excluded (their least peak is a simulated one).
 
 
 # NOTE [ Least peaks are remembered ]
