@@ -31,7 +31,9 @@ any overshoot before it is handed out.
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -147,7 +149,21 @@ def _stage_tables(
 # allocation across stages (`_allocate`) and the plans rebuilt from the tables depend on it.
 # `optimal_plan` asks for staged plans several times per call (a tightened budget after an
 # overshoot, the bisection of a BudgetError's staged minimum), so the tables are kept on the
-# GraphInfo (`_stage_tables`, per setting) and live as long as it does.
+# GraphInfo (`_stage_tables`, per setting) for the rest of the `optimal_plan` call, which drops
+# them when it returns (`stage_tables_kept`): the solvers refer back to the GraphInfo, so left
+# on it they would make a cycle for the collector to find (NOTE [ Profiles do not own their
+# cost model ]).
+
+
+@contextlib.contextmanager
+def stage_tables_kept(info: GraphInfo) -> Iterator[None]:
+    """Inside, staged plans of `info` share their tables; on exit they are dropped (NOTE
+    [ Stage tables do not depend on the budget ])."""
+    try:
+        yield
+    finally:
+        info.__dict__.pop("_stage_tables", None)
+
 
 # NOTE [ Identical stages are solved once ]
 # Real models are stacks of identical layers, so most stages of a deep graph are copies of

@@ -31,7 +31,7 @@ from hbp.planner.dp.peak import PeakSolver
 from hbp.planner.dp.recursion import planning, simplify
 from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.plan import Plan, Segment, any_pinned
-from hbp.planner.stages import staged_plan
+from hbp.planner.stages import stage_tables_kept, staged_plan
 from hbp.planner.tree import name_segments
 
 __all__ = [
@@ -187,80 +187,81 @@ def optimal_plan(
     """
     t0 = time.perf_counter()
     info = info or GraphInfo.of(graph)
-    budget_bytes = int(budget_bytes)
-    staged = STAGED if staged is None else staged
-    if staged not in ("auto", "always", "never"):
-        raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
-    naive = naive or simulate(graph, info=info)  # plain autograd's step (callers may have it)
-    cuts = candidate_cuts(info, block_size, max_cuts)
-    stages = block_size == 1 and staged != "never"
-    stages = stages and (staged == "always" or _staged_pays(info, cuts))
-    meta = {"planner": "optimal", "nested": nested, "block_size": block_size}
-    if budget_bytes >= naive.peak_bytes:  # plain autograd fits: nothing to recompute
-        meta.update(candidate_cuts=len(cuts) - 2, mem_slots=0, slot_bytes=0.0)
-        meta["solved_by"] = "naive fits"
-        plan = finish_plan(
-            graph, [Segment(0, info.n)], budget_bytes, info=info, naive=naive, meta=meta
-        )
+    with stage_tables_kept(info):  # NOTE [ Stage tables do not depend on the budget ]
+        budget_bytes = int(budget_bytes)
+        staged = STAGED if staged is None else staged
+        if staged not in ("auto", "always", "never"):
+            raise ConfigError("staged", staged, "'auto', 'always' or 'never'")
+        naive = naive or simulate(graph, info=info)  # plain autograd's step (callers may have it)
+        cuts = candidate_cuts(info, block_size, max_cuts)
+        stages = block_size == 1 and staged != "never"
+        stages = stages and (staged == "always" or _staged_pays(info, cuts))
+        meta = {"planner": "optimal", "nested": nested, "block_size": block_size}
+        if budget_bytes >= naive.peak_bytes:  # plain autograd fits: nothing to recompute
+            meta.update(candidate_cuts=len(cuts) - 2, mem_slots=0, slot_bytes=0.0)
+            meta["solved_by"] = "naive fits"
+            plan = finish_plan(
+                graph, [Segment(0, info.n)], budget_bytes, info=info, naive=naive, meta=meta
+            )
+            plan.meta["solve_time_s"] = time.perf_counter() - t0
+            return plan
+
+        def whole_graph(cuts: list[int]) -> tuple[Plan, str]:
+            return _whole_graph_plan(
+                graph,
+                info,
+                cuts,
+                budget_bytes,
+                naive,
+                meta,
+                mem_slots,
+                nested,
+                max_cuts,
+                block_size,
+                pins,
+            )
+
+        if not info.rng_state_bytes and budget_bytes < lower_bound(info):
+            # NOTE [ Budgets below the lower bound ]: no table can fit it
+            minimum, _ = _least_peak_cached(info, cuts, nested)
+            err = BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
+            return _below_whole_graph(
+                graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
+                nested, below_bound=True,
+            )  # fmt: skip
+        candidate = None
+        if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
+            # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
+            # value over fewer cuts (its plan is not needed: not simulated)
+            fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
+            # None: below what the fewer cuts reach, or where only their least-peak plan fits
+            solved = _solve(info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True)
+            if solved is not None:
+                candidate = _staged_candidate(graph, info, budget_bytes, pins)
+                if candidate is not None and candidate[1].recompute_flops < solved.recompute * (
+                    1 - 1e-9
+                ):
+                    meta.update(
+                        candidate_cuts=len(fewer) - 2,
+                        mem_slots=solved.slots,
+                        slot_bytes=solved.slot_bytes,
+                        whole_graph_recompute=solved.recompute,
+                    )
+                    return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
+        try:
+            plan, how = whole_graph(cuts)
+        except BudgetError as err:
+            return _below_whole_graph(
+                graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
+                nested,
+            )  # fmt: skip
+        if how == "dp" and stages:
+            candidate = candidate or _staged_candidate(graph, info, budget_bytes, pins)
+            if _takes(candidate, plan, staged == "always"):
+                meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
+                return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
         plan.meta["solve_time_s"] = time.perf_counter() - t0
         return plan
-
-    def whole_graph(cuts: list[int]) -> tuple[Plan, str]:
-        return _whole_graph_plan(
-            graph,
-            info,
-            cuts,
-            budget_bytes,
-            naive,
-            meta,
-            mem_slots,
-            nested,
-            max_cuts,
-            block_size,
-            pins,
-        )
-
-    if not info.rng_state_bytes and budget_bytes < lower_bound(info):
-        # NOTE [ Budgets below the lower bound ]: no table can fit it
-        minimum, _ = _least_peak_cached(info, cuts, nested)
-        err = BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
-        return _below_whole_graph(
-            graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
-            nested, below_bound=True,
-        )  # fmt: skip
-    candidate = None
-    if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
-        # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
-        # value over fewer cuts (its plan is not needed: not simulated)
-        fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
-        # None: below what the fewer cuts reach, or where only their least-peak plan fits
-        solved = _solve(info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True)
-        if solved is not None:
-            candidate = _staged_candidate(graph, info, budget_bytes, pins)
-            if candidate is not None and candidate[1].recompute_flops < solved.recompute * (
-                1 - 1e-9
-            ):
-                meta.update(
-                    candidate_cuts=len(fewer) - 2,
-                    mem_slots=solved.slots,
-                    slot_bytes=solved.slot_bytes,
-                    whole_graph_recompute=solved.recompute,
-                )
-                return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
-    try:
-        plan, how = whole_graph(cuts)
-    except BudgetError as err:
-        return _below_whole_graph(
-            graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
-            nested,
-        )  # fmt: skip
-    if how == "dp" and stages:
-        candidate = candidate or _staged_candidate(graph, info, budget_bytes, pins)
-        if _takes(candidate, plan, staged == "always"):
-            meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
-            return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
-    plan.meta["solve_time_s"] = time.perf_counter() - t0
-    return plan
 
 
 # NOTE [ Budgets below the lower bound ]
