@@ -24,6 +24,11 @@ class Case:
     exact: bool = True  # bitwise equal outputs and gradients
     autocast: bool = False  # run under torch.autocast("cpu", dtype=torch.bfloat16)
     block_size: int = 1  # HCModule's block_size (coarser on ~100-node graphs: planning time)
+    # The model computes its own loss (labels given) and is trained as users train it, the
+    # outputs let go before backward; otherwise the loss is the sum of the outputs, which
+    # frees them once computed, and the step holds them through backward as a loss that saves
+    # its input does (the outputs backward starts from, which the first plan counts as held).
+    own_loss: bool = False
 
     def autocast_context(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast)
