@@ -17,18 +17,16 @@ backward then measures 45% above the plain step)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.step import StepResult, train_step
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 import hbp
 from hbp.errors import BudgetError, CaptureWarning, ConfigError
-from hbp.runtime.flops import TotalFlopCounterMode
 from hbp.runtime.tracker import MemoryTracker
 
 # ---------------------------------------------------------------------------------------
@@ -284,43 +282,18 @@ class BatchNormMLP(nn.Module):
 # ---------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Step:
-    outputs: list[torch.Tensor]
-    grads: dict[str, torch.Tensor | None]
-    buffers: dict[str, torch.Tensor]
-    peak_bytes: int
+def run_step(
+    module, model, args, kwargs=None, *, loss_fn=None, seed=0, keep_outputs=False
+) -> StepResult:
+    """One training step of `module` (`model` or its HCModule), the way users train: loss =
+    `loss_fn(out)` or the sum of every output that requires grad, the outputs let go before
+    backward unless `keep_outputs` (tests/helpers/step.py)."""
+    return train_step(
+        module, model, None, args, kwargs or {}, seed, loss_fn, keep_outputs=keep_outputs
+    )
 
 
-def tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def run_step(module, model, args, kwargs=None, *, loss_fn=None, seed=0) -> Step:
-    """One training step of `module` (`model` or its HCModule): loss = `loss_fn(out)` or the
-    sum of every output that requires grad. Peak measured as `hbp.measure_step` does."""
-    kwargs = kwargs or {}
-    for p in model.parameters():
-        p.grad = None
-    inputs = [t for t in tensors((args, kwargs)) if t.requires_grad]
-    for t in inputs:
-        t.grad = None
-    torch.manual_seed(seed)
-    with TotalFlopCounterMode(), MemoryTracker(record_timeline=False) as tracker:
-        out = module(*args, **kwargs)
-        if loss_fn is not None:
-            loss = loss_fn(out)
-        else:
-            loss = sum(t.float().sum() for t in tensors(out) if t.requires_grad)
-        loss.backward()
-        del loss
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    grads.update({f"input{i}": t.grad for i, t in enumerate(inputs)})
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    return Step([t.detach() for t in tensors(out)], grads, buffers, tracker.peak_bytes)
-
-
-def assert_same(expected: Step, got: Step, exact: bool = False) -> None:
+def assert_same(expected: StepResult, got: StepResult, exact: bool = False) -> None:
     assert len(expected.outputs) == len(got.outputs)
     for i, (a, b) in enumerate(zip(expected.outputs, got.outputs)):
         assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6), i
@@ -351,7 +324,9 @@ def compare(make_model, args, kwargs=None, *, budget, loss_fn=None, exact=False,
     return hc, expected, got
 
 
-def assert_within_budget(hc, got: Step, plain: Step, *, recomputes: bool = True) -> None:
+def assert_within_budget(
+    hc, got: StepResult, plain: StepResult, *, recomputes: bool = True
+) -> None:
     plan = hc.plan
     assert got.peak_bytes <= 1.05 * plan.budget_bytes, (got.peak_bytes, plan.budget_bytes)
     if recomputes:
@@ -675,20 +650,23 @@ def test_a_byte_budget_above_the_naive_peak_just_runs_plainly():
 @pytest.mark.parametrize(
     "budget, words",
     [
-        (-1, "must be > 0"),
-        (0, "must be > 0"),
-        (0.0, "budget=0.0"),
-        (2.0, "a float is a fraction, at most 1"),
-        ("abc", "budget='abc'"),
-        ("-3MiB", "budget='-3MiB'"),
-        (None, "budget=None"),
-        (True, "budget=True"),
+        (-1, "budget=-1 is not accepted"),
+        (0, "budget=0 is not accepted"),
+        (0.0, "budget=0.0 is not accepted"),
+        (2.0, "budget=2.0 is not accepted: expected a fraction in (0, 1]"),
+        ("abc", "budget='abc' is not accepted"),
+        ("-3MiB", "budget='-3MiB' is not accepted"),
+        (None, "budget=None is not accepted"),
+        (True, "budget=True is not accepted"),
     ],
 )
 def test_bad_budgets_fail_at_construction_with_the_accepted_values(budget, words):
-    with pytest.raises(ConfigError, match="fraction of the naive step peak") as info:
+    """One line naming the value and every accepted form."""
+    accepted = r"a fraction in \(0, 1\], 'N%act', bytes \(an int or '64MiB'\), 'min' or 'fit'"
+    with pytest.raises(ConfigError, match=accepted) as info:
         hbp.HCModule(Mixer(), budget=budget)
     assert words in str(info.value)
+    assert "\n" not in str(info.value) and len(str(info.value)) <= 160
 
 
 def test_budget_one_as_an_int_says_it_means_one_byte_and_bad_options_fail_early():

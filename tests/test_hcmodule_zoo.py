@@ -425,8 +425,14 @@ CASES = [
     Case("vit", TinyViT, lambda: ((torch.randn(8, 3, 32, 32),), {}), block_size=2),
     Case("mobilenetv2", TinyMobileNetV2, lambda: ((torch.randn(8, 3, 32, 32),), {}), block_size=2),
     Case("lstm_gru", RNNTagger, lambda: ((tokens(8, 24, 100),), {})),
-    Case("hf_modeloutput", HFStyleLM, hf_inputs, block_size=4),
-    Case("hf_dataclass", lambda: HFStyleLM(dataclass_output=True), hf_inputs, block_size=4),
+    Case("hf_modeloutput", HFStyleLM, hf_inputs, block_size=4, own_loss=True),
+    Case(
+        "hf_dataclass",
+        lambda: HFStyleLM(dataclass_output=True),
+        hf_inputs,
+        block_size=4,
+        own_loss=True,
+    ),
     Case(
         "causal_buffer",
         MaskedGPT,
@@ -476,9 +482,10 @@ def compare_with_plain(case: Case, budget) -> dict:
     reference = copy.deepcopy(model)
     args, kwargs = case.make_inputs()
     ref_args, ref_kwargs = copy.deepcopy((args, kwargs))
-    expected = train_step(reference, reference, case, ref_args, ref_kwargs)
+    keep = not case.own_loss
+    expected = train_step(reference, reference, case, ref_args, ref_kwargs, keep_outputs=keep)
     hc = hbp.HCModule(model, budget=budget, block_size=case.block_size)
-    got = train_step(hc, model, case, args, kwargs)
+    got = train_step(hc, model, case, args, kwargs, keep_outputs=keep)
     assert_same_step(expected, got, case.exact)
     plan = hc.plan
     return dict(
@@ -725,10 +732,11 @@ def test_a_model_that_checkpoints_itself_is_planned_as_a_whole():
     model = case.make_model()
     reference = copy.deepcopy(model)
     (x,), _ = case.make_inputs()
-    expected = train_step(reference, reference, case, (x.detach().requires_grad_(),), {})
+    inputs = (x.detach().requires_grad_(),)
+    expected = train_step(reference, reference, case, inputs, {}, keep_outputs=True)
     hc = hbp.HCModule(model, budget=expected.peak_bytes)
     with pytest.warns(UserWarning, match=r"calls torch.utils.checkpoint \(4x\); HCModule traces"):
-        got = train_step(hc, model, case, (x,), {})
+        got = train_step(hc, model, case, (x,), {}, keep_outputs=True)
     assert_same_step(expected, got)
     assert got.peak_bytes <= expected.peak_bytes
     assert got.flops <= expected.flops

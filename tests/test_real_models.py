@@ -1,5 +1,7 @@
 """HCModule on real architectures (tests/models/real.py): transformers GPT-2, Llama, BERT, T5
-and ViT, diffusers' conditional UNet, and the timm / torchvision patterns that used to crash.
+and ViT, diffusers' conditional UNet, and the timm / torchvision patterns that used to crash,
+trained the way their users train them: the step backpropagates the model's own loss and lets go of the outputs before backward
+(tests/helpers/step.py), with HCModule's defaults (no `keeps_outputs`).
 
 - Captured at operator level (decorated forwards, `**kwargs`, `torch.is_tensor` checks,
   attention-mask construction and output dataclasses need the export trace), with outputs,
@@ -12,6 +14,8 @@ and ViT, diffusers' conditional UNet, and the timm / torchvision patterns that u
   minimum is lower.
 - The fallback cuts between the repeated blocks and calls forward with the caller's own
   arguments; its "min" and BudgetError.minimum are the plan that runs.
+- A caller that holds the outputs through backward is counted from the next step, with one
+  warning.
 """
 
 from __future__ import annotations
@@ -160,6 +164,31 @@ def test_backward_starts_at_the_models_own_loss_and_the_prediction_holds(name):
     assert graph.grad_outputs is not None and len(graph.grad_outputs) == 1
     assert graph.node(graph.grad_outputs[0]).output_bytes <= 16  # the scalar loss
     assert got.peak_bytes == pytest.approx(hc.plan.predicted_peak_bytes, rel=0.03)
+
+
+def test_a_caller_that_holds_the_outputs_is_counted_from_the_next_step():
+    """The step that keeps the outputs until backward ends (a caller that logs its logits):
+    the first plan counted them as let go, as `model(**batch).loss.backward()` does, and the
+    measured peak is above its prediction; the next call warns once and re-plans, and from
+    then on the prediction is the measured peak (NOTE [ Outputs the caller lets go ])."""
+    model, args, kwargs = _build("gpt2")
+    case = REAL_CASE["gpt2"]
+    hc = hbp.HCModule(model, budget=1.0)
+
+    def step():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = train_step(hc, model, None, args, kwargs, loss_fn=case.loss, keep_outputs=True)
+        return got, [str(w.message) for w in caught if "alive until backward" in str(w.message)]
+
+    first, warned = step()
+    assert not warned and first.peak_bytes > hc.plan.predicted_peak_bytes
+    second, warned = step()
+    assert len(warned) == 1 and "the caller keeps" in warned[0]
+    assert second.peak_bytes == pytest.approx(hc.plan.predicted_peak_bytes, rel=0.03)
+    third, warned = step()
+    assert not warned
+    assert third.peak_bytes == pytest.approx(hc.plan.predicted_peak_bytes, rel=0.03)
 
 
 def _library_plan(graph) -> list[Segment]:

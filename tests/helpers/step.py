@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +24,11 @@ class Case:
     exact: bool = True  # bitwise equal outputs and gradients
     autocast: bool = False  # run under torch.autocast("cpu", dtype=torch.bfloat16)
     block_size: int = 1  # HCModule's block_size (coarser on ~100-node graphs: planning time)
+    # The model computes its own loss (labels given) and is trained as users train it, the
+    # outputs let go before backward; otherwise the loss is the sum of the outputs, which
+    # frees them once computed, and the step holds them through backward as a loss that saves
+    # its input does (the outputs backward starts from, which the first plan counts as held).
+    own_loss: bool = False
 
     def autocast_context(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast)
@@ -51,10 +57,30 @@ class StepResult:
     flops: int
 
 
-def train_step(module, model, case, args, kwargs, seed=0, loss_fn=None) -> StepResult:
+def _off_the_books(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype]:
+    """A copy of `t` in numpy memory, which the tracker and torch's allocator do not see
+    (16-bit floats travel as int16: numpy has no bfloat16)."""
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy().copy(), t.dtype
+
+
+def _back_on_the_books(copy: tuple[np.ndarray, torch.dtype], dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(copy[0]).view(dtype)
+
+
+def train_step(
+    module, model, case, args, kwargs, seed=0, loss_fn=None, keep_outputs=False
+) -> StepResult:
     """One training step of `module` (`model` or its wrapper) under the memory tracker and
     the FLOP counter: loss = `loss_fn(output)`, or the sum of every output that requires
-    grad. `case` (or None) says whether the step runs under autocast."""
+    grad. `case` (or None) says whether the step runs under autocast.
+
+    By default the step trains as users do (`model(**batch).loss.backward()`, Trainer): it
+    holds only the loss through backward; the outputs are copied outside the measured memory
+    for the comparison and let go before backward. `keep_outputs=True` holds them until
+    backward ends (a caller that logs or reuses its logits)."""
     for p in model.parameters():
         p.grad = None
     for t in leaves((args, kwargs)):
@@ -67,13 +93,20 @@ def train_step(module, model, case, args, kwargs, seed=0, loss_fn=None) -> StepR
             loss = loss_fn(out)
         else:
             loss = sum(t.float().sum() for t in leaves(out) if t.requires_grad)
+        if keep_outputs:
+            outputs = [t.detach() for t in leaves(out)]
+        else:
+            copies = [(_off_the_books(t), t.dtype) for t in leaves(out)]
+            del out
         loss.backward()
         del loss
+    if not keep_outputs:
+        outputs = [_back_on_the_books(c, dtype) for c, dtype in copies]
     grads = {n: p.grad for n, p in model.named_parameters()}
     inputs = [t for t in leaves((args, kwargs)) if t.requires_grad]
     grads.update({f"input{i}": t.grad for i, t in enumerate(inputs)})
     return StepResult(
-        [t.detach() for t in leaves(out)],
+        outputs,
         grads,
         {n: b.clone() for n, b in model.named_buffers()},
         tracker.peak_bytes,
