@@ -122,14 +122,14 @@ class ClosedLoop:
         calibrate = self.calibrate is not False  # on by default, on CPU as on CUDA
         if device.type == "cpu" and in_compiled_region and calibrate:
             # NOTE [ No CPU measurement inside torch.compile(hc) ]
-            if self.calibrate:
-                self._warn_once(
-                    "compiled-region-cpu",
-                    "HCModule: a torch.compile(hc) step on CPU cannot be measured by the "
-                    "allocator (a profiler started inside the compiled caller's region corrupts "
-                    "its results), so the closed loop is off there; HCModule(model, budget, "
-                    "compile=True) compiles the same segments and keeps the loop.",
-                )
+            # the loop is on unless calibrate=False: say once why it is off here
+            self._warn_once(
+                "compiled-region-cpu",
+                "HCModule: a torch.compile(hc) step on CPU cannot be measured by the "
+                "allocator (a profiler started inside the compiled caller's region corrupts "
+                "its results), so the closed loop is off there; HCModule(model, budget, "
+                "compile=True) compiles the same segments and keeps the loop.",
+            )
             calibrate = False
         if compiled.settled or not (device.type == "cuda" or calibrate):
             return executor(*args, **kwargs)
