@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from hbp.allocator import without_kineto_lines, allocator_peak, quiet_profile
+from hbp.allocator import allocator_peak, quiet_profile, without_kineto_lines
 
 KINETO = (
     b"USDT:2026-01-01 10:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"

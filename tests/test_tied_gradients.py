@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import hbp
+from hbp.allocator import allocator_peak
 from hbp.analysis import simulate
 from hbp.graph.torch.capture import OP, capture
-from hbp.allocator import allocator_peak
 from tests.models.capture import TiedLM, moonshine
 
 
