@@ -9,21 +9,16 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from tests.models.real import quiet_transformers
+
 VOCAB = 128
 IMAGE_TOKEN = VOCAB - 1
-
-
-def _transformers():
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    return transformers
 
 
 def llava() -> tuple[nn.Module, dict]:
     """A LlavaForConditionalGeneration never called before (its sub-models install their
     output-capturing hooks on their first call), and its training inputs."""
-    t = _transformers()
+    t = quiet_transformers()
     vision = t.CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -86,7 +81,7 @@ class SetsUpThenBranches(nn.Module):
 def moonshine() -> tuple[nn.Module, dict]:
     """MoonshineForConditionalGeneration with its output head tied to the decoder's
     embedding (two gradient contributions into one parameter)."""
-    t = _transformers()
+    t = quiet_transformers()
     config = t.MoonshineConfig(
         vocab_size=8192,
         hidden_size=64,
@@ -155,7 +150,7 @@ def wav2vec2_bert_ctc() -> tuple[nn.Module, dict]:
     `masked_select` of the labels and CTC's loss depend on the labels' values. SpecAugment
     (numpy random masks) and LayerDrop (a random branch per layer) are off: a graph cannot
     repeat a forward's own random Python."""
-    t = _transformers()
+    t = quiet_transformers()
     config = t.Wav2Vec2BertConfig(
         hidden_size=64,
         num_hidden_layers=4,

@@ -30,7 +30,7 @@ class RealCase:
     own_checkpointing: str = ""  # how the library switches its own checkpointing on
 
 
-def _quiet_transformers():
+def quiet_transformers():
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -42,14 +42,14 @@ def _tokens(batch: int = 4, length: int = 64) -> torch.Tensor:
 
 
 def gpt2():
-    t = _quiet_transformers()
+    t = quiet_transformers()
     config = t.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128)
     ids = _tokens()
     return t.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
 
 
 def llama():
-    t = _quiet_transformers()
+    t = quiet_transformers()
     config = t.LlamaConfig(
         num_hidden_layers=2,
         hidden_size=64,
@@ -65,7 +65,7 @@ def llama():
 
 
 def bert():
-    t = _quiet_transformers()
+    t = quiet_transformers()
     config = t.BertConfig(
         num_hidden_layers=2,
         hidden_size=64,
@@ -80,7 +80,7 @@ def bert():
 
 
 def t5():
-    t = _quiet_transformers()
+    t = quiet_transformers()
     config = t.T5Config(
         num_layers=2,
         num_decoder_layers=2,
@@ -96,7 +96,7 @@ def t5():
 
 
 def vit():
-    t = _quiet_transformers()
+    t = quiet_transformers()
     config = t.ViTConfig(
         num_hidden_layers=2,
         hidden_size=64,
