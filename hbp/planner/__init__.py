@@ -32,6 +32,7 @@ __all__ = [
     "Segment",
     "candidate_cuts",
     "graph_fingerprint",
+    "least_peak",
     "load_plan",
     "min_feasible_peak",
     "optimal_plan",
@@ -123,6 +124,12 @@ def plan(
     if schedules:
         return schedule_plan(graph, budget_bytes, best, info=info, naive=naive) or best
     return best
+
+
+def least_peak(graph: Graph, *, block_size: int = 1, planner: str = "optimal") -> int:
+    """The least peak, in bytes, a plan of `graph` by `planner` reaches: what `plan(graph,
+    "min", ...)` plans for and a BudgetError's `.minimum`."""
+    return min_feasible_peak(graph, block_size=block_size, nested=planner != "one_level")[0]
 
 
 def _cached_plan(graph: Graph, budget, cache, options: dict) -> Plan:

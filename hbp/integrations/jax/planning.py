@@ -46,14 +46,10 @@ def resolve_budget(graph, budget: Budget, *, block_size: int = 1, planner: str =
     """The planner's target for `budget` on `graph`: "min", or bytes (`Budget.resolve`; "fit"
     reads the machine's available memory: XLA:CPU's arrays are host memory)."""
     from hbp.analysis.simulate import simulate
-    from hbp.planner import min_feasible_peak
+    from hbp.planner import least_peak
 
     naive = simulate(graph).peak_bytes
-
-    def least_peak() -> int:
-        return min_feasible_peak(graph, block_size=block_size, nested=planner != "one_level")[0]
-
-    return budget.resolve(naive, least_peak)
+    return budget.resolve(naive, lambda: least_peak(graph, block_size=block_size, planner=planner))
 
 
 def check_options(budget, block_size, strategy, plan) -> None:

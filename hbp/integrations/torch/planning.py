@@ -303,12 +303,11 @@ class Planning:
 
     def _least_peak(self, captured: CapturedGraph, naive: int) -> int:
         """The least peak a plan of this capture reaches ("min")."""
-        from hbp.planner import min_feasible_peak
+        from hbp.planner import least_peak
 
         if captured.granularity == MODULE:
             return self._module_level_plan(captured, naive, "min").predicted_peak_bytes
-        nested = self.planner != "one_level"
-        return min_feasible_peak(captured.graph, block_size=self.block_size, nested=nested)[0]
+        return least_peak(captured.graph, block_size=self.block_size, planner=self.planner)
 
     def _module_level_plan(self, captured: CapturedGraph, naive: int, target: int | str) -> Plan:
         """The executable module-level plan for `target` (NOTE [ Module-level plans ] in
