@@ -322,7 +322,7 @@ class StepInterpreter:
                 for j in range(top, seg.start - 1, -1):
                     self._backward_node(j)
                 continue
-            # NOTE [ Recompute at the first unpack ]
+            # the pass runs at its trigger's backward (NOTE [ Recompute at the first unpack ])
             trigger = self._trigger(seg)
             for j in range(top, trigger, -1):  # the tail: save-free nodes, before the pass
                 self._backward_node(j)
