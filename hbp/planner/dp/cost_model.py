@@ -40,7 +40,6 @@ import numpy as np
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.positional import positional_bytes
 from hbp.planner.dp.modes import INF, PLAIN, REC, ChildMode
-from hbp.planner.dp.profile import ChildProfile
 
 __all__ = ["EVERY_PIN_MAX_CUTS", "EVERY_PIN_MAX_NODES", "CostModel", "Interval"]
 
@@ -171,7 +170,7 @@ class CostModel:
         self._intervals: dict = {}
         self._meets: dict = {}
         self._interned: dict = {}
-        self._profiles: dict = {}
+        self.profiles: dict = {}  # (e, H, mode, top) -> ChildProfile: `ChildProfile.of`'s memo
         self._first_reader: dict = {}
         self._save_free_mask: dict = {}
         first = np.full(n + 1, n, dtype=np.int64)
@@ -443,14 +442,6 @@ class CostModel:
             out.append(np.maximum.accumulate(np.where(v >= best, idx, e)) if len(v) else idx)
         self._pin_candidates[e] = r = (out[0], out[1])
         return r
-
-    def profile(self, e: int, H: frozenset[int], mode: ChildMode, top: bool) -> ChildProfile:
-        """The needs of a child starting at e with held set H (memoised)."""
-        key = (e, H, mode, top)
-        p = self._profiles.get(key)
-        if p is None:
-            p = self._profiles[key] = ChildProfile(self, e, H, mode, top)
-        return p
 
 
 def _prefix(pos: np.ndarray, size: np.ndarray, n: int) -> np.ndarray:

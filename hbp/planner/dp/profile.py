@@ -6,14 +6,12 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import INF, PLAIN, REC, ChildMode
-
-if TYPE_CHECKING:
-    from hbp.planner.dp.cost_model import CostModel
 
 __all__ = ["ChildArrays", "ChildProfile"]
 
@@ -52,6 +50,17 @@ class ChildProfile:
     Arrays are indexed by position t in [e, n) (offset e); `at(d)` specialises them to a
     level ending at d and samples them at the candidate cuts f in (e, d].
     """
+
+    @classmethod
+    def of(
+        cls, m: CostModel, e: int, H: frozenset[int], mode: ChildMode, top: bool
+    ) -> ChildProfile:
+        """The needs of a child starting at e with held set H, memoised in `m.profiles`."""
+        key = (e, H, mode, top)
+        p = m.profiles.get(key)
+        if p is None:
+            p = m.profiles[key] = cls(m, e, H, mode, top)
+        return p
 
     def __init__(self, m: CostModel, e: int, H: frozenset[int], mode: ChildMode, top: bool):
         # NOTE [ Profiles do not own their cost model ]: the cost model caches its profiles;
