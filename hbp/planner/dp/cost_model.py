@@ -188,7 +188,7 @@ class CostModel:
         # the pass then skips q's FLOPs. At the top level the pin is stored in the forward;
         # in a nested level only where the level's pass runs the child whole (extent FULL),
         # and only on cost models of at most `NESTED_PINS_MAX_CUTS` cuts (their rows cost
-        # planning time in proportion: +50% at 64 cuts). The DP offers two candidates per
+        # planning time in proportion: docs/planner.md "Pinned values"). The DP offers two candidates per
         # (e, f) rather than every node (which would multiply the rows by the interval's
         # length): the node with the most FLOPs in [e, t) and the one with the most FLOPs per
         # byte, from a running argmax per e (`pin_candidates`). On small cost models (at most

@@ -65,8 +65,8 @@ class ChildProfile:
     def __init__(self, m: CostModel, e: int, H: frozenset[int], mode: ChildMode, top: bool):
         # NOTE [ Profiles do not own their cost model ]: the cost model caches its profiles;
         # a strong reference back would make every cost model, with the ~100k tuples, lists
-        # and arrays of its caches, cyclic garbage that only the collector frees (one
-        # collection of it took 10-20% of a plan call). A proxy lets reference counting
+        # and arrays of its caches, cyclic garbage that only the collector frees (a
+        # collection of it is a sizeable part of a plan call). A proxy lets reference counting
         # free it when the solver is done.
         self.model = weakref.proxy(m)
         self.e, self.H, self.mode, self.top = e, H, mode, top
