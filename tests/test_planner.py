@@ -260,7 +260,7 @@ def test_infeasible_budget_reports_minimum_in_mib():
 
 def test_least_peak_is_over_other_cut_choices():
     # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts: the cuts chosen for 6
-    # reach 95 bytes at least, those for 9 (1.5x) 65, those for 12 (2x) 55.
+    # reach 95 bytes at least, the union of those for 6, 9 (1.5x) and 12 (2x) 55.
     graph = synthetic.random_dag(40, seed=0)
     info = GraphInfo.of(graph)
     choices = cut_choices(info, 1, max_cuts=6)
@@ -275,7 +275,7 @@ def test_least_peak_is_over_other_cut_choices():
     assert p.predicted_peak_bytes <= 60
     validate_plan(graph, p)
     assert plan(graph, "min", max_cuts=6).predicted_peak_bytes == 55
-    with pytest.raises(BudgetError, match="least over 3 cut choices") as err:
+    with pytest.raises(BudgetError, match="least over the union of 3 cut choices") as err:
         optimal_plan(graph, 54, max_cuts=6)
     assert err.value.minimum == 55
 

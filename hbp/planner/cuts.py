@@ -106,11 +106,13 @@ def cut_choices(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> lis
 # `max_cuts` is), `max_cuts` still decides which cuts are kept, through the radius the
 # crossing counts are compared within (NOTE [ Crossing counts are local ]). The least peak
 # depends on that choice: MobileViT's 398 nodes reach 8.73 MiB over the cuts chosen for 64,
-# 7.11 over those for 96 or 128 (fourth new-user trial); a diffusers UNet's 590 nodes 10.48
-# and 9.92 MB. So the least peak ("min", a BudgetError's minimum) is taken over the sets
-# chosen for 1, 1.5 and 2 times `max_cuts` (identical sets once), and a budget below what
-# the first set reaches gets the least-peak plan of another set that fits it. Budgets the
-# first set reaches are planned over it alone: the recompute DP costs about three times the
+# 7.11 over those for 96 or 128; a diffusers UNet's 590 nodes 10.48 and 9.92 MB. So the
+# least peak ("min", a BudgetError's minimum) is taken over the union of the sets chosen for
+# 1, 1.5 and 2 times `max_cuts`, and a budget below what the first set reaches gets the
+# union's least-peak plan where it fits. One least-peak DP over the union (the sets share
+# most of their cuts: a few more cuts than the largest) costs less than one per set and
+# reaches at most the least of each (its plan space holds theirs). Budgets the first set
+# reaches are planned over it alone: the recompute DP costs about three times the
 # least-peak DP.
 
 

@@ -127,9 +127,10 @@ def least_staged_budget(
     levels: int = 4,
     reuse: bool = True,
     pins: bool | None = None,
-) -> int:
-    """The least budget at which `staged_plan` (same settings) finds a combination of stage
-    options by the cost model (NOTE [ The least staged budget ])."""
+) -> tuple[int, int]:
+    """(a budget below which, and one at which, `staged_plan` (same settings) surely finds
+    no / a combination of stage options by the cost model (NOTE [ The least staged
+    budget ]))."""
     settings = (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
     options = _tables(info, settings)[3]
     least = 0.0  # the least peak of the stages after, above what they are given
@@ -137,7 +138,7 @@ def least_staged_budget(
         least = min(max(o.need_bytes, o.kept_bytes + least) for o in opts)
     # each stage's need and kept are rounded up to a slot of the budget in `_allocate`
     rounding = (len(options) + 1) / global_slots
-    return int(math.ceil(least * (1 + rounding))) + 1
+    return int(least), int(math.ceil(least * (1 + rounding))) + 1
 
 
 # NOTE [ The least staged budget ]
@@ -146,8 +147,9 @@ def least_staged_budget(
 # L(after the last) = 0 (an option's need counts from what the stages before keep). It takes
 # the tables, which every staged plan of the graph needs anyway, and no solve. `_allocate`
 # rounds each stage's need and kept bytes up to slots of 1/global_slots of the budget, so a
-# budget (stages + 1) slots above L surely allocates; what the plan then simulates to is
-# checked by the caller (`hbp.planner.dp.entry`), as for every staged plan.
+# budget (stages + 1) slots above L surely allocates (below L none does), and the caller
+# (`hbp.planner.dp.entry._staged_minimum`) bisects between the two a few steps; what each
+# plan simulates to is checked, as for every staged plan.
 
 
 def _tables(info: GraphInfo, settings: tuple):

@@ -189,18 +189,19 @@ def optimal_plan(
                 pins,
             )
 
-        if not info.rng_state_bytes and budget_bytes < lower_bound(info):
-            # NOTE [ Budgets below the lower bound ]: no table can fit it
-            minimum, _ = least_peak_cached(info, cuts, nested)
-            err = BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
+        choices = cut_choices(info, block_size, max_cuts)
+        below_bound = not info.rng_state_bytes and budget_bytes < lower_bound(info)
+        if below_bound:  # NOTE [ Budgets below the lower bound ]: no table can fit it
+            least_peak_over(info, choices, nested)
+        above = _known_above(info, choices, nested, budget_bytes)
+        if above is not None:  # NOTE [ Known least peaks skip the tables ]
+            err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
             return _below_whole_graph(
                 graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
-                nested, below_bound=True,
+                nested, below_bound=below_bound,
             )  # fmt: skip
         candidate = None
-        known = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
-        below = known is not None and known > budget_bytes  # the tables cannot fit it
-        if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS and not below:
+        if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
             # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
             # value over fewer cuts (its plan is not needed: not simulated)
             fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
@@ -218,9 +219,15 @@ def optimal_plan(
                         whole_graph_recompute=solved.recompute,
                     )
                     return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
-            elif not info.rng_state_bytes:
-                # NOTE [ A budget below the fewer cuts' reach ]
-                least_peak_cached(info, cuts, nested)
+            elif not info.rng_state_bytes:  # NOTE [ A budget below the fewer cuts' reach ]
+                least_peak_over(info, choices, nested)
+                above = _known_above(info, choices, nested, budget_bytes)
+                if above is not None:
+                    err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
+                    return _below_whole_graph(
+                        graph, info, meta, budget_bytes, err, naive, pins, t0, stages,
+                        block_size, max_cuts, nested,
+                    )  # fmt: skip
         try:
             plan, how = whole_graph(cuts)
         except BudgetError as err:
@@ -261,25 +268,44 @@ def _below_whole_graph(
     (`err`): the least-peak plan of another cut set that fits it, else a staged plan, else
     `err` with the least minimum (`below_bound`: the budget is below `lower_bound`, where
     nothing fits)."""
-    others = cut_choices(info, block_size, max_cuts)[1:]
+    choices = cut_choices(info, block_size, max_cuts)
+    others = len(choices) > 1
     if others and not info.rng_state_bytes and err.minimum <= lower_bound(info):
-        others = []  # no cut set goes below the lower bound
+        others = False  # no cut set goes below the lower bound
     if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
-        least, segments = least_peak_over(info, others, nested)
+        least, segments = least_peak_over(info, choices, nested)
         if least <= budget:
-            meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
-            plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+            meta = dict(meta, whole_graph_minimum=err.minimum)
+            plan = _over_the_union(
+                graph, info, meta, budget, choices, segments, naive, pins, nested
+            )
             plan.meta["solve_time_s"] = time.perf_counter() - t0
             return plan
         if least < err.minimum:
             err = BudgetError(
-                budget, least, f"{err.detail}, least over {len(others) + 1} cut choices"
+                budget, least, f"{err.detail}, least over the union of {len(choices)} cut choices"
             )
     if not stages:
         raise err from None
     return _staged_below_whole_graph(
         graph, info, meta, budget, err, naive, pins, t0, fits=not below_bound
     )
+
+
+def _over_the_union(graph, info, meta, budget, choices, segments, naive, pins, nested) -> Plan:
+    """The plan within `budget` over the union of the cut choices, which reaches it: of the
+    least-peak plan (`segments`) and the recompute tables' plan, the one that recomputes less
+    (the least-peak DP breaks ties of peak by recompute only within each sub-table)."""
+    least_peak = dict(meta, solved_by="min-peak (other cuts)")
+    options = [finish_plan(graph, segments, budget, info=info, naive=naive, meta=least_peak)]
+    union = sorted(set().union(*choices))
+    solved = _solve(info, union, budget, 256, nested, pins, tables_only=True)
+    if solved is not None:
+        tables = dict(meta, solved_by="dp (other cuts)", candidate_cuts=len(union) - 2)
+        found = top_level(info, solved.segments)
+        options.append(finish_plan(graph, found, budget, info=info, naive=naive, meta=tables))
+    fitting = [p for p in options if p.predicted_peak_bytes <= budget]
+    return min(fitting, key=lambda p: p.predicted_recompute_flops)
 
 
 def _whole_graph_plan(
@@ -381,9 +407,24 @@ STAGED_WHOLE_GRAPH_CUTS = 32
 # NOTE [ A budget below the fewer cuts' reach ]
 # Where the DP over the fewer cuts finds no plan, the budget is near or below the least peak,
 # and the full tables (the costliest part of a plan call) often find none either. The least
-# peak over all the cuts is computed first (a BudgetError needs it anyway, and it is
-# remembered): above the budget, `_solve` raises at once (NOTE [ Known least peaks skip the
-# tables ]). A least peak already known above the budget skips the fewer cuts' DP too.
+# peak over the union of the cut choices is computed first (a BudgetError needs it anyway,
+# and it is remembered): above the budget, no table over the first set can fit it (NOTE
+# [ Known least peaks skip the tables ]), and the budget goes where the tables' BudgetError
+# would have sent it, `_below_whole_graph`.
+
+
+def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int):
+    """A remembered least peak above `budget` over the first cut set of `choices` or over
+    their union (at most the first set's: NOTE [ Least peak over other cut choices ] in
+    hbp.planner.cuts), else None: where there is one, the tables over the first set cannot
+    fit the budget."""
+    if info.rng_state_bytes:
+        return None
+    for cuts in (choices[0], sorted(set().union(*choices))):
+        known = known_least_peak(info, cuts, nested)
+        if known is not None and known > budget:
+            return known
+    return None
 
 
 def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
@@ -410,6 +451,8 @@ def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
 #: Bisection steps for the least staged budget, where the one from the cost model
 #: (`least_staged_budget`) simulates above itself (each step one staged solve).
 STAGED_MINIMUM_STEPS = 6
+#: Bisection steps within the allocation's rounding below the least staged budget found.
+STAGED_REFINE_STEPS = 2
 
 
 def _staged_below_whole_graph(
@@ -438,11 +481,20 @@ def _staged_minimum(graph, info, pins, above: int, low: int = 0):
     budget first (NOTE [ The least staged budget ]); where its plan simulates above it, a
     bisection between `low` and `above` (staged plans are not monotone in the budget: the
     budget reported is one a staged plan was found for, so planning for it succeeds)."""
-    least = max(least_staged_budget(info, nested=False, pins=pins), low + 1)
+    below, least = least_staged_budget(info, nested=False, pins=pins)
+    least = max(least, low + 1)
     if least < above:
         candidate = _staged_candidate(graph, info, least, pins)
         if candidate is not None:
-            return least, candidate
+            best, low = (least, candidate), max(low, below - 1)
+            for _ in range(STAGED_REFINE_STEPS):  # within the allocation's rounding
+                middle = (low + best[0]) // 2
+                candidate = _staged_candidate(graph, info, middle, pins)
+                if candidate is None:
+                    low = middle
+                else:
+                    best = (middle, candidate)
+            return best
         low = least
     at_above = _staged_candidate(graph, info, above, pins)
     if at_above is None or at_above[1].peak_bytes >= above:

@@ -66,20 +66,15 @@ def least_peak_plan(info: GraphInfo, model: CostModel, nested: bool) -> tuple[in
 def least_peak_over(
     info: GraphInfo, choices: list[list[int]], nested: bool
 ) -> tuple[int, list[Segment]]:
-    """The least peak over each cut set of `choices` (NOTE [ Least peak over other cut
-    choices ] in hbp.planner.cuts), the first set's on ties, and its top-level plan."""
-    best = None
-    bound = None
-    for cuts in choices:
-        if best is not None:
-            # no cut set goes below the lower bound: once it is reached, the rest cannot win
-            bound = lower_bound(info) if bound is None else bound
-            if best[0] <= bound and not info.rng_state_bytes:
-                break
-        peak, segments = least_peak_cached(info, cuts, nested)
-        if best is None or peak < best[0]:
-            best = (peak, top_level(info, segments))
-    return best
+    """The least peak over the union of the cut sets of `choices` (NOTE [ Least peak over
+    other cut choices ] in hbp.planner.cuts) and its top-level plan."""
+    cuts = choices[0]
+    if len(choices) > 1:
+        first = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
+        if first is None or first > lower_bound(info):  # no set goes below the lower bound
+            cuts = sorted(set().union(*choices))
+    peak, segments = least_peak_cached(info, cuts, nested)
+    return peak, top_level(info, segments)
 
 
 def least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
@@ -115,10 +110,10 @@ def known_least_peak(info: GraphInfo, cuts: list[int], nested: bool) -> int | No
 # The recompute tables find a plan only where some plan over the same cuts has a modelled
 # peak within the budget (their slots round bytes up; a pin only adds charges: NOTE [ Pin
 # candidates ] in hbp.planner.dp.cost_model), and the least-peak DP's value is the least such
-# peak over those cuts. Where it is already known (remembered: "min" computes it before
-# planning at it) and above the budget, the tables would end in INF and `_solve` raise this
-# same BudgetError after them, so it is raised at once. Graphs with generator states are
-# excluded (their least peak is a simulated one).
+# peak over those cuts. Where it, or the least over the union of the cut choices (at most
+# it), is already known (remembered: "min" computes it before planning at it) and above the
+# budget, the tables would end in INF and a BudgetError after them, so the tables are not
+# run. Graphs with generator states are excluded (their least peak is a simulated one).
 
 
 # NOTE [ Least peaks are remembered ]
