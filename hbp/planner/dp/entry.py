@@ -275,10 +275,8 @@ def _below_whole_graph(
     if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
         least, segments = least_peak_over(info, choices, nested)
         if least <= budget:
-            meta = dict(meta, whole_graph_minimum=err.minimum)
-            plan = _over_the_union(
-                graph, info, meta, budget, choices, segments, naive, pins, nested
-            )
+            meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
+            plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
             plan.meta["solve_time_s"] = time.perf_counter() - t0
             return plan
         if least < err.minimum:
@@ -290,22 +288,6 @@ def _below_whole_graph(
     return _staged_below_whole_graph(
         graph, info, meta, budget, err, naive, pins, t0, fits=not below_bound
     )
-
-
-def _over_the_union(graph, info, meta, budget, choices, segments, naive, pins, nested) -> Plan:
-    """The plan within `budget` over the union of the cut choices, which reaches it: of the
-    least-peak plan (`segments`) and the recompute tables' plan, the one that recomputes less
-    (the least-peak DP breaks ties of peak by recompute only within each sub-table)."""
-    least_peak = dict(meta, solved_by="min-peak (other cuts)")
-    options = [finish_plan(graph, segments, budget, info=info, naive=naive, meta=least_peak)]
-    union = sorted(set().union(*choices))
-    solved = _solve(info, union, budget, 256, nested, pins, tables_only=True)
-    if solved is not None:
-        tables = dict(meta, solved_by="dp (other cuts)", candidate_cuts=len(union) - 2)
-        found = top_level(info, solved.segments)
-        options.append(finish_plan(graph, found, budget, info=info, naive=naive, meta=tables))
-    fitting = [p for p in options if p.predicted_peak_bytes <= budget]
-    return min(fitting, key=lambda p: p.predicted_recompute_flops)
 
 
 def _whole_graph_plan(
