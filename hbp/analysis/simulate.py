@@ -42,7 +42,9 @@ computes for it is live during j's event and added after it: scratch of the even
 passed-through one is j's own) unless that gradient's storage is also another value's
 gradient (shared by passthrough; j's own output gradient, which j lets go of before autograd
 accumulates, does not count): then, like autograd's input buffer, the sum is new storage and
-the input lets go of the shared one.
+the input lets go of the shared one. A parameter gradient added out of place
+(`Node.grad_sum_bytes`) is added after j has released what it saved and its output gradient:
+the event's bytes are the higher of those during j's backward and those then.
 Scratch bytes a capture recorded (`Node.forward_scratch_bytes`,
 `Node.backward_scratch_bytes`) are live during the node's forward (every run of it) / backward
 event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a
@@ -344,11 +346,12 @@ class _Run:
         if self.refs[inst] == 0:
             self.live -= self.size[inst]
 
-    def _record(self, phase: str, j: int | None) -> None:
+    def _record(self, phase: str, j: int | None, live: int | None = None) -> None:
+        live = self.live if live is None else live
         name = self.info.names[j] if j is not None else ""
-        self.timeline.append((f"{phase}:{name}" if name else phase, self.live))
-        if self.live > self.peak[0]:
-            self.peak = (self.live, phase, name)
+        self.timeline.append((f"{phase}:{name}" if name else phase, live))
+        if live > self.peak[0]:
+            self.peak = (live, phase, name)
 
     # passes --------------------------------------------------------------------------------
     def _items(self, children: list[SegmentLike], early_stop: bool) -> list[tuple]:
@@ -554,9 +557,7 @@ class _Run:
                 scratch += int(info.grad_bytes[v])
         if info.param_grad_bytes[j]:
             self._new(info.param_grad_bytes[j])  # kept to the end of the step
-        self.live += scratch
-        self._record(BACKWARD, j)
-        self.live -= scratch
+        during = self.live + scratch
         for inst in self.saved_holds[j]:
             self._release(inst)
         self.saved_holds[j] = []
@@ -566,6 +567,10 @@ class _Run:
         if self.grad[j] >= 0:
             self._release(self.grad[j])
             self.grad[j] = -1
+        # an out-of-place parameter-gradient sum: added after the releases, beside the
+        # gradient j computed (one event, at the higher of the two moments)
+        added = self.live + 2 * int(info.grad_sum_bytes[j]) if info.grad_sum_bytes[j] else 0
+        self._record(BACKWARD, j, max(during, added))
 
     def _backward(self, segments: list[SegmentLike], upto: int | None = None) -> None:
         """Backpropagate a level's `segments` over the nodes at or below `upto` (all of them
