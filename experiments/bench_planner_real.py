@@ -10,12 +10,12 @@ import torch
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
-from hbp.graph.torch.capture import capture
 from hbp.graph.torch.calibrate import calibrate_scratch
+from hbp.graph.torch.capture import capture
 from hbp.integrations.torch.loss import WithLoss
 from hbp.planner import least_peak, plan
 from hbp.planner.budget import Budget
-from hbp.planner.dp import entry
+from hbp.planner.dp.least_peak import forget_least_peaks as forget_least_peaks_of_planner
 
 BUDGETS = (0.5, 0.3, "min", "50%act")
 
@@ -78,8 +78,7 @@ def plain_step(model, args, kwargs, loss_fn) -> tuple[float, float]:
 
 def forget_least_peaks() -> None:
     """Cold planning: the least peaks the planner remembers per graph structure forgotten."""
-    entry._BY_FINGERPRINT.clear()
-    entry._LEAST_PEAKS.clear()
+    forget_least_peaks_of_planner()
 
 
 def row(name: str, model, args, kwargs, loss_fn) -> str:

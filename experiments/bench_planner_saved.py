@@ -26,8 +26,8 @@ from hbp.errors import BudgetError  # noqa: E402
 
 
 def save(folder: Path, layers: list[int]) -> None:
-    from hbp.graph.torch.capture import capture
     from hbp.graph.torch.calibrate import calibrate_scratch
+    from hbp.graph.torch.capture import capture
     from hbp.integrations.torch.loss import WithLoss
 
     folder.mkdir(parents=True, exist_ok=True)

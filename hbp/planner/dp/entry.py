@@ -9,15 +9,10 @@ the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import math
 import time
-import weakref
 from functools import reduce
 from typing import NamedTuple
-
-import numpy as np
 
 from hbp.analysis.frontier import lower_bound
 from hbp.analysis.liveness import GraphInfo
@@ -26,12 +21,18 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.cuts import candidate_cuts, cut_choices
 from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.least_peak import (
+    absorb_inputs,
+    known_least_peak,
+    least_peak_cached,
+    least_peak_over,
+    top_level,
+)
 from hbp.planner.dp.modes import INF
-from hbp.planner.dp.peak import PeakSolver
-from hbp.planner.dp.recursion import planning, simplify
+from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.plan import Plan, Segment, any_pinned
-from hbp.planner.stages import stage_tables_kept, staged_plan
+from hbp.planner.stages import least_staged_budget, stage_tables_kept, staged_plan
 from hbp.planner.tree import name_segments
 
 __all__ = [
@@ -42,26 +43,6 @@ __all__ = [
     "min_feasible_peak",
     "optimal_plan",
 ]
-
-
-def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
-    """Merge a leading segment made only of graph inputs into the next one (graph inputs are
-    never run nor recomputed, so this changes nothing but the printout)."""
-    first = segments[0] if segments else None
-    if len(segments) < 2 or not all(info.is_input[j] for j in range(first.start, first.stop)):
-        return segments
-
-    def extend(seg: Segment) -> Segment:
-        kids = [extend(seg.children[0]), *seg.children[1:]] if seg.children else []
-        return Segment(first.start, seg.stop, seg.recompute, kids, pinned=seg.pinned)
-
-    return [extend(segments[1]), *segments[2:]]
-
-
-def _top_level(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
-    """A solver's top-level segments as a plan hands them out: simplified (`simplify`; the
-    whole graph as one plain segment when nothing is left), leading graph inputs absorbed."""
-    return absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
 
 
 def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
@@ -110,7 +91,7 @@ def _solve(
     `nested_pins`: whether children of nested levels pin too, None: the solver's default;
     `tables_only`: None where the tables find no plan, instead of the least-peak plan or a
     BudgetError, for a caller that only reads the tables' value)."""
-    known = None if info.rng_state_bytes else _known_least_peak(info, cuts, nested)
+    known = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
     if known is not None and known > budget_bytes:
         # NOTE [ Known least peaks skip the tables ]
         if tables_only:
@@ -133,24 +114,11 @@ def _solve(
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
         if tables_only:
             return None
-        minimum, segments = _least_peak_cached(info, cuts, nested)
+        minimum, segments = least_peak_cached(info, cuts, nested)
         if minimum > budget_bytes:
             raise BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
         # the slot rounding rejected a feasible budget: the least-peak plan fits
         return _Solved(segments, slots, slot_bytes, "min-peak")
-
-
-def _least_peak(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, list[Segment]]:
-    """The least-peak plan (`PeakSolver`) and its peak. Where the graph keeps generator states,
-    the simulated peak: the DP does not see every copy (NOTE [ Generator states of
-    checkpoints ] in hbp.analysis.simulate), so the minimum is one that a plan reaches."""
-    solver = PeakSolver(model, nested)
-    peak = int(solver.top(0, frozenset()).peak)
-    segments = solver.top_plan()
-    if info.rng_state_bytes:
-        plan = _top_level(info, segments)
-        peak = max(peak, simulate(None, plan, info=info).peak_bytes)
-    return peak, segments
 
 
 @planning(64)
@@ -223,14 +191,16 @@ def optimal_plan(
 
         if not info.rng_state_bytes and budget_bytes < lower_bound(info):
             # NOTE [ Budgets below the lower bound ]: no table can fit it
-            minimum, _ = _least_peak_cached(info, cuts, nested)
+            minimum, _ = least_peak_cached(info, cuts, nested)
             err = BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
             return _below_whole_graph(
                 graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
                 nested, below_bound=True,
             )  # fmt: skip
         candidate = None
-        if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
+        known = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
+        below = known is not None and known > budget_bytes  # the tables cannot fit it
+        if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS and not below:
             # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
             # value over fewer cuts (its plan is not needed: not simulated)
             fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
@@ -248,6 +218,9 @@ def optimal_plan(
                         whole_graph_recompute=solved.recompute,
                     )
                     return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
+            elif not info.rng_state_bytes:
+                # NOTE [ A budget below the fewer cuts' reach ]
+                least_peak_cached(info, cuts, nested)
         try:
             plan, how = whole_graph(cuts)
         except BudgetError as err:
@@ -292,7 +265,7 @@ def _below_whole_graph(
     if others and not info.rng_state_bytes and err.minimum <= lower_bound(info):
         others = []  # no cut set goes below the lower bound
     if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
-        least, segments = _least_peak_over(info, others, nested)
+        least, segments = least_peak_over(info, others, nested)
         if least <= budget:
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
@@ -317,7 +290,7 @@ def _whole_graph_plan(
     segments, slots, slot_bytes, how, value = _solve(
         info, cuts, budget_bytes, mem_slots, nested, pins
     )
-    segments = _top_level(info, segments)
+    segments = top_level(info, segments)
     meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
     meta["solved_by"] = how
     plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
@@ -360,7 +333,7 @@ def _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins
         segments, _, _, how, _ = _solve(
             info, cuts, budget, mem_slots, nested, pins, charge, nested_pins
         )
-        segments = _top_level(info, segments)
+        segments = top_level(info, segments)
         meta = dict(plan.meta, solved_by=f"{how} ({label})")
         options.append(finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta))
     fitting = [p for p in options if p.predicted_peak_bytes <= budget]
@@ -381,7 +354,7 @@ def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:
             segments, _, _, how, _ = _solve(info, cuts, target, mem_slots, nested, pins)
         except BudgetError:
             break
-        segments = _top_level(info, segments)
+        segments = top_level(info, segments)
         meta = dict(plan.meta, solved_by=f"{how} (below the budget: random states)")
         plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
         if plan.predicted_peak_bytes <= budget:
@@ -405,6 +378,12 @@ STAGED_MIN_NODES = 400
 # those of the full DP beside stages unless the 32-cut DP loses to the staged plan while the
 # full one would beat it (none of experiments/check_plans.py's plans).
 STAGED_WHOLE_GRAPH_CUTS = 32
+# NOTE [ A budget below the fewer cuts' reach ]
+# Where the DP over the fewer cuts finds no plan, the budget is near or below the least peak,
+# and the full tables (the costliest part of a plan call) often find none either. The least
+# peak over all the cuts is computed first (a BudgetError needs it anyway, and it is
+# remembered): above the budget, `_solve` raises at once (NOTE [ Known least peaks skip the
+# tables ]). A least peak already known above the budget skips the fewer cuts' DP too.
 
 
 def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
@@ -420,7 +399,7 @@ def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
         segments = staged_plan(info, target, nested=False, pins=pins)
         if segments is None:
             return None
-        segments = _top_level(info, segments)
+        segments = top_level(info, segments)
         sim = simulate(graph, segments, info=info)
         if sim.peak_bytes <= budget:
             return segments, sim
@@ -428,7 +407,8 @@ def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
     return None
 
 
-#: Bisection steps for the least staged peak a BudgetError reports (each one staged solve).
+#: Bisection steps for the least staged budget, where the one from the cost model
+#: (`least_staged_budget`) simulates above itself (each step one staged solve).
 STAGED_MINIMUM_STEPS = 6
 
 
@@ -438,28 +418,44 @@ def _staged_below_whole_graph(
     """The staged plan within `budget`, below the whole-graph DP's least peak (`err`): the
     stages' fine cuts can reach less than the whole graph's candidate cuts (a ControlNet
     beside a frozen UNet: 3.19 MiB staged, 3.40 whole-graph). None fits: `err`, its minimum
-    lowered to the staged plan's peak at that minimum where that is less. `fits=False`: the
-    budget is known to be below every plan's peak (NOTE [ Budgets below the lower
+    lowered to the least budget a staged plan is found for where that is less. `fits=False`:
+    the budget is known to be below every plan's peak (NOTE [ Budgets below the lower
     bound ])."""
     candidate = _staged_candidate(graph, info, budget, pins) if fits else None
     if candidate is not None:
         meta = dict(meta, whole_graph_minimum=err.minimum)
         return _as_staged(graph, info, meta, budget, candidate, naive, t0)
-    at_minimum = _staged_candidate(graph, info, err.minimum, pins)
-    if at_minimum is None or at_minimum[1].peak_bytes >= err.minimum:
+    found = _staged_minimum(graph, info, pins, err.minimum, budget)
+    if found is None:
         raise err
-    # the least budget a staged plan fits, between the budget (none fits) and the whole
-    # graph's minimum, by bisection (staged plans are not monotone in the budget: the budget
-    # reported is one a staged plan was found for, so planning for it succeeds)
-    low, least = budget, err.minimum
+    detail = f"{err.detail}; less in stages" if err.detail else "in stages"
+    raise BudgetError(budget, found[0], detail) from err
+
+
+def _staged_minimum(graph, info, pins, above: int, low: int = 0):
+    """(the least budget a staged plan is found for, that candidate) where it is below
+    `above`, else None; `low`: a budget none is found for. The cost model's least staged
+    budget first (NOTE [ The least staged budget ]); where its plan simulates above it, a
+    bisection between `low` and `above` (staged plans are not monotone in the budget: the
+    budget reported is one a staged plan was found for, so planning for it succeeds)."""
+    least = max(least_staged_budget(info, nested=False, pins=pins), low + 1)
+    if least < above:
+        candidate = _staged_candidate(graph, info, least, pins)
+        if candidate is not None:
+            return least, candidate
+        low = least
+    at_above = _staged_candidate(graph, info, above, pins)
+    if at_above is None or at_above[1].peak_bytes >= above:
+        return None
+    best = (above, at_above)
     for _ in range(STAGED_MINIMUM_STEPS):
-        middle = (low + least) // 2
-        if _staged_candidate(graph, info, middle, pins) is None:
+        middle = (low + best[0]) // 2
+        candidate = _staged_candidate(graph, info, middle, pins)
+        if candidate is None:
             low = middle
         else:
-            least = middle
-    detail = f"{err.detail}; less in stages" if err.detail else "in stages"
-    raise BudgetError(budget, least, detail) from err
+            best = (middle, candidate)
+    return best if best[0] < above else None
 
 
 def _takes(candidate, plan: Plan, always: bool) -> bool:
@@ -487,101 +483,26 @@ def min_feasible_peak(
     max_cuts: int = 64,
     nested: bool = True,
     info: GraphInfo | None = None,
+    staged: str | None = None,
+    pins: bool | None = None,
 ) -> tuple[int, list[Segment]]:
-    """The smallest simulated peak over the planner's plan space (over the cut sets of
-    `cut_choices`: NOTE [ Least peak over other cut choices ] in hbp.planner.cuts), and a
-    plan reaching it."""
+    """The least budget `optimal_plan` (same arguments) finds a plan for, and that plan's
+    top-level segments: the smallest simulated peak over the whole-graph DP's cut sets
+    (`cut_choices`: NOTE [ Least peak over other cut choices ] in hbp.planner.cuts) or, where
+    `optimal_plan` also plans in stages and they reach less, the least budget a staged plan
+    is found for (its plan simulates at or below it)."""
     info = info or GraphInfo.of(graph)
-    return _least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
-
-
-def _least_peak_over(
-    info: GraphInfo, choices: list[list[int]], nested: bool
-) -> tuple[int, list[Segment]]:
-    """The least peak over each cut set of `choices` (NOTE [ Least peak over other cut
-    choices ] in hbp.planner.cuts), the first set's on ties, and its top-level plan."""
-    best = None
-    bound = None
-    for cuts in choices:
-        if best is not None:
-            # no cut set goes below the lower bound: once it is reached, the rest cannot win
-            bound = lower_bound(info) if bound is None else bound
-            if best[0] <= bound and not info.rng_state_bytes:
-                break
-        peak, segments = _least_peak_cached(info, cuts, nested)
-        if best is None or peak < best[0]:
-            best = (peak, _top_level(info, segments))
+    with stage_tables_kept(info):
+        best = least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
+        staged = STAGED if staged is None else staged
+        cuts = candidate_cuts(info, block_size, max_cuts)
+        if block_size == 1 and (
+            staged == "always" or staged == "auto" and _staged_pays(info, cuts)
+        ):
+            found = _staged_minimum(graph, info, pins, best[0])
+            if found is not None:
+                best = (found[0], found[1][0])
     return best
-
-
-def _least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
-    """`_least_peak` over `cuts`, remembered per graph structure (NOTE [ Least peaks are
-    remembered ]): "min" and a BudgetError ask the same least peaks several times for one
-    graph, and every plan call of a graph asks them again."""
-    known = _LEAST_PEAKS.get(id(info))
-    if known is None:
-        fingerprint = info_fingerprint(info)
-        known = _BY_FINGERPRINT.pop(fingerprint, None) or {}
-        _BY_FINGERPRINT[fingerprint] = known  # the most recent last
-        while len(_BY_FINGERPRINT) > REMEMBERED_GRAPHS:
-            _BY_FINGERPRINT.pop(next(iter(_BY_FINGERPRINT)))
-        _LEAST_PEAKS[id(info)] = known
-        weakref.finalize(info, _LEAST_PEAKS.pop, id(info), None)
-    key = (tuple(cuts), nested)
-    if key not in known:
-        model = CostModel(info, cuts)
-        with planning(len(model.cuts)):
-            known[key] = _least_peak(info, model, nested)
-    peak, segments = known[key]
-    return peak, copy.deepcopy(segments)
-
-
-def _known_least_peak(info: GraphInfo, cuts: list[int], nested: bool) -> int | None:
-    """The least peak over `cuts` where `_least_peak_cached` already has it, else None."""
-    known = _LEAST_PEAKS.get(id(info))
-    found = None if known is None else known.get((tuple(cuts), nested))
-    return None if found is None else found[0]
-
-
-# NOTE [ Known least peaks skip the tables ]
-# The recompute tables find a plan only where some plan over the same cuts has a modelled
-# peak within the budget (their slots round bytes up; a pin only adds charges: NOTE [ Pin
-# candidates ] in hbp.planner.dp.cost_model), and the least-peak DP's value is the least such
-# peak over those cuts. Where it is already known (remembered: "min" computes it before
-# planning at it) and above the budget, the tables would end in INF and `_solve` raise this
-# same BudgetError after them, so it is raised at once. Graphs with generator states are
-# excluded (their least peak is a simulated one).
-
-
-# NOTE [ Least peaks are remembered ]
-# The least-peak DP is the costliest part of a BudgetError and of "min" (one DP per cut set
-# of `cut_choices`), and a graph is often planned several times: at several budgets, "min"
-# after a BudgetError, again after a re-capture of the same model. Its results depend on the
-# GraphInfo arrays alone (`info_fingerprint`), so they are kept for the last
-# REMEMBERED_GRAPHS graph structures of the process. The segments handed out are copies
-# (callers name them in place).
-REMEMBERED_GRAPHS = 8
-
-#: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`_least_peak_cached`),
-#: the dict of `_BY_FINGERPRINT` for that GraphInfo's structure.
-_LEAST_PEAKS: dict[int, dict] = {}
-#: info_fingerprint -> the same dicts, the most recently used last.
-_BY_FINGERPRINT: dict[str, dict] = {}
-
-
-def info_fingerprint(info: GraphInfo) -> str:
-    """A digest of every GraphInfo field the planner reads (all but the node names)."""
-    digest = hashlib.sha256()
-    for name, value in sorted(vars(info).items()):
-        if name in ("names", "users") or name.startswith("_"):  # labels; users follow
-            continue  # from inputs; private: tables kept on it (`hbp.planner.stages`)
-        digest.update(name.encode())
-        if isinstance(value, np.ndarray):
-            digest.update(str(value.dtype).encode())
-            digest.update(value.tobytes())
-        else:
-            digest.update(repr(value).encode())
-    return digest.hexdigest()
 
 
 def finish_plan(
