@@ -58,6 +58,62 @@ def allocator_peak(fn, *args, device=None, **kwargs) -> tuple[object, int]:
     return result, peak
 
 
+def allocator_peaks(*fns, device=None) -> tuple[list, list[int]]:
+    """Run `fns` in turn (each without arguments) in one measurement and return (their
+    results, their peaks): the most bytes the allocator holds while each runs, above what it
+    held when that one started. Unlike consecutive `allocator_peak` calls, a free of memory
+    an earlier function of the call allocated counts (CPU: the profiler records no free of a
+    block allocated before it started, NOTE [ CPU allocator peak ]): a backward that frees
+    what its forward saved, measured after that forward."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    results: list = []
+    if dev.type == "cuda":
+        peaks = []
+        gc.collect()
+        for fn in fns:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            results.append(fn())
+            torch.cuda.synchronize(dev)
+            peaks.append(int(torch.cuda.max_memory_allocated(dev) - base))
+        return results, peaks
+    if _EventType is None:  # pragma: no cover
+        raise RuntimeError("allocator_peaks needs torch._C._profiler._EventType (torch >= 2.1)")
+    close_open_windows()
+    markers: list[int] = []
+    with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as p:
+        for fn in fns:
+            marker = torch.empty(_SPLIT_BYTES, dtype=torch.uint8)
+            markers.append(marker.data_ptr())
+            del marker
+            results.append(fn())
+    events = _cpu_events(p)
+    release_results(p)
+    starts: list[int] = []
+    for ptr in markers:  # each marker's allocation, in order
+        after = starts[-1] + 1 if starts else 0
+        starts.append(
+            next(
+                k
+                for k in range(after, len(events))
+                if events[k][3] == ptr and events[k][1] == _SPLIT_BYTES
+            )
+        )
+    fixed = _without_foreign_frees(events[starts[0] :])
+    starts = [k - starts[0] for k in starts] + [len(fixed)]
+    peaks = []
+    for a, b in zip(starts[:-1], starts[1:]):
+        level = fixed[a][2] - _SPLIT_BYTES
+        peaks.append(max(0, int(max((e[2] for e in fixed[a + 1 : b]), default=level) - level)))
+    return results, peaks
+
+
+#: The size of the markers between the functions of one `allocator_peaks` call (an odd size
+#: no op's tensor has).
+_SPLIT_BYTES = 3
+
+
 # NOTE [ Quiet profiler windows ]
 # Kineto (the profiler's C++ side) writes "USDT: ... profiler_start" and "... profiler_stop"
 # to file descriptor 2 whenever a profiler starts or stops, below Python's sys.stderr, at
@@ -190,21 +246,9 @@ def profiler_peak_bytes(
     allocated where the measured window ends (later events are left out)."""
     if _EventType is None:  # pragma: no cover
         raise RuntimeError("profiler_peak_bytes needs torch._C._profiler._EventType (torch >= 2.1)")
-    events = []  # (time, size, running total, ptr)
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation:
-            fields = event.typed[1]
-            if fields.device.type == "cpu":
-                events.append(
-                    (event.start_time_ns, fields.alloc_size, fields.total_allocated, fields.ptr)
-                )
-        stack.extend(event.children)
+    events = _cpu_events(prof)
     if not events:
         return 0
-    # by time; at equal times a free first (an address is freed before it is reused)
-    events.sort(key=lambda e: (e[0], e[1] > 0))
     marker = None
     if marker_ptr is not None:
         marker = next((e for e in events if e[3] == marker_ptr and e[1] == _MARKER_BYTES), None)
@@ -222,6 +266,24 @@ def profiler_peak_bytes(
         events = events[1:]  # the marker's own 1 byte is not the step's
     peak = max((e[2] for e in events), default=start_level)
     return max(0, int(peak - start_level))
+
+
+def _cpu_events(prof: torch.profiler.profile) -> list[tuple]:
+    """The CPU allocator's events of a finished memory-profiling `prof`: (time, size, running
+    total, ptr), by time; at equal times a free first (an address is freed before reuse)."""
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            fields = event.typed[1]
+            if fields.device.type == "cpu":
+                events.append(
+                    (event.start_time_ns, fields.alloc_size, fields.total_allocated, fields.ptr)
+                )
+        stack.extend(event.children)
+    events.sort(key=lambda e: (e[0], e[1] > 0))
+    return events
 
 
 def _without_foreign_frees(events: list[tuple]) -> list[tuple]:

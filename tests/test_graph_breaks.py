@@ -7,6 +7,7 @@ the plan's, and a wav2vec2-BERT CTC model goes below transformers' own checkpoin
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from torch import nn
 
 import hbp
 from hbp.allocator import allocator_peak
-from hbp.graph.torch.breaks import GraphBreakGuardError
 from hbp.graph.torch.capture import OP, capture
 from tests.models.capture import MaskedMiddle, wav2vec2_bert_ctc
 
@@ -85,16 +85,74 @@ class _Checked(nn.Module):
         return self.body(x).sum()
 
 
-def test_a_data_check_becomes_a_guard_that_raises_when_the_data_fails_it():
+def test_a_data_check_becomes_a_guard_and_a_failed_guard_runs_the_plain_forward():
+    """As Dynamo on a failed guard: the step that fails it runs the module's own forward, so
+    the caller sees the model's own error, with a warning once; the plan stays."""
     model = _Checked()
     hc = hbp.HCModule(model, budget=1.0)
     x = torch.randn(4, 8)
     hc(x).backward()
     assert hc.captured.granularity == OP
-    with pytest.raises(ValueError, match="below 100"):  # the plain forward's own error
-        model(x * 1000)
-    with pytest.raises(GraphBreakGuardError, match="branches on tensor data"):
-        hc(x * 1000)
+    assert "guard" in {n.op for n in hc.captured.graph.nodes}
+    plan = hc.plan
+    with pytest.warns(UserWarning, match="branches on tensor data"):
+        with pytest.raises(ValueError, match="below 100"):  # the plain forward's own error
+            hc(x * 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        with pytest.raises(ValueError, match="below 100"):
+            hc(x * 1000)
+        hc(x).backward()  # data that keeps the guard: the plan, as before
+    assert hc.plan is plan
+
+
+class _Clamped(nn.Module):
+    """A check whose error the model catches itself: the other branch computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2), nn.Tanh())
+        self.norm = nn.BatchNorm1d(8)
+        self.last = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x):
+        h = self.norm(self.first(x))
+        try:
+            if (h.abs() > 0.5).any():
+                raise ValueError("out of range")
+        except ValueError:
+            h = h.clamp(-0.5, 0.5)
+        return self.last(h).square().sum()
+
+
+def test_a_step_that_fails_a_guard_has_plain_autograd_gradients_and_statistics():
+    torch.manual_seed(0)
+    model = _Clamped().train()
+    small = torch.full((16, 8), 1e-4)  # keeps every |h| below 0.5: the example's branch
+    with torch.no_grad():
+        model.norm.weight.fill_(0.1)
+    twin = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget="min")
+    hc(small).backward()
+    assert "guard" in {n.op for n in hc.captured.graph.nodes}
+    with torch.no_grad():
+        model.norm.weight.fill_(2.0)
+        twin.norm.weight.fill_(2.0)
+    x = torch.randn(16, 8) * 10
+    for m in (model, twin):
+        m.zero_grad(set_to_none=True)
+    twin.load_state_dict(model.state_dict())
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="own forward"):
+        hc(x).backward()  # the guard fails: the plain forward, from the same RNG state
+    torch.manual_seed(3)
+    twin(x).backward()
+    _assert_same(
+        {n: p.grad for n, p in model.named_parameters()},
+        {n: p.grad for n, p in twin.named_parameters()},
+    )
+    for (name, a), b in zip(model.named_buffers(), twin.buffers()):
+        assert torch.equal(a, b), name  # running statistics updated once
 
 
 class _Branchy(nn.Module):
@@ -140,8 +198,8 @@ def test_a_ctc_model_is_captured_around_its_data_dependent_ops_below_transformer
     assert hc.plan.predicted_peak_bytes == pytest.approx(peak, rel=0.01)
     labels = inputs["labels"].clone()
     labels[0, 0] = 10_000  # out of the vocabulary: the library's check fails
-    with pytest.raises(GraphBreakGuardError):
-        hc(**{**inputs, "labels": labels})
+    with pytest.warns(UserWarning, match="own forward"), pytest.raises(ValueError):
+        hc(**{**inputs, "labels": labels})  # the plain forward's own error
 
 
 class _InPlaceOnInput(nn.Module):

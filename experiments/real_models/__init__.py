@@ -7,17 +7,18 @@ names. docs/real-models.md gives the measured tables.
 
 from __future__ import annotations
 
-from real_models import decoders, diffusion, encoders, seq2seq, vision
+from real_models import decoders, diffusion, encoders, multimodal, seq2seq, vision
 
 FAMILIES = {
     module.__name__.rsplit(".", 1)[-1]: tuple(module.MODELS)
-    for module in (decoders, encoders, seq2seq, vision, diffusion)
+    for module in (decoders, encoders, seq2seq, vision, multimodal, diffusion)
 }
 MODELS = {
     **decoders.MODELS,
     **encoders.MODELS,
     **seq2seq.MODELS,
     **vision.MODELS,
+    **multimodal.MODELS,
     **diffusion.MODELS,
 }
 assert sum(map(len, FAMILIES.values())) == len(MODELS), "a model name is in two families"

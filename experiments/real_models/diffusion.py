@@ -1,7 +1,8 @@
 """Diffusion models (diffusers), trained with an MSE on the predicted noise or velocity:
 PixArt-alpha, UNet2DModel (channels-last, bf16 autocast), UNet2DConditionModel (Stable
 Diffusion's), AutoencoderKL, SD3's MMDiT, DiT, Flux (and Flux under bf16 autocast),
-UNet1DModel and a ControlNet feeding a frozen conditional UNet.
+UNet1DModel, a ControlNet feeding a frozen conditional UNet, and two video models: CogVideoX's
+transformer and Stable Video Diffusion's spatio-temporal UNet.
 
 Builders return `(model, step)` as in `decoders.py`."""
 
@@ -313,6 +314,73 @@ def controlnet():
     ).backward()
 
 
+def cogvideox():
+    """diffusers CogVideoXTransformer3DModel (video: patches over frames, 3-D rotary
+    positions, text and video tokens in one attention), MSE on the predicted noise."""
+    import diffusers
+
+    model = diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=32,
+        text_embed_dim=32,
+        num_layers=2,
+        sample_width=16,
+        sample_height=16,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+        use_rotary_positional_embeddings=True,
+        dropout=0.0,
+    )
+    x = torch.randn(2, 3, 4, 16, 16)  # (batch, frames, channels, height, width)
+    text = torch.randn(2, 8, 32)
+    step_t = torch.tensor([10, 500])
+    target = torch.randn(2, 3, 4, 16, 16)
+
+    def step(m):
+        out = m(x, encoder_hidden_states=text, timestep=step_t).sample
+        F.mse_loss(out, target).backward()
+
+    return model, step
+
+
+def svd_unet():
+    """diffusers UNetSpatioTemporalConditionModel (Stable Video Diffusion's: spatial and
+    temporal convolutions and attention, added time ids), MSE on the predicted noise."""
+    import diffusers
+
+    model = diffusers.UNetSpatioTemporalConditionModel(
+        sample_size=16,
+        in_channels=8,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        block_out_channels=(32, 64),
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=24,
+        layers_per_block=1,
+        cross_attention_dim=32,
+        transformer_layers_per_block=1,
+        num_attention_heads=(2, 4),
+        num_frames=3,
+    )
+    x = torch.randn(1, 3, 8, 16, 16)  # (batch, frames, channels, height, width)
+    image = torch.randn(1, 1, 32)
+    time_ids = torch.tensor([[6.0, 127.0, 0.02]])
+    step_t = torch.tensor([10])
+    target = torch.randn(1, 3, 4, 16, 16)
+
+    def step(m):
+        out = m(x, step_t, encoder_hidden_states=image, added_time_ids=time_ids).sample
+        F.mse_loss(out, target).backward()
+
+    return model, step
+
+
 MODELS = {
     f.__name__: f
     for f in (
@@ -326,5 +394,7 @@ MODELS = {
         flux_bf16,
         unet1d,
         controlnet,
+        cogvideox,
+        svd_unet,
     )
 }

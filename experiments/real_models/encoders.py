@@ -1,6 +1,7 @@
 """Encoder models (transformers): ALBERT (shared layer weights), DeBERTa-v2 (disentangled
 attention; its loss selects rows with `nonzero`), ModernBERT (sliding-window and global
-attention), ModernBERT with right padding, and wav2vec2 for CTC (a conv front end on audio).
+attention), ModernBERT with right padding, wav2vec2 for CTC (a conv front end on audio) and RoBERTa
+token classification.
 
 Builders return `(model, step)` as in `decoders.py`."""
 
@@ -127,6 +128,33 @@ def wav2vec2():
     return model, lambda m: m(input_values=audio, labels=labels).loss.backward()
 
 
+def roberta_tokens():
+    """RoBERTa token classification (named-entity style): a label per token, some ignored
+    (-100), cross-entropy over the labelled ones."""
+    import transformers as t
+
+    config = t.RobertaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=130,
+        num_labels=9,
+    )
+    model = t.RobertaForTokenClassification(config)
+    ids = tokens(4, 128, 512)
+    labels = torch.randint(0, 9, (4, 128))
+    labels[:, ::5] = -100
+
+    def step(m):
+        m(input_ids=ids, labels=labels).loss.backward()
+
+    return model, step
+
+
 MODELS = {
     f.__name__: f
     for f in (
@@ -135,5 +163,6 @@ MODELS = {
         modernbert,
         modernbert_padded,
         wav2vec2,
+        roberta_tokens,
     )
 }

@@ -88,11 +88,12 @@ class StepInterpreter:
         if self.refs[inst] == 0:
             self.live -= self.size[inst]
 
-    def _record(self, phase: str, j: int | None) -> None:
+    def _record(self, phase: str, j: int | None, live: int | None = None) -> None:
+        live = self.live if live is None else live
         name = self.info.names[j] if j is not None else ""
-        self.timeline.append((f"{phase}:{name}" if name else phase, self.live))
-        if self.live > self.peak[0]:
-            self.peak = (self.live, phase, name)
+        self.timeline.append((f"{phase}:{name}" if name else phase, live))
+        if live > self.peak[0]:
+            self.peak = (live, phase, name)
 
     # passes --------------------------------------------------------------------------------
     def _items(self, children: list[SegmentLike], early_stop: bool) -> list[tuple]:
@@ -298,9 +299,7 @@ class StepInterpreter:
                 scratch += int(info.grad_bytes[v])
         if info.param_grad_bytes[j]:
             self._new(info.param_grad_bytes[j])  # kept to the end of the step
-        self.live += scratch
-        self._record(BACKWARD, j)
-        self.live -= scratch
+        during = self.live + scratch
         for inst in self.saved_holds[j]:
             self._release(inst)
         self.saved_holds[j] = []
@@ -310,6 +309,10 @@ class StepInterpreter:
         if self.grad[j] >= 0:
             self._release(self.grad[j])
             self.grad[j] = -1
+        # an out-of-place parameter-gradient sum: added after the releases, beside the
+        # gradient j computed (one event, at the higher of the two moments)
+        added = self.live + 2 * int(info.grad_sum_bytes[j]) if info.grad_sum_bytes[j] else 0
+        self._record(BACKWARD, j, max(during, added))
 
     def _backward(self, segments: list[SegmentLike], upto: int | None = None) -> None:
         """Backpropagate a level's `segments` over the nodes at or below `upto` (all of them

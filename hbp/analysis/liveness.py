@@ -63,6 +63,9 @@ class GraphInfo:
         flops / backward_flops: forward and backward FLOPs (backward defaults to 2x forward).
         forward_scratch_bytes / backward_scratch_bytes: per node, scratch bytes live only during its
             forward / backward event.
+        grad_sum_bytes: per node, `Node.grad_sum_bytes`: live twice over (the sum and the
+            computed gradient) once its backward has released what it saved and its output
+            gradient.
         passthrough: per node, the inputs (indices) that receive its output gradient itself.
         stop_flops: per node, the FLOPs it runs when a recompute pass early-stops at it
             (`Node.flops_after_last_save` do not run).
@@ -101,6 +104,7 @@ class GraphInfo:
     backward_flops: np.ndarray
     forward_scratch_bytes: np.ndarray
     backward_scratch_bytes: np.ndarray
+    grad_sum_bytes: np.ndarray
     passthrough: list[tuple[int, ...]]
     stop_flops: np.ndarray
     runs_at_stop: np.ndarray
@@ -156,7 +160,7 @@ class GraphInfo:
                         f"graph: node {node.name!r} saves {name!r}, which is not one of its inputs"
                     )
             sizes = (node.output_bytes, node.saved_extra_bytes, node.param_grad_bytes)
-            scratch = (node.forward_scratch_bytes, node.backward_scratch_bytes)
+            scratch = (node.forward_scratch_bytes, node.backward_scratch_bytes, node.grad_sum_bytes)
             if min(*sizes, *scratch, node.gradient_bytes) < 0:
                 raise ValueError(f"graph: node {node.name!r} has a negative byte count")
             saved.append(tuple(dict.fromkeys(index[s] for s in node.saved_inputs)))
@@ -199,6 +203,7 @@ class GraphInfo:
         forward_scratch_bytes = np.array([nd.forward_scratch_bytes for nd in nodes], np.int64)
         backward_scratch_bytes = np.array([nd.backward_scratch_bytes for nd in nodes], np.int64)
         backward_scratch_bytes *= has_backward
+        grad_sum_bytes = np.array([nd.grad_sum_bytes for nd in nodes], np.int64) * has_backward
         passthrough = [
             tuple(index[v] for v in nd.grad_passthrough if v in index and v in nd.inputs)
             if has_backward[i]
@@ -245,6 +250,7 @@ class GraphInfo:
             backward_flops=bwd * has_backward,
             forward_scratch_bytes=forward_scratch_bytes * ~is_input,
             backward_scratch_bytes=backward_scratch_bytes,
+            grad_sum_bytes=grad_sum_bytes,
             passthrough=passthrough,
             stop_flops=stop_flops,
             runs_at_stop=runs_at_stop,

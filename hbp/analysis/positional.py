@@ -112,5 +112,7 @@ def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray
                 if refs[grad[j]] == 0:
                     live -= size[grad[j]]
                 grad[j] = -1
+            if info.grad_sum_bytes[j]:  # added after the releases (see the simulator)
+                at_backward[j] = max(at_backward[j], live + 2 * int(info.grad_sum_bytes[j]))
         after[j] = live
     return at_backward, after

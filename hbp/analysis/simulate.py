@@ -42,7 +42,9 @@ computes for it is live during j's event and added after it: scratch of the even
 passed-through one is j's own) unless that gradient's storage is also another value's
 gradient (shared by passthrough; j's own output gradient, which j lets go of before autograd
 accumulates, does not count): then, like autograd's input buffer, the sum is new storage and
-the input lets go of the shared one.
+the input lets go of the shared one. A parameter gradient added out of place
+(`Node.grad_sum_bytes`) is added after j has released what it saved and its output gradient:
+the event's bytes are the higher of those during j's backward and those then.
 Scratch bytes a capture recorded (`Node.forward_scratch_bytes`,
 `Node.backward_scratch_bytes`) are live during the node's forward (every run of it) / backward
 event only. A node that runs with saving off still allocates its `saved_extra_bytes` (a

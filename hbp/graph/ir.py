@@ -73,6 +73,12 @@ class Node:
         backward_scratch_bytes: the same while its backward runs, beyond the input and
             parameter gradients it creates (cross-entropy's log-softmax gradient, a
             convolution's im2col buffers).
+        grad_sum_bytes: bytes of a new sum autograd makes when it adds the parameter gradient
+            this node's backward computes to one it holds already (a parameter read by
+            several nodes whose held gradient cannot take it in place: NOTE [ Gradients of a
+            parameter used twice ] in hbp/graph/torch/profile.py). The engine adds once the
+            node's backward has released its saved tensors and its output gradient; the
+            computed gradient (the same size) is live beside the sum until then.
         flops_after_last_save: FLOPs that do not run when a recompute pass early-stops at
             this node (torch saves an op's inputs before the op runs, its outputs after).
         output_after_last_save: whether its output is allocated after its last save (a
@@ -101,6 +107,7 @@ class Node:
     grad_passthrough: tuple[str, ...] = ()
     forward_scratch_bytes: int = 0
     backward_scratch_bytes: int = 0
+    grad_sum_bytes: int = 0
     flops_after_last_save: float = 0.0
     output_after_last_save: bool = False
     draws_random: bool = False

@@ -47,13 +47,15 @@ REAL_RESULTS = "hbp_real_results"
 # know of (the graph still runs correctly, as the plain forward would).
 # A Python branch on tensor data whose other side only raises (an input check: `if
 # labels.max() >= vocab: raise ValueError(...)`) takes the example's branch and records a
-# `guard` node: a step whose data takes the other branch raises `GraphBreakGuardError` where
-# the plain forward raises its own error. Any other branch on data still fails the trace
+# `guard` node, which raises `GraphBreakGuardError` on a step whose data takes the other
+# branch; HCModule then runs the plain forward for that step (NOTE [ A failed guard ] in
+# hbp/integrations/torch/guards.py), so the caller sees the model's own error. Any other branch on data still fails the trace
 # (the executors cannot switch to another graph mid-step; module level runs the forward).
 
 
 class GraphBreakGuardError(RuntimeError):
-    """A step's data took another Python branch than the captured example's."""
+    """A step's data took another Python branch than the captured example's (HCModule
+    catches it and runs the plain forward for that step)."""
 
 
 def guard(value: torch.Tensor, expected: bool) -> None:

@@ -145,9 +145,12 @@ def profile_graph(
 # a new parameter-sized sum while both addends are still live (torch/csrc/autograd/
 # input_buffer.cpp, `accumulate`). A view is never added to in place: linear's weight gradient
 # is one, so an embedding tied to an output head gets its sum out of place. That new sum is
-# charged as backward scratch of the node whose contribution is added (an upper bound by the
-# few bytes that node's backward frees before the engine adds: its saved tensors and output
-# gradient); the sum is fresh, so contributions after it are added in place. Under a dispatch
+# `grad_sum_bytes` of the node whose contribution is added: the engine adds after that node's
+# backward has released its saved tensors and output gradient (engine.cpp,
+# `evaluate_function`: `call_function`, `release_variables`, then the input buffers), so the
+# simulator charges the sum and the contribution then, not during the node's backward (an
+# encoder's embedding: its output gradient is a whole activation); the sum is fresh, so
+# contributions after it are added in place. Under a dispatch
 # mode (a memory tracker), autograd always adds out of place: the allocator is the reference.
 
 
@@ -173,7 +176,7 @@ def charge_out_of_place_sums(
         position = next(k for k, p in enumerate(params_used[first]) if id(p) == key)
         if position < len(flags) and flags[position]:
             p = sized[key]
-            nodes[at[-2]].backward_scratch_bytes += p.numel() * p.element_size()
+            nodes[at[-2]].grad_sum_bytes += p.numel() * p.element_size()
 
 
 def charge_param_grads(nodes: list[Node], params_used: list[list[nn.Parameter]]) -> None:

@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from hbp.errors import ConfigError
 from hbp.graph.torch.capture import CapturedGraph
 from hbp.integrations.torch.closed_loop import ClosedLoop, StepPeakProbe
 from hbp.integrations.torch.compile import CompiledSegments, dynamo_callback_set
+from hbp.integrations.torch.guards import has_guards, run_or_plain
 from hbp.integrations.torch.loss import with_loss
 from hbp.integrations.torch.outputs import WatchedOutputs
 from hbp.integrations.torch.planning import Compiled, Planning, plan_summary
@@ -268,12 +270,14 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if not self._plans_for(args, step_kwargs):
             return root(*step_args, **step_kwargs)
         compiled = self._prepare(step_args, step_kwargs, root, tag, compiled_segments)
-        return self._run(compiled, step_args, step_kwargs, compiled_segments)
+        return self._run(compiled, step_args, step_kwargs, compiled_segments, root)
 
-    def _run(self, compiled, args, kwargs, compiled_segments: bool = False):
+    def _run(self, compiled, args, kwargs, compiled_segments: bool = False, root=None):
         """Run the executor (`compiled_segments`: a torch.compile(hc) call); measure the step
         with the allocator while the closed loop is open (NOTE [ The step around the
-        module ]); see which outputs the caller keeps (NOTE [ Outputs the caller lets go ])."""
+        module ]); see which outputs the caller keeps (NOTE [ Outputs the caller lets go ]).
+        Where a guard of the graph fails, run `root` (the module, or the module with its
+        loss) plainly instead (NOTE [ A failed guard ])."""
         measured = self._stop_probe()
         if self._outputs_observed(compiled) and measured and measured[0] is compiled:
             measured = None  # planned again for the outputs the caller keeps: measure anew
@@ -282,9 +286,35 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if compiled_segments and compiled.pins:
             self._plan_without_pins(compiled)
         executor = self._executor(compiled, compiled_segments)
-        output = self._run_measured(compiled, executor, args, kwargs, compiled_segments)
-        self._watch_outputs(compiled, executor, output)
+        if not has_guards(compiled.captured):
+            output = self._run_measured(compiled, executor, args, kwargs, compiled_segments)
+            self._watch_outputs(compiled, executor, output)
+            return output
+        ran: list = []
+
+        def run():
+            output = self._run_measured(compiled, executor, args, kwargs, compiled_segments)
+            ran.append(True)
+            return output
+
+        def plain():
+            return root(*args, **kwargs) if root is not None else self._plain(*args, **kwargs)
+
+        output = run_or_plain(
+            run,
+            plain,
+            self.module if root is None else root,
+            sorted({d.index or 0 for d in _cuda_devices(args, kwargs, self.module)}),
+            lambda message: self._warn_once("graph-break-guard", message),
+        )
+        if ran:
+            self._watch_outputs(compiled, executor, output)
         return output
+
+
+def _cuda_devices(args, kwargs, module) -> list[torch.device]:
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return [t.device for t in (*tensors, *module.parameters()) if t.is_cuda]
 
 
 def _accept_unwrapped_keys(module, state_dict, prefix, *args) -> None:
