@@ -197,6 +197,76 @@ def _run_fx_node_once(node: fx.Node, root: nn.Module, faker: Faker, args, kwargs
     raise AssertionError(f"cannot run fx node {node.op}")
 
 
+# NOTE [ Outputs made, not computed ]
+# Both fake runs of a graph (the tracer's, for the values the forward's Python asks about, and
+# the profile stage's) run every node, and a model of repeated layers runs the same op on
+# values of the same layout over and over; on fake tensors a decomposed op (a linear: a
+# transpose, a matmul, views) costs several dispatches. Where the first such call returned one
+# new tensor, dense from offset 0, from a pure call (`pure_call`) that changed none of the
+# tensors it was given, a later call with the same signature returns a new tensor of that
+# layout on a new storage, and needs no run (`made_layout`, `made_output`): it is made with
+# `torch.empty_strided`, as the result of an autograd Function of a given tensor that requires
+# grad where the output requires grad (a non-leaf, as a computed output is). What the capture
+# reads of a value (metadata, storage identity, requires_grad, leaf or not) is then what the
+# run would have given. The signature must fix the output's layout: the op, its non-tensor
+# arguments and its tensors' shapes, strides, offsets, dtypes, devices, requires_grad and
+# which of them share a storage.
+
+
+def pure_call(kind: str, target: Any) -> bool:
+    """Whether an fx node's call (`kind`: its op; `target`: its target, a module's class)
+    changes nothing but the tensors it is given: a Tensor method, a function of torch or the
+    `operator` module, a module (callers pass only stateless library modules)."""
+    if kind in ("call_method", "call_module"):
+        return True
+    module = getattr(target, "__module__", None) or ""
+    return kind == "call_function" and (
+        module in ("_operator", "operator") or module == "torch" or module.startswith("torch.")
+    )
+
+
+def made_layout(out: Any, given: Any) -> tuple | None:
+    """(shape, strides, dtype, device, requires_grad) of `out` where a call that returned it
+    from `given` (its arguments and parameters) can be replayed by `made_output`: one new dense
+    tensor from offset 0 on a storage none of `given` holds; else None (NOTE [ Outputs made,
+    not computed ])."""
+    if not isinstance(out, torch.Tensor) or out._base is not None or out.storage_offset() != 0:
+        return None
+    if out.is_complex() or out.layout != torch.strided or out.numel() == 0:
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in zip(out.shape, out.stride()))
+    if span != out.numel() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        return None
+    leaves = tensor_leaves(given)
+    if storage_key(out) in {storage_key(t) for t in leaves}:
+        return None
+    if out.requires_grad and (out.grad_fn is None or not any(t.requires_grad for t in leaves)):
+        return None
+    shape = tuple(int(d) for d in out.shape)
+    return (shape, tuple(int(d) for d in out.stride()), out.dtype, out.device, out.requires_grad)
+
+
+class _Made(torch.autograd.Function):
+    """A new tensor of a given layout, as the result of an op of `anchor` (a non-leaf)."""
+
+    @staticmethod
+    def forward(ctx, anchor, shape, stride, dtype, device):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None, None
+
+
+def made_output(layout: tuple, given: Any) -> torch.Tensor:
+    """A new tensor of `layout` (`made_layout`), made in the active (fake) mode."""
+    shape, stride, dtype, device, requires_grad = layout
+    if not requires_grad:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    anchor = next(t for t in tensor_leaves(given) if t.requires_grad)
+    return _Made.apply(anchor, shape, stride, dtype, device)
+
+
 def fetch_attr(root: nn.Module, target: str) -> Any:
     obj = root
     for part in target.split("."):

@@ -583,6 +583,7 @@ def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> 
     cache key already guarantees them, and they would only clutter the IR."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     concrete_targets = {f"{name}_1" for name in concrete}
+    erased = False
     for node in list(gm.graph.nodes):
         if node.op == "placeholder" and node.target in concrete_targets:
             stack = list(node.users)
@@ -594,4 +595,6 @@ def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> 
                     stack.extend(user.users)
             for user in sorted(doomed, key=lambda n: -position[n]):
                 gm.graph.erase_node(user)
-    gm.recompile()
+                erased = True
+    if erased:  # else the graph module's code is already its graph's
+        gm.recompile()
