@@ -267,6 +267,118 @@ def made_output(layout: tuple, given: Any) -> torch.Tensor:
     return _Made.apply(anchor, shape, stride, dtype, device)
 
 
+class MadeOutputs:
+    """The layouts of the fx-node calls' outputs seen so far, by signature, for runs that
+    replay them (NOTE [ Outputs made, not computed ])."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple, tuple] = {}
+
+    def run(self, node: fx.Node, root: nn.Module, faker: Faker, args, kwargs) -> Any:
+        """`run_fx_node(node, root, faker, args, kwargs)` in `faker`'s mode, or its output
+        made without running where a call of the same signature returned a new tensor."""
+        key, params = self._signature(node, root, faker, args, kwargs)
+        given = (args, kwargs, params)
+        with faker.mode:
+            layout = self.layouts.get(key) if key is not None else None
+            if layout is not None:
+                return made_output(layout, given)
+            touched = tensor_leaves(given) if key is not None else []
+            versions = [t._version for t in touched]
+            out = run_fx_node(node, root, faker, args, kwargs)
+        if key is not None and all(t._version == v for t, v in zip(touched, versions)):
+            layout = made_layout(out, given)
+            if layout is not None:
+                self.layouts[key] = layout
+        return out
+
+    @staticmethod
+    def _signature(node: fx.Node, root: nn.Module, faker: Faker, args, kwargs):
+        """(signature or None where the call cannot be replayed, its module's parameters)."""
+        if node.meta.get(MODES) or node.meta.get(REAL_RESULTS):
+            return None, ()
+        params: tuple = ()
+        if node.op == "call_module":
+            module = root.get_submodule(node.target)
+            if not stateless_module(module):
+                return None, ()
+            op: Any = (type(module), repr(module), module.training)
+            # a stateless module has parameters of its own only (no buffers, no children);
+            # read without `named_parameters`, which fx's patching slows while tracing
+            params = tuple(faker.tensor(p) for p in module._parameters.values() if p is not None)
+        elif node.op in ("call_function", "call_method") and pure_call(node.op, node.target):
+            op = (node.op, node.target)
+        else:
+            return None, ()
+        leaves, spec = tree_flatten((args, kwargs, params))
+        storages: dict[int, int] = {}
+        described: list[tuple] = []
+        try:
+            for x in leaves:
+                if isinstance(x, torch.Tensor):
+                    key = storage_key(x)
+                    if key is None:
+                        return None, ()
+                    described.append(
+                        (
+                            tuple(int(d) for d in x.shape),
+                            tuple(int(d) for d in x.stride()),
+                            int(x.storage_offset()),
+                            x.dtype,
+                            x.device,
+                            x.requires_grad,
+                            storages.setdefault(key, len(storages)),
+                            int(x.untyped_storage().nbytes()),
+                        )
+                    )
+                elif isinstance(x, _PLAIN) or x is Ellipsis:
+                    described.append((type(x), x))
+                elif isinstance(x, slice) and all(
+                    isinstance(v, (int, type(None))) for v in (x.start, x.stop, x.step)
+                ):
+                    described.append((slice, x.start, x.stop, x.step))
+                else:
+                    return None, ()
+        except (TypeError, RuntimeError):  # symbolic sizes, ...
+            return None, ()
+        return (op, str(spec), tuple(described)), params
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+
+
+# NOTE [ Stateless library modules are profiled once ]
+# A call_module node's module may keep Python state its signature does not show, so it is
+# profiled in full, except for the torch.nn classes below: their forward reads only their
+# parameters and buffers (in the signature), the hyper-parameters their `repr` prints and
+# `training`. With no hooks on them, a transformer's Linear projections of every layer
+# after the first are then replayed like its functional ops.
+STATELESS_MODULES = (
+    nn.Linear,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.GELU,
+    nn.ReLU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Dropout,
+    nn.Identity,
+    nn.Conv1d,
+    nn.Conv2d,
+)
+
+
+def stateless_module(module: nn.Module) -> bool:
+    """Whether `module` is one of `STATELESS_MODULES` exactly, without hooks."""
+    return (
+        type(module) in STATELESS_MODULES
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not getattr(module, "_backward_pre_hooks", None)
+    )
+
+
 def fetch_attr(root: nn.Module, target: str) -> Any:
     obj = root
     for part in target.split("."):
