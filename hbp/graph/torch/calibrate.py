@@ -115,10 +115,8 @@ class _Layouts:
 
 
 class _NodeFacts(NamedTuple):
-    """What a pass learns of an fx node from its inputs' real values, the same in every pass
-    (the graph runs on the same inputs): its op signature, and for each tensor leaf of its
-    (args, kwargs) the fx node it is the value of (None for constants and attributes) with
-    that value's own strides (None where the value is not one tensor)."""
+    """What every pass learns of an fx node from its inputs' values: its op signature, and
+    per tensor leaf of its (args, kwargs) `_leaf_sources` and that value's own strides."""
 
     signature: tuple
     sources: list[fx.Node | None]
@@ -126,10 +124,8 @@ class _NodeFacts(NamedTuple):
 
 
 class _Pass:
-    """The state the passes over one graph share: its fx nodes by name (to follow aliases),
-    and the facts each node's inputs gave (`_NodeFacts`), so a later pass runs the graph
-    only as far as the ops whose measurement is not known yet (NOTE [ Layout passes run
-    only what they measure ])."""
+    """What the passes over one graph share: its fx nodes by name, each node's `_NodeFacts`
+    (NOTE [ Layout passes run only what they measure ])."""
 
     def __init__(self, captured: CapturedGraph):
         self.captured = captured
@@ -148,29 +144,24 @@ def _calibrate_pass(
     measured backward adds to `layouts` the inputs' values whose gradient came back in another
     layout than the value's own. With `only`, views are measured too (backward only): a
     gradient's layout comes back through them, and they copy one they cannot view back."""
-    captured, raised = run.captured, 0
-    gm = captured.gm
-    if only is None:
-        steps = _run_graph(gm, captured, arguments)
-    else:
-        steps = _known_first(run, gm, arguments, only)
+    captured, raised, gm = run.captured, 0, run.captured.gm
+    steps = (
+        _run_graph(gm, captured, arguments) if only is None else _known_first(run, arguments, only)
+    )
     for node, values in steps:
-        if only is not None and node not in only:
+        ir_node = _measurable(captured, node)
+        view = _view(captured, node) if ir_node is None else None
+        if ir_node is None and view is None:
             continue
-        ir_node, view = _measurable(captured, node), None
-        if ir_node is None:
-            view = _view(captured, node)
-        if ir_node is None and (view is None or only is None):
-            if view is not None and node not in run.facts:  # for the layout passes
-                _node_facts(run, gm, node, values)
-            continue
-        seeds = [None] if only is None else sorted(only[node])
-        cat_dim = _cat_dim(node) if only is None else None
         args = kwargs = None
         if values is not None:
             args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
             if node not in run.facts:
-                run.facts[node] = _node_facts(run, gm, node, values, args, kwargs)
+                run.facts[node] = _node_facts(gm, node, values, args, kwargs)
+        if ir_node is None and only is None:
+            continue  # a view: its facts are kept for the layout passes
+        seeds = [None] if only is None else sorted(only[node])
+        cat_dim = _cat_dim(node) if only is None else None
         facts = run.facts[node]
         for strides in seeds:
             key = (facts.signature, cat_dim, strides)
@@ -188,28 +179,17 @@ def _calibrate_pass(
     return raised
 
 
-def _node_facts(
-    run: _Pass, gm: fx.GraphModule, node: fx.Node, values: _Values, args=None, kwargs=None
-) -> _NodeFacts:
-    """`node`'s facts (`_NodeFacts`), its inputs' values available in `values`."""
-    if args is None:
-        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
+def _node_facts(gm: fx.GraphModule, node: fx.Node, values: _Values, args, kwargs) -> _NodeFacts:
     sources = _leaf_sources(node, values)
-    facts = _NodeFacts(
-        _signature(gm, node, args, kwargs),
-        sources,
-        [None if source is None else values.strides(source) for source in sources],
-    )
-    run.facts[node] = facts
-    return facts
+    strides = [None if source is None else values.strides(source) for source in sources]
+    return _NodeFacts(_signature(gm, node, args, kwargs), sources, strides)
 
 
-def _known_first(run: _Pass, gm: fx.GraphModule, arguments: list[Any], only):
+def _known_first(run: _Pass, arguments: list[Any], only):
     """(fx node, values or None) for each node of `only` that can be measured, in graph order:
-    None where every measurement it needs is known at that point (its facts and each gradient
-    layout's result), else its inputs' values, from a run of the graph that goes only as far
-    as such nodes ask (NOTE [ Layout passes run only what they measure ])."""
-    captured = run.captured
+    None where its facts and each measurement it needs are known, else its inputs' values
+    (NOTE [ Layout passes run only what they measure ])."""
+    captured, gm = run.captured, run.captured.gm
     steps = _run_graph(gm, captured, arguments)  # lazy: runs as far as it is consumed
     for node in gm.graph.nodes:
         if node not in only or node.op in ("placeholder", "get_attr", "output"):
@@ -227,11 +207,10 @@ def _known_first(run: _Pass, gm: fx.GraphModule, arguments: list[Any], only):
 
 
 # NOTE [ Layout passes run only what they measure ]
-# Each layout pass (NOTE [ The layout of an output's gradient ]) needs of an op its signature
-# and the strides of its inputs' values, which the first pass learnt (`_NodeFacts`), and the
-# op's real inputs only where a measurement is not cached yet. In a model of repeated
-# blocks, the first block's ops are measured and the later blocks' hit the cache, so a layout
-# pass runs the graph only as far as the first block instead of re-running the whole graph.
+# A layout pass (NOTE [ The layout of an output's gradient ]) needs of an op its signature and
+# its inputs' strides, which the first pass learnt (`_NodeFacts`), and its real inputs only
+# where a measurement is not cached: in a model of repeated blocks, the graph is run only as
+# far as the first block, whose ops are measured; the later blocks' hit the cache.
 
 
 def _record_layouts(
