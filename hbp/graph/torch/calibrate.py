@@ -39,7 +39,7 @@ and on CUDA the peak statistics are reset (do not calibrate inside a step measur
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -86,13 +86,13 @@ def calibrate_scratch(
     if _on_cpu(arguments, gm) and foreign_profiler_running():  # profilers cannot nest
         return None
     with _disable_current_modes(), _state_kept(gm), torch.no_grad():
-        layouts = _Layouts()
-        raised = _calibrate_pass(captured, arguments, layouts)
+        layouts, run = _Layouts(), _Pass(captured)
+        raised = _calibrate_pass(run, arguments, layouts)
         for _ in range(MAX_LAYOUT_PASSES):  # NOTE [ The layout of an output's gradient ]
             pending = layouts.take_pending()
             if not pending:
                 break
-            raised += _calibrate_pass(captured, arguments, layouts, only=pending)
+            raised += _calibrate_pass(run, arguments, layouts, only=pending)
     return raised
 
 
@@ -114,8 +114,27 @@ class _Layouts:
         return pending
 
 
+class _NodeFacts(NamedTuple):
+    """What every pass learns of an fx node from its inputs' values: its op signature, and
+    per tensor leaf of its (args, kwargs) `_leaf_sources` and that value's own strides."""
+
+    signature: tuple
+    sources: list[fx.Node | None]
+    strides: list[Strides | None]
+
+
+class _Pass:
+    """What the passes over one graph share: its fx nodes by name, each node's `_NodeFacts`
+    (NOTE [ Layout passes run only what they measure ])."""
+
+    def __init__(self, captured: CapturedGraph):
+        self.captured = captured
+        self.by_name = {n.name: n for n in captured.gm.graph.nodes}
+        self.facts: dict[fx.Node, _NodeFacts] = {}
+
+
 def _calibrate_pass(
-    captured: CapturedGraph,
+    run: _Pass,
     arguments: list[Any],
     layouts: _Layouts,
     only: dict[fx.Node, set[Strides]] | None = None,
@@ -125,21 +144,27 @@ def _calibrate_pass(
     measured backward adds to `layouts` the inputs' values whose gradient came back in another
     layout than the value's own. With `only`, views are measured too (backward only): a
     gradient's layout comes back through them, and they copy one they cannot view back."""
-    gm, raised = captured.gm, 0
-    for node, values in _run_graph(gm, captured, arguments, until=only):
-        if only is not None and node not in only:
-            continue
-        ir_node, view = _measurable(captured, node), None
-        if ir_node is None and only is not None:  # a layout comes back through views
-            view = _view(captured, node)
+    captured, raised, gm = run.captured, 0, run.captured.gm
+    steps = (
+        _run_graph(gm, captured, arguments) if only is None else _known_first(run, arguments, only)
+    )
+    for node, values in steps:
+        ir_node = _measurable(captured, node)
+        view = _view(captured, node) if ir_node is None else None
         if ir_node is None and view is None:
             continue
+        args = kwargs = None
+        if values is not None:
+            args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
+            if node not in run.facts:
+                run.facts[node] = _node_facts(gm, node, values, args, kwargs)
+        if ir_node is None and only is None:
+            continue  # a view: its facts are kept for the layout passes
         seeds = [None] if only is None else sorted(only[node])
-        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), values.prepare)
         cat_dim = _cat_dim(node) if only is None else None
-        signature = _signature(gm, node, args, kwargs)
+        facts = run.facts[node]
         for strides in seeds:
-            key = (signature, cat_dim, strides)
+            key = (facts.signature, cat_dim, strides)
             if key not in _CACHE:
                 measured = _measure(gm, node, args, kwargs, cat_dim, strides)
                 if measured is None:
@@ -150,27 +175,59 @@ def _calibrate_pass(
                 raised += _raise_fields(captured, ir_node, forward, backward, only is None)
             else:  # a view's backward copies a gradient that cannot be viewed back
                 raised += _raise_fields(captured, view, 0, backward)
-            _record_layouts(captured, node, values, grad_strides, layouts)
+            _record_layouts(run, facts, grad_strides, layouts)
     return raised
 
 
+def _node_facts(gm: fx.GraphModule, node: fx.Node, values: _Values, args, kwargs) -> _NodeFacts:
+    sources = _leaf_sources(node, values)
+    strides = [None if source is None else values.strides(source) for source in sources]
+    return _NodeFacts(_signature(gm, node, args, kwargs), sources, strides)
+
+
+def _known_first(run: _Pass, arguments: list[Any], only):
+    """(fx node, values or None) for each node of `only` that can be measured, in graph order:
+    None where its facts and each measurement it needs are known, else its inputs' values
+    (NOTE [ Layout passes run only what they measure ])."""
+    captured, gm = run.captured, run.captured.gm
+    steps = _run_graph(gm, captured, arguments)  # lazy: runs as far as it is consumed
+    for node in gm.graph.nodes:
+        if node not in only or node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if _measurable(captured, node) is None and _view(captured, node) is None:
+            continue
+        facts = run.facts.get(node)
+        if facts is not None and all((facts.signature, None, s) in _CACHE for s in only[node]):
+            yield node, None
+            continue
+        for ran, values in steps:
+            if ran is node:
+                yield node, values
+                break
+
+
+# NOTE [ Layout passes run only what they measure ]
+# A layout pass (NOTE [ The layout of an output's gradient ]) needs of an op its signature and
+# its inputs' strides, which the first pass learnt (`_NodeFacts`), and its real inputs only
+# where a measurement is not cached: in a model of repeated blocks, the graph is run only as
+# far as the first block, whose ops are measured; the later blocks' hit the cache.
+
+
 def _record_layouts(
-    captured: CapturedGraph,
-    node: fx.Node,
-    values: _Values,
+    run: _Pass,
+    facts: _NodeFacts,
     grad_strides: tuple[Strides | None, ...],
     layouts: _Layouts,
 ) -> None:
-    """Add to `layouts` each input value of `node` whose gradient came back in strides other
+    """Add to `layouts` each input value of a node whose gradient came back in strides other
     than its own (and the op whose storage it aliases with its shape and strides)."""
-    for source, strides in zip(_leaf_sources(node, values), grad_strides):
+    for source, own, strides in zip(facts.sources, facts.strides, grad_strides):
         if strides is None or source is None:
             continue
-        own = values.strides(source)
         if own is None or own == strides:
             continue
         layouts.add(source, strides)
-        root = _same_layout_root(captured, source)
+        root = _same_layout_root(run, source)
         if root is not None:
             layouts.add(root, strides)
 
@@ -188,12 +245,12 @@ def _view(captured: CapturedGraph, node: fx.Node) -> Node | None:
     return ir_node
 
 
-def _same_layout_root(captured: CapturedGraph, node: fx.Node) -> fx.Node | None:
+def _same_layout_root(run: _Pass, node: fx.Node) -> fx.Node | None:
     """The op whose storage `node` aliases, when `node` has that value's shape and strides
     (exported graphs put `broadcast_tensors` and `getitem` between an output and
     `mse_loss`): the gradient the alias gets back is the root's, in the same layout. None
     otherwise, or where the graph records no fake values."""
-    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    captured, by_name = run.captured, run.by_name
     root = node
     for _ in range(len(by_name)):
         try:

@@ -197,6 +197,188 @@ def _run_fx_node_once(node: fx.Node, root: nn.Module, faker: Faker, args, kwargs
     raise AssertionError(f"cannot run fx node {node.op}")
 
 
+# NOTE [ Outputs made, not computed ]
+# Both fake runs of a graph (the tracer's, for the values the forward's Python asks about, and
+# the profile stage's) run every node, and a model of repeated layers runs the same op on
+# values of the same layout over and over; on fake tensors a decomposed op (a linear: a
+# transpose, a matmul, views) costs several dispatches. Where the first such call returned one
+# new tensor, dense from offset 0, from a pure call (`pure_call`) that changed none of the
+# tensors it was given, a later call with the same signature returns a new tensor of that
+# layout on a new storage, and needs no run (`made_layout`, `made_output`): it is made with
+# `torch.empty_strided`, as the result of an autograd Function of a given tensor that requires
+# grad where the output requires grad (a non-leaf, as a computed output is). What the capture
+# reads of a value (metadata, storage identity, requires_grad, leaf or not) is then what the
+# run would have given. The signature must fix the output's layout: the op, its non-tensor
+# arguments and its tensors' shapes, strides, offsets, dtypes, devices, requires_grad and
+# which of them share a storage.
+
+
+def pure_call(kind: str, target: Any) -> bool:
+    """Whether an fx node's call (`kind`: its op; `target`: its target, a module's class)
+    changes nothing but the tensors it is given: a Tensor method, a function of torch or the
+    `operator` module, a module (callers pass only stateless library modules)."""
+    if kind in ("call_method", "call_module"):
+        return True
+    module = getattr(target, "__module__", None) or ""
+    return kind == "call_function" and (
+        module in ("_operator", "operator") or module == "torch" or module.startswith("torch.")
+    )
+
+
+def made_layout(out: Any, given: Any) -> tuple | None:
+    """(shape, strides, dtype, device, requires_grad) of `out` where a call that returned it
+    from `given` (its arguments and parameters) can be replayed by `made_output`: one new dense
+    tensor from offset 0 on a storage none of `given` holds; else None (NOTE [ Outputs made,
+    not computed ])."""
+    if not isinstance(out, torch.Tensor) or out._base is not None or out.storage_offset() != 0:
+        return None
+    if out.is_complex() or out.layout != torch.strided or out.numel() == 0:
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in zip(out.shape, out.stride()))
+    if span != out.numel() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        return None
+    leaves = tensor_leaves(given)
+    if storage_key(out) in {storage_key(t) for t in leaves}:
+        return None
+    if out.requires_grad and (out.grad_fn is None or not any(t.requires_grad for t in leaves)):
+        return None
+    shape = tuple(int(d) for d in out.shape)
+    return (shape, tuple(int(d) for d in out.stride()), out.dtype, out.device, out.requires_grad)
+
+
+class _Made(torch.autograd.Function):
+    """A new tensor of a given layout, as the result of an op of `anchor` (a non-leaf)."""
+
+    @staticmethod
+    def forward(ctx, anchor, shape, stride, dtype, device):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None, None
+
+
+def made_output(layout: tuple, given: Any) -> torch.Tensor:
+    """A new tensor of `layout` (`made_layout`), made in the active (fake) mode."""
+    shape, stride, dtype, device, requires_grad = layout
+    if not requires_grad:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    anchor = next(t for t in tensor_leaves(given) if t.requires_grad)
+    return _Made.apply(anchor, shape, stride, dtype, device)
+
+
+class MadeOutputs:
+    """The layouts of the fx-node calls' outputs seen so far, by signature, for runs that
+    replay them (NOTE [ Outputs made, not computed ])."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple, tuple] = {}
+
+    def run(self, node: fx.Node, root: nn.Module, faker: Faker, args, kwargs) -> Any:
+        """`run_fx_node(node, root, faker, args, kwargs)` in `faker`'s mode, or its output
+        made without running where a call of the same signature returned a new tensor."""
+        key, params = self._signature(node, root, faker, args, kwargs)
+        given = (args, kwargs, params)
+        with faker.mode:
+            layout = self.layouts.get(key) if key is not None else None
+            if layout is not None:
+                return made_output(layout, given)
+            touched = tensor_leaves(given) if key is not None else []
+            versions = [t._version for t in touched]
+            out = run_fx_node(node, root, faker, args, kwargs)
+        if key is not None and all(t._version == v for t, v in zip(touched, versions)):
+            layout = made_layout(out, given)
+            if layout is not None:
+                self.layouts[key] = layout
+        return out
+
+    @staticmethod
+    def _signature(node: fx.Node, root: nn.Module, faker: Faker, args, kwargs):
+        """(signature or None where the call cannot be replayed, its module's parameters)."""
+        if node.meta.get(MODES) or node.meta.get(REAL_RESULTS):
+            return None, ()
+        params: tuple = ()
+        if node.op == "call_module":
+            module = root.get_submodule(node.target)
+            if not stateless_module(module):
+                return None, ()
+            op: Any = (type(module), repr(module), module.training)
+            # a stateless module has parameters of its own only (no buffers, no children);
+            # read without `named_parameters`, which fx's patching slows while tracing
+            params = tuple(faker.tensor(p) for p in module._parameters.values() if p is not None)
+        elif node.op in ("call_function", "call_method") and pure_call(node.op, node.target):
+            op = (node.op, node.target)
+        else:
+            return None, ()
+        leaves, spec = tree_flatten((args, kwargs, params))
+        storages: dict[int, int] = {}
+        described: list[tuple] = []
+        try:
+            for x in leaves:
+                if isinstance(x, torch.Tensor):
+                    key = storage_key(x)
+                    if key is None:
+                        return None, ()
+                    described.append(
+                        (
+                            tuple(int(d) for d in x.shape),
+                            tuple(int(d) for d in x.stride()),
+                            int(x.storage_offset()),
+                            x.dtype,
+                            x.device,
+                            x.requires_grad,
+                            storages.setdefault(key, len(storages)),
+                            int(x.untyped_storage().nbytes()),
+                        )
+                    )
+                elif isinstance(x, _PLAIN) or x is Ellipsis:
+                    described.append((type(x), x))
+                elif isinstance(x, slice) and all(
+                    isinstance(v, (int, type(None))) for v in (x.start, x.stop, x.step)
+                ):
+                    described.append((slice, x.start, x.stop, x.step))
+                else:
+                    return None, ()
+        except (TypeError, RuntimeError):  # symbolic sizes, ...
+            return None, ()
+        return (op, str(spec), tuple(described)), params
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+
+
+# NOTE [ Stateless library modules are profiled once ]
+# A call_module node's module may keep Python state its signature does not show, so it is
+# profiled in full, except for the torch.nn classes below: their forward reads only their
+# parameters and buffers (in the signature), the hyper-parameters their `repr` prints and
+# `training`. With no hooks on them, a transformer's Linear projections of every layer
+# after the first are then replayed like its functional ops.
+STATELESS_MODULES = (
+    nn.Linear,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.GELU,
+    nn.ReLU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Dropout,
+    nn.Identity,
+    nn.Conv1d,
+    nn.Conv2d,
+)
+
+
+def stateless_module(module: nn.Module) -> bool:
+    """Whether `module` is one of `STATELESS_MODULES` exactly, without hooks."""
+    return (
+        type(module) in STATELESS_MODULES
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not getattr(module, "_backward_pre_hooks", None)
+    )
+
+
 def fetch_attr(root: nn.Module, target: str) -> Any:
     obj = root
     for part in target.split("."):

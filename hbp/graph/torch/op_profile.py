@@ -16,7 +16,15 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hbp.graph.torch.fake import RealStorageSizes, any_requires_grad, storage_key, tensor_leaves
+from hbp.graph.torch.fake import (
+    RealStorageSizes,
+    any_requires_grad,
+    made_layout,
+    made_output,
+    pure_call,
+    storage_key,
+    tensor_leaves,
+)
 from hbp.graph.torch.flops import TotalFlopCounterMode
 
 __all__ = ["PROFILE_CACHE", "OpProfile", "ProfileCache", "leaf_rooted", "profile_call"]
@@ -173,14 +181,20 @@ def profile_call(
     if cache is not None and op is not None:
         key = cache.key(op, args, kwargs, inputs, persistent_keys, owners, params, gradient_view_of)
     if key is not None:
-        profile = cache.replay(key, run, args, kwargs, inputs, persistent_keys, owners, name)
+        profile = cache.replay(
+            key, run, args, kwargs, inputs, persistent_keys, owners, name, params
+        )
         if profile is not None:
             return profile
+    touched = tensor_leaves((args, kwargs, params)) if key is not None else []
+    versions = [t._version for t in touched]
     profile = _profile_call_once(
         run, args, kwargs, inputs, persistent_keys, owners, name, params, gradient_view_of
     )
     if key is not None:
-        cache.store(key, profile, inputs)
+        pure = pure_call(*op[:2]) and all(t._version == v for t, v in zip(touched, versions))
+        fresh = _fresh_output_of(profile, args, kwargs, params, pure)
+        cache.store(key, profile, inputs, fresh, direct=pure)
     return profile
 
 
@@ -323,6 +337,12 @@ class _Cached(NamedTuple):
     alias_of: int  # -1: none
     saved_inputs: list[int]
     grad_passthrough: list[int]
+    # (shape, strides, dtype, device, requires_grad) of an output a replay makes without
+    # running the call (NOTE [ Replayed outputs made, not computed ]); None: run it
+    fresh: tuple | None = None
+    # a pure call that changed none of its tensors: a replay runs it on the values themselves,
+    # not on leaf copies (NOTE [ Replayed outputs made, not computed ])
+    direct: bool = False
 
 
 class ProfileCache:
@@ -383,7 +403,9 @@ class ProfileCache:
         view = names.index(gradient_view_of) if gradient_view_of in names else -1
         return (op, str(spec), len(params), view, tuple(described))
 
-    def store(self, key: tuple, profile: OpProfile, inputs) -> None:
+    def store(
+        self, key: tuple, profile: OpProfile, inputs, fresh: tuple | None = None, direct=False
+    ) -> None:
         if profile.mutated_inputs:
             return
         names = [n for n, _ in inputs]
@@ -392,17 +414,36 @@ class ProfileCache:
             names.index(profile.alias_of) if profile.alias_of is not None else -1,
             [names.index(n) for n in profile.saved_inputs],
             [names.index(n) for n in profile.grad_passthrough],
+            fresh,
+            direct,
         )
 
-    def replay(self, key, run, args, kwargs, inputs, persistent_keys, owners, name):
-        """The profile of a call with the signature of an earlier one: run forward only."""
+    def replay(self, key, run, args, kwargs, inputs, persistent_keys, owners, name, params=()):
+        """The profile of a call with the signature of an earlier one: run forward only, or
+        not at all where its output is a new tensor of known layout (NOTE [ Replayed outputs
+        made, not computed ])."""
         entry = self.entries.get(key)
         if entry is None:
             return None
         first = entry.profile
         names = [n for n, _ in inputs]
         input_keys, versions = _input_storages(inputs)
-        call_args, call_kwargs = tree_map(_leaf, (args, kwargs))
+        if entry.fresh is not None:
+            output = made_output(entry.fresh, (args, kwargs, params))
+            output_bytes, alias_of, _, new_keys = _classify_output(
+                output, input_keys, persistent_keys, owners, {}
+            )
+            owners.update(dict.fromkeys(new_keys, name))
+            self.hits += 1
+            return replace(
+                first,
+                output=output,
+                alias_of=None,
+                saved_inputs=tuple(names[i] for i in entry.saved_inputs),
+                grad_passthrough=[names[i] for i in entry.grad_passthrough],
+                value_bytes=output.numel() * output.element_size(),
+            )
+        call_args, call_kwargs = (args, kwargs) if entry.direct else tree_map(_leaf, (args, kwargs))
         try:
             with RealStorageSizes() as real:
                 output = run(*call_args, **call_kwargs)
@@ -430,6 +471,28 @@ class ProfileCache:
             grad_passthrough=[names[i] for i in entry.grad_passthrough],
             value_bytes=sum(t.numel() * t.element_size() for t in tensor_leaves(output)),
         )
+
+
+# NOTE [ Replayed outputs made, not computed ]
+# A replay (NOTE [ Identical nodes are profiled once ]) runs the call forward only for its
+# output, which later nodes run on. Where the first such call returned one new tensor from a
+# pure call that changed none of its tensors, a replay makes that output without running the
+# call (NOTE [ Outputs made, not computed ] in hbp/graph/torch/fake.py). Other pure calls that
+# changed none of their tensors are run on the values themselves rather than on leaf copies
+# of them (the copies' only use is a backward, which a replay does not run): the output is
+# then the one the profile stage keeps for a view (not a view of a leaf, `leaf_rooted`),
+# without running the view again.
+
+
+def _fresh_output_of(profile: OpProfile, args, kwargs, params, pure: bool) -> tuple | None:
+    """`_Cached.fresh` of a call profiled in full (NOTE [ Replayed outputs made, not
+    computed ])."""
+    if not pure or profile.alias_of is not None or not isinstance(profile.output, torch.Tensor):
+        return None
+    layout = made_layout(profile.output, (args, kwargs, params))
+    if layout is None or profile.output_bytes != profile.output.untyped_storage().nbytes():
+        return None
+    return layout if profile.output.requires_grad == profile.requires_grad else None
 
 
 def _profile_backward(

@@ -37,6 +37,7 @@ from hbp.graph.torch.fake import (
     any_requires_grad,
     fetch_attr,
     run_fx_node,
+    stateless_module,
     storage_key,
     tensor_leaves,
 )
@@ -342,7 +343,7 @@ def _profile_fx_node(
     if cache is not None and not node.meta.get(MODES) and not node.meta.get(REAL_RESULTS):
         if node.op in ("call_function", "call_method"):
             op = (node.op, node.target)
-        elif node.op == "call_module" and _stateless_module(sub):
+        elif node.op == "call_module" and stateless_module(sub):
             # NOTE [ Stateless library modules are profiled once ]
             op = (node.op, type(sub), repr(sub), sub.training)
     with faker.mode:
@@ -394,35 +395,3 @@ def _profile_fx_node(
         module=_module_label(node),
     )
     return ir_node, params, prof, mutated_attrs
-
-
-# NOTE [ Stateless library modules are profiled once ]
-# A call_module node's module may keep Python state its signature does not show, so it is
-# profiled in full, except for the torch.nn classes below: their forward reads only their
-# parameters and buffers (in the signature), the hyper-parameters their `repr` prints and
-# `training`. With no hooks on them, a transformer's Linear projections of every layer
-# after the first are then replayed like its functional ops.
-STATELESS_MODULES = (
-    nn.Linear,
-    nn.Embedding,
-    nn.LayerNorm,
-    nn.GELU,
-    nn.ReLU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Dropout,
-    nn.Identity,
-    nn.Conv1d,
-    nn.Conv2d,
-)
-
-
-def _stateless_module(module: nn.Module) -> bool:
-    """Whether `module` is one of `STATELESS_MODULES` exactly, without hooks."""
-    return (
-        type(module) in STATELESS_MODULES
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-        and not module._backward_hooks
-        and not getattr(module, "_backward_pre_hooks", None)
-    )

@@ -51,7 +51,7 @@ from hbp.graph.torch.breaks import (
     other_branch_raises,
     record_real_results,
 )
-from hbp.graph.torch.fake import MISSING, Faker, fetch_attr, run_fx_node
+from hbp.graph.torch.fake import MISSING, Faker, MadeOutputs, fetch_attr, run_fx_node
 from hbp.graph.torch.modes import MODES, ambient_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
 from hbp.graph.torch.state import ForwardSideEffect, ModuleState
@@ -206,6 +206,7 @@ class _Tracer(fx.Tracer):
         self.base_modes = ambient_modes()  # nodes created in other modes record theirs
         self.output_template: Any = None  # forward's return value, proxies as `OutputSlot`s
         self.inlined_checkpoints = 0  # torch.utils.checkpoint calls traced through
+        self.made = MadeOutputs()  # the values of repeated calls, made without a run
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         # The graph returns the forward's proxies as one flat tuple; the containers around
@@ -360,9 +361,8 @@ class _Tracer(fx.Tracer):
 
     def _run_fake(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         self.computing = True
-        try:
-            with self.faker.mode:
-                return run_fx_node(node, self.root, self.faker, args, kwargs)
+        try:  # NOTE [ Outputs made, not computed ]
+            return self.made.run(node, self.root, self.faker, args, kwargs)
         finally:
             self.computing = False
 
@@ -583,6 +583,7 @@ def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> 
     cache key already guarantees them, and they would only clutter the IR."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     concrete_targets = {f"{name}_1" for name in concrete}
+    erased = False
     for node in list(gm.graph.nodes):
         if node.op == "placeholder" and node.target in concrete_targets:
             stack = list(node.users)
@@ -594,4 +595,6 @@ def _drop_concrete_arg_asserts(gm: fx.GraphModule, concrete: dict[str, Any]) -> 
                     stack.extend(user.users)
             for user in sorted(doomed, key=lambda n: -position[n]):
                 gm.graph.erase_node(user)
-    gm.recompile()
+                erased = True
+    if erased:  # else the graph module's code is already its graph's
+        gm.recompile()
