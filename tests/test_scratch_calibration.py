@@ -157,10 +157,10 @@ def test_each_op_signature_is_measured_once_and_module_state_is_kept(monkeypatch
     module, x = Repeated(), torch.randn(2, 8, 12, 12)
     calibrate.clear_cache()
     calls = []
-    measure = calibrate._measure
+    measure = calibrate.measure_op
     monkeypatch.setattr(
         calibrate,
-        "_measure",
+        "measure_op",
         lambda gm, node, *a: calls.append(node.target) or measure(gm, node, *a),
     )
     captured = capture(module, (x,))

@@ -43,20 +43,18 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
-from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hbp.allocator import allocator_peaks, foreign_profiler_running
+from hbp.allocator import foreign_profiler_running
 from hbp.graph.ir import Node
 from hbp.graph.torch.captured import CapturedGraph
 from hbp.graph.torch.fallback import buffers_restored
-from hbp.graph.torch.modes import MODES, enter_modes
+from hbp.graph.torch.measure_op import Strides, fetch_attr, measure_op, run_node
+from hbp.graph.torch.modes import MODES
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
-#: A gradient layout: the strides of a gradient, None for the output's own layout.
-Strides = tuple[int, ...]
 #: (op signature, cat dim, output gradient's strides or None) -> (forward allocator peak,
 #: backward allocator peak, bytes; the strides of the gradient each input got, or None)
 _CACHE: dict[tuple, tuple[int, int, tuple[Strides | None, ...]]] = {}
@@ -166,7 +164,7 @@ def _calibrate_pass(
         for strides in seeds:
             key = (facts.signature, cat_dim, strides)
             if key not in _CACHE:
-                measured = _measure(gm, node, args, kwargs, cat_dim, strides)
+                measured = measure_op(gm, node, args, kwargs, cat_dim, strides)
                 if measured is None:
                     continue
                 _CACHE[key] = measured
@@ -293,7 +291,7 @@ class _Values:
         if not isinstance(arg, fx.Node):
             return arg
         if arg.op == "get_attr":
-            return _fetch_attr(self.gm, arg.target)
+            return fetch_attr(self.gm, arg.target)
         requires_grad = self._requires_grad(arg)
 
         def fresh(t: Any) -> Any:
@@ -338,33 +336,14 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
         if node.op == "placeholder":
             env[node] = next(placeholders)
         elif node.op == "get_attr":
-            env[node] = _fetch_attr(gm, node.target)
+            env[node] = fetch_attr(gm, node.target)
         else:
             yield node, values
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            env[node] = _run_node(gm, node, args, kwargs)
+            env[node] = run_node(gm, node, args, kwargs)
         for arg in node.all_input_nodes:
             if last_use.get(arg) == i:
                 env.pop(arg, None)
-
-
-def _run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
-    modes = node.meta.get(MODES)
-    with enter_modes(modes) if modes else contextlib.nullcontext():
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            obj, *rest = args
-            return getattr(obj, node.target)(*rest, **kwargs)
-        # `forward`, not `__call__`: the module's hooks must not see the calibration
-        return gm.get_submodule(node.target).forward(*args, **kwargs)
-
-
-def _fetch_attr(root: nn.Module, target: str) -> Any:
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @contextlib.contextmanager
@@ -417,108 +396,6 @@ def _signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
     return (op, node.meta.get(MODES), leaves)
 
 
-def _measure(
-    gm: fx.GraphModule,
-    node: fx.Node,
-    args,
-    kwargs,
-    cat_dim: int | None = None,
-    strides: Strides | None = None,
-) -> tuple[int, int, tuple[Strides | None, ...]] | None:
-    """(forward, backward, grad_strides) of one run of `node` on `args`: the allocator peaks
-    above the level before each, bytes, and for each tensor leaf of (args, kwargs) the
-    strides of the gradient the backward returned for it (None: none, or one that is not
-    dense); None when the op cannot run alone. `strides`: the output gradient's (else the
-    output's own layout, or a slice of a `torch.cat`'s gradient)."""
-    leaves = tree_leaves((args, kwargs))
-    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
-    if device is None:
-        return None
-    grad_inputs = [t for t in leaves if _is_grad_leaf(t)]
-    if node.op == "call_module":
-        grad_inputs += [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
-    grad_inputs = list({id(t): t for t in grad_inputs}.values())
-    seed_bytes: list[int] = []
-    state: dict[str, Any] = {}
-
-    def run_forward() -> None:
-        with torch.enable_grad():
-            out = _run_node(gm, node, args, kwargs)
-        state["outputs"] = [
-            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
-        ]
-        if not state["outputs"] or not grad_inputs:
-            state["out"] = out
-
-    def set_up() -> None:  # between the two measured calls
-        outputs = state.get("outputs")
-        if not outputs or not grad_inputs:
-            return
-
-        def seeds() -> list[torch.Tensor]:
-            made = [_seed_like(t, cat_dim, strides) for t in outputs]
-            seed_bytes.extend(t.untyped_storage().nbytes() for t in made)
-            return made
-
-        with torch.enable_grad():
-            anchor = _SeededGradients.apply(seeds, *outputs)
-        state["anchor"] = anchor
-        state["one"] = torch.ones_like(anchor)  # as the step's loss gradient
-        state.pop("outputs")  # the anchor's graph holds what the backward needs
-
-    def run_backward():
-        if "anchor" not in state:
-            return None
-        anchor, one = state.pop("anchor"), state.pop("one")
-        return torch.autograd.grad(anchor, grad_inputs, one, allow_unused=True)
-
-    try:
-        # one allocator window, so that the frees of what the forward saved count in the backward (a composite op's backward
-        # frees its saved intermediates as it goes: math attention's probabilities)
-        (_, _, grads), (forward, _, backward) = allocator_peaks(
-            run_forward, set_up, run_backward, device=device
-        )
-        if grads is None:
-            # an op that returns its input itself (`.to` its own dtype) hands its gradient on
-            same = {id(t) for t in tree_leaves(state["out"]) if isinstance(t, torch.Tensor)}
-            return forward, 0, tuple(strides if id(t) in same else None for t in leaves)
-        backward = max(0, backward - sum(seed_bytes))  # the step holds its gradient already
-    except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
-        return None
-    by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
-    return forward, backward, tuple(_dense_strides(by_id.get(id(t))) for t in leaves)
-
-
-class _SeededGradients(torch.autograd.Function):
-    """A scalar whose backward hands the op's outputs the gradients `make()` creates. The
-    engine then owns them alone and frees each once the autograd node that reads it is done,
-    as in the step, where a gradient passed to `torch.autograd.grad` would stay referenced
-    through the whole backward: an op run as several autograd nodes (a batched matmul's
-    reshape, then its bmm) would be charged its incoming gradient beside a copy of it that
-    replaces it in the step."""
-
-    @staticmethod
-    def forward(ctx, make, *outputs):
-        ctx.make = make
-        return torch.zeros((), device=outputs[0].device)
-
-    @staticmethod
-    def backward(ctx, _):
-        return (None, *ctx.make())
-
-
-def _dense_strides(t: torch.Tensor | None) -> Strides | None:
-    """`t`'s strides where they lay it out densely (no gaps, no overlaps), else None."""
-    if t is None or t.is_sparse:
-        return None
-    expected = 1  # the dims by stride must tile the storage exactly
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return None
-        expected *= size
-    return tuple(t.stride())
-
-
 def _cat_dim(node: fx.Node) -> int | None:
     """The dimension of the `torch.cat` that is the only user of `node`, else None."""
     users = list(node.users)
@@ -561,30 +438,11 @@ def _leaf_sources(node: fx.Node, values: _Values) -> list[fx.Node | None]:
         if not isinstance(arg, fx.Node):
             return arg
         if arg.op == "get_attr":
-            return tree_map(lambda _: None, _fetch_attr(values.gm, arg.target))
+            return tree_map(lambda _: None, fetch_attr(values.gm, arg.target))
         return tree_map(lambda _: arg, values.env[arg])
 
     tree = fx.node.map_aggregate((node.args, node.kwargs), sources)
     return [leaf if isinstance(leaf, fx.Node) else None for leaf in tree_leaves(tree)]
-
-
-def _seed_like(
-    t: torch.Tensor, cat_dim: int | None, strides: Strides | None = None
-) -> torch.Tensor:
-    """The output gradient for a measured backward, laid out as the step's will be: `strides`
-    where a user's backward hands them back (NOTE [ The layout of an output's gradient ]); a
-    value whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous
-    across channels: a convolution's backward copies it, which is workspace too); else one of
-    the output's layout."""
-    if strides is not None and len(strides) == t.dim():
-        seed = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
-        return seed.fill_(1)
-    if cat_dim is None or t.dim() == 0:
-        return torch.ones_like(t)
-    dim = cat_dim % t.dim()
-    shape = list(t.shape)
-    shape[dim] *= 2
-    return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
 
 
 # torch.fx graphs call the Python functions; exported graphs the ATen ops.
@@ -596,10 +454,6 @@ _CATS = (
     torch.ops.aten.concat.default,
     torch.ops.aten.concatenate.default,
 )
-
-
-def _is_grad_leaf(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
 
 
 def _raise_fields(

@@ -1,0 +1,165 @@
+"""One op measured alone by the allocator: its forward and its backward in one profiler
+window, its output gradient laid out as the step's will be (the scratch calibration's unit,
+`hbp.graph.torch.calibrate`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from hbp.allocator import allocator_peaks
+from hbp.graph.torch.modes import MODES, enter_modes
+
+__all__ = ["Strides", "fetch_attr", "measure_op", "run_node"]
+
+#: A gradient layout: the strides of a gradient, None for the output's own layout.
+Strides = tuple[int, ...]
+
+
+def measure_op(
+    gm: fx.GraphModule,
+    node: fx.Node,
+    args,
+    kwargs,
+    cat_dim: int | None = None,
+    strides: Strides | None = None,
+) -> tuple[int, int, tuple[Strides | None, ...]] | None:
+    """(forward, backward, grad_strides) of one run of `node` on `args`: the allocator peaks
+    above the level before each, bytes, and for each tensor leaf of (args, kwargs) the
+    strides of the gradient the backward returned for it (None: none, or one that is not
+    dense); None when the op cannot run alone. `strides`: the output gradient's (else the
+    output's own layout, or a slice of a `torch.cat`'s gradient)."""
+    leaves = tree_leaves((args, kwargs))
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
+    if device is None:
+        return None
+    grad_inputs = [t for t in leaves if _is_grad_leaf(t)]
+    if node.op == "call_module":
+        grad_inputs += [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
+    grad_inputs = list({id(t): t for t in grad_inputs}.values())
+    seed_bytes: list[int] = []
+    state: dict[str, Any] = {}
+
+    def run_forward() -> None:
+        with torch.enable_grad():
+            out = run_node(gm, node, args, kwargs)
+        state["outputs"] = [
+            t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
+        if not state["outputs"] or not grad_inputs:
+            state["out"] = out
+
+    def set_up() -> None:  # between the two measured calls
+        outputs = state.get("outputs")
+        if not outputs or not grad_inputs:
+            return
+
+        def seeds() -> list[torch.Tensor]:
+            made = [_seed_like(t, cat_dim, strides) for t in outputs]
+            seed_bytes.extend(t.untyped_storage().nbytes() for t in made)
+            return made
+
+        with torch.enable_grad():
+            anchor = _SeededGradients.apply(seeds, *outputs)
+        state["anchor"] = anchor
+        state["one"] = torch.ones_like(anchor)  # as the step's loss gradient
+        state.pop("outputs")  # the anchor's graph holds what the backward needs
+
+    def run_backward():
+        if "anchor" not in state:
+            return None
+        anchor, one = state.pop("anchor"), state.pop("one")
+        return torch.autograd.grad(anchor, grad_inputs, one, allow_unused=True)
+
+    try:
+        # one allocator window, so that the frees of what the forward saved count in the backward (a composite op's backward
+        # frees its saved intermediates as it goes: math attention's probabilities)
+        (_, _, grads), (forward, _, backward) = allocator_peaks(
+            run_forward, set_up, run_backward, device=device
+        )
+        if grads is None:
+            # an op that returns its input itself (`.to` its own dtype) hands its gradient on
+            same = {id(t) for t in tree_leaves(state["out"]) if isinstance(t, torch.Tensor)}
+            return forward, 0, tuple(strides if id(t) in same else None for t in leaves)
+        backward = max(0, backward - sum(seed_bytes))  # the step holds its gradient already
+    except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
+        return None
+    by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
+    return forward, backward, tuple(_dense_strides(by_id.get(id(t))) for t in leaves)
+
+
+class _SeededGradients(torch.autograd.Function):
+    """A scalar whose backward hands the op's outputs the gradients `make()` creates. The
+    engine then owns them alone and frees each once the autograd node that reads it is done,
+    as in the step, where a gradient passed to `torch.autograd.grad` would stay referenced
+    through the whole backward: an op run as several autograd nodes (a batched matmul's
+    reshape, then its bmm) would be charged its incoming gradient beside a copy of it that
+    replaces it in the step."""
+
+    @staticmethod
+    def forward(ctx, make, *outputs):
+        ctx.make = make
+        return torch.zeros((), device=outputs[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.make())
+
+
+def _dense_strides(t: torch.Tensor | None) -> Strides | None:
+    """`t`'s strides where they lay it out densely (no gaps, no overlaps), else None."""
+    if t is None or t.is_sparse:
+        return None
+    expected = 1  # the dims by stride must tile the storage exactly
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
+
+
+def run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+    modes = node.meta.get(MODES)
+    with enter_modes(modes) if modes else contextlib.nullcontext():
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            obj, *rest = args
+            return getattr(obj, node.target)(*rest, **kwargs)
+        # `forward`, not `__call__`: the module's hooks must not see the calibration
+        return gm.get_submodule(node.target).forward(*args, **kwargs)
+
+
+def fetch_attr(root: nn.Module, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _seed_like(
+    t: torch.Tensor, cat_dim: int | None, strides: Strides | None = None
+) -> torch.Tensor:
+    """The output gradient for a measured backward, laid out as the step's will be: `strides`
+    where a user's backward hands them back (NOTE [ The layout of an output's gradient ]); a
+    value whose only user is `torch.cat` gets a slice of the cat's gradient (non-contiguous
+    across channels: a convolution's backward copies it, which is workspace too); else one of
+    the output's layout."""
+    if strides is not None and len(strides) == t.dim():
+        seed = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+        return seed.fill_(1)
+    if cat_dim is None or t.dim() == 0:
+        return torch.ones_like(t)
+    dim = cat_dim % t.dim()
+    shape = list(t.shape)
+    shape[dim] *= 2
+    return torch.ones(shape, dtype=t.dtype, device=t.device).narrow(dim, 0, t.shape[dim])
+
+
+def _is_grad_leaf(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None
