@@ -15,7 +15,7 @@ Parts:
 - chunked_ce: the chunked LM head + cross-entropy against F.cross_entropy at GPT-2 vocab.
 - medium: GPT-2 124M shape (profile medium): naive, checkpoint, tiny at the budget equal to
   checkpoint's measured peak, tiny at 0.25 (experiments/gpt2_medium.py).
-- jax: jax.grad against hbp.jax.height_compressed_grad on issue 13's MLP chain
+- jax: jax.grad against hbp.jax.height_compressed_grad on an MLP chain
   (experiments/bench_jax.py, jax.md), then the JAX runner rows: the experiments
   conf/experiment/jax_runner*.yaml (framework=jax, gpt2 and synthetic_dag, naive, checkpoint
   and tiny at "min") into outputs/bench/jax_runner, printed with hbp.analysis.collect.

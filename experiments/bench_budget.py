@@ -1,4 +1,4 @@
-"""The budget as a promise on the real step (issue 10): allocator-measured peaks against the
+"""The budget as a promise on the real step: allocator-measured peaks against the
 budget and against the prediction, on the four workloads.
 
     python experiments/bench_budget.py [--workloads gpt2,resnet] [--budgets 0.5,min]

@@ -3,7 +3,7 @@
     python experiments/bench_jax.py                  # writes outputs/bench/jax.{md,csv}
     python experiments/bench_jax.py --quick          # smaller model, one repeat
 
-Workload (issue 13's): a 20-layer MLP chain with residual skips, `h = h + tanh(h @ w)`, 4096 x
+Workload: a 20-layer MLP chain with residual skips, `h = h + tanh(h @ w)`, 4096 x
 1024 float32 activations (16 MiB each), 1024 x 1024 weights, loss `mean(h**2)`; hbp at
 budget 0.3. Variants:
 - `jax.grad`, `jax.jit(jax.grad)`: plain JAX;
@@ -20,10 +20,10 @@ temp = the compiled program's temp buffer (memory analysis; hbp as is: the progr
 at the peak), peak = memory-analysis peak (temp + outputs; pieces: live arrays + the running
 piece's temp + outputs), rss = process max-RSS growth of one call after a warm-up call (min-max
 over the repeats; the baseline read once the warm-up call's temp has been unmapped:
-`hbp.jax.rss_growth`), rss_first = the same for the first call, compilation included (how issue 13
-measured), *_vs_jit = ratio to `jax.jit(jax.grad)` (rss: of the medians), max_err = the
-largest absolute gradient difference to `jax.jit(jax.grad)`, step_s = the measured call's time
-(median over the repeats; on a shared machine, a rough figure).
+`hbp.jax.rss_growth`), rss_first = the same for the first call, compilation included,
+*_vs_jit = ratio to `jax.jit(jax.grad)` (rss: of the medians), max_err = the largest absolute
+gradient difference to `jax.jit(jax.grad)`, step_s = the measured call's time (median over
+the repeats; on a shared machine, a rough figure).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def worker(variant: str, quick: bool) -> dict:
         analysis = fn.lower(params, x).compile().memory_analysis()
         row["temp_mib"] = analysis.temp_size_in_bytes / MIB
         row["peak_mib"] = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / MIB
-    with hj.record_pieces():  # the first call compiles everything (issue 13's measurement)
+    with hj.record_pieces():  # the first call compiles everything (rss_first)
         first_growth = hj.rss_growth(fn, params, x)[0]
     row["rss_first_mib"] = first_growth / MIB if first_growth >= 0 else None
     with hj.record_pieces() as rec:

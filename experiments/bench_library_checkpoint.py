@@ -20,7 +20,7 @@ recompute = FLOPs / naive FLOPs - 1. grad err = max over parameters of max|g - g
 max|g_naive|. A run that fails (capture, BudgetError, crash) is a row with its error.
 
 Writes outputs/bench/library_checkpoint/table.md and table.csv and prints the table, then
-whether issue 9's target holds per model: hbp@library fits (<= 1.05x the library's peak) with
+whether the target holds per model: hbp@library fits (<= 1.05x the library's peak) with
 no more recompute than the library, and hbp@min is below the library's peak.
 """
 
@@ -48,7 +48,7 @@ from hbp.units import MIB  # noqa: E402
 from hbp.workloads import build  # noqa: E402
 
 MODELS = ("gpt2", "llama", "bert", "t5", "vit", "diffusers_unet")
-FIT_TOLERANCE = 1.05  # issue 9: "fits" = measured peak <= 1.05x the library's peak
+FIT_TOLERANCE = 1.05  # "fits" = measured peak <= 1.05x the library's peak
 OUT = Path("outputs/bench/library_checkpoint")
 
 
@@ -169,7 +169,7 @@ def bench_model(model: str, profile: str, steps: int) -> list[dict]:
 
 
 def verdict(rows: list[dict]) -> str:
-    """Issue 9's target for one model, said with the figures."""
+    """The target (module docstring) for one model, said with the figures."""
     by_run = {r["run"]: r for r in rows}
     lib, at_lib, at_min = by_run["library"], by_run["hbp@library"], by_run["hbp@min"]
     model = rows[0]["model"]

@@ -20,23 +20,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_planner_real import BUDGETS, forget_least_peaks, llama  # noqa: E402
+from bench_planner_real import BUDGETS, forget_least_peaks, llama, plan_any  # noqa: E402
 
 from hbp.errors import BudgetError  # noqa: E402
-from hbp.planner import plan  # noqa: E402
 
 
 def save(folder: Path, layers: list[int]) -> None:
+    from hbp.graph.torch.calibrate import calibrate_scratch
     from hbp.graph.torch.capture import capture
-    from hbp.integrations.torch import _calibrate_scratch, _WithLoss
+    from hbp.integrations.torch.loss import WithLoss
 
     folder.mkdir(parents=True, exist_ok=True)
     for n in layers:
         model, args, kwargs, loss_fn = llama(n)
-        root = _WithLoss(model, loss_fn, len(args))
+        root = WithLoss(model, loss_fn, len(args))
         with torch.enable_grad():
             captured = capture(root, args, kwargs)
-        _calibrate_scratch(captured, root, args, kwargs)
+        calibrate_scratch(captured, args, kwargs)
         with open(folder / f"llama{n}.pkl", "wb") as f:
             pickle.dump(captured.graph, f)
         print(f"llama{n}: {len(captured.graph.nodes)} nodes", flush=True)
@@ -58,7 +58,7 @@ def plan_all(folder: Path, out: Path, layers: list[int]) -> None:
             forget_least_peaks()
             c0 = time.process_time()
             try:
-                p = plan(graph, budget)
+                p = plan_any(graph, budget)
                 r = {
                     "peak": p.predicted_peak_bytes,
                     "flops": p.predicted_recompute_flops,

@@ -1,4 +1,4 @@
-"""Issue 3's targets on the GPT-2 124M shape (profile medium), side by side in one run:
+"""The GPT-2 124M shape (profile medium), side by side in one run:
 naive, uniform checkpointing, hbp at the budget equal to checkpointing's measured peak, and
 hbp at budget 0.25.
 

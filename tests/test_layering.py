@@ -1,7 +1,7 @@
 """The library's layers, read from its source: every hbp module's imports (module level and
 inside functions) go one way, down the pipeline capture -> IR -> simulator/planner ->
-executor -> API (docs/architecture.md), with no cycle between top-level packages, and the
-runtime imports no solver."""
+executor -> API (docs/architecture.md), with no cycle between top-level packages nor between
+modules, and the runtime imports no solver."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
 }
 
 # Packages whose files this repository keeps short (one concern per file).
-SHORT_FILES = ("hbp/graph/torch", "hbp/runtime/executors", "hbp/planner/milp.py")
+SHORT_FILES = ("hbp/analysis", "hbp/graph/torch", "hbp/runtime/executors", "hbp/planner/milp.py")
 MAX_LINES = 600
 
 
@@ -124,6 +124,58 @@ def strongly_connected(edges) -> list[set[str]]:
     return out
 
 
+def module_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """hbp module -> {hbp module it imports: line of the first such import}, for every import
+    statement anywhere in the module (module level, `if TYPE_CHECKING:`, inside functions),
+    relative ones resolved; `from package import name` counts as importing the submodule
+    `package.name` when there is one, else the package."""
+    paths = {module_name(p, root): p for p in sorted((root / "hbp").rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [
+                    f"{module}.{a.name}" if f"{module}.{a.name}" in paths else module
+                    for a in node.names
+                ]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] == "hbp" and target != name:
+                    out.setdefault(target, node.lineno)
+        graph[name] = out
+    return graph
+
+
+def a_cycle(graph: dict[str, dict[str, int]], component: set[str]) -> list[str]:
+    """One cycle through the strongly connected `component`, as "a:line -> b" steps."""
+    start = min(component)
+    path, seen = [start], {start: 0}
+    while True:
+        here = path[-1]
+        step = min(t for t in graph[here] if t in component)
+        if step in seen:
+            cycle = path[seen[step] :] + [step]
+            return [f"{a}:{graph[a][b]} -> {b}" for a, b in zip(cycle, cycle[1:])]
+        seen[step] = len(path)
+        path.append(step)
+
+
+def module_cycles(root: Path = ROOT) -> list[list[str]]:
+    graph = module_graph(root)
+    edges = [(a, b) for a, targets in graph.items() for b in targets]
+    return [a_cycle(graph, c) for c in strongly_connected(edges)]
+
+
 def test_every_part_of_hbp_has_a_layer():
     parts = {part(module_name(p)) for p in HBP.rglob("*.py")}
     assert parts <= set(LAYERS), sorted(parts - set(LAYERS))
@@ -153,6 +205,31 @@ def test_the_layer_check_finds_an_upward_import(tmp_path):
     assert hbp_imports(module, tmp_path) == {"hbp.runtime.executors"}
     assert LAYERS[part("hbp.runtime.executors")] > LAYERS[part("hbp.planner.probe")]
     assert strongly_connected([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [{"a", "b", "c"}]
+
+
+def test_no_cycle_between_modules_of_hbp():
+    """No hbp module imports, however indirectly, one that imports it back: a type-only or a
+    function-local import counts too (a shared piece moves to the lower module instead)."""
+    cycles = module_cycles()
+    assert not cycles, "\n\n".join("\n".join(c) for c in cycles)
+
+
+def test_the_module_cycle_check_finds_hidden_and_relative_imports(tmp_path):
+    package = tmp_path / "hbp" / "pkg"
+    package.mkdir(parents=True)
+    (tmp_path / "hbp" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hbp.pkg.c import C\n"
+    )
+    (package / "c.py").write_text("def f():\n    from ..pkg.a import x\n")
+    assert module_graph(tmp_path)["hbp.pkg.a"] == {"hbp.pkg.b": 1}
+    assert module_cycles(tmp_path) == [
+        ["hbp.pkg.a:1 -> hbp.pkg.b", "hbp.pkg.b:3 -> hbp.pkg.c", "hbp.pkg.c:2 -> hbp.pkg.a"]
+    ]
+    (package / "c.py").write_text("X = 1\n")
+    assert module_cycles(tmp_path) == []
 
 
 @pytest.mark.parametrize("where", SHORT_FILES)

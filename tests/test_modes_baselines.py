@@ -1,4 +1,4 @@
-"""The baseline modes of issue 5: selective activation checkpointing ("sac") and torch.compile
+"""The baseline modes: selective activation checkpointing ("sac") and torch.compile
 with an activation memory budget ("compile_budget") give naive's gradients, keep the
 parameter objects, update BatchNorm statistics once, and report their memory."""
 

@@ -1,4 +1,4 @@
-"""The budget holds on the whole training step, the caller's loss included (issue 10).
+"""The budget holds on the whole training step, the caller's loss included.
 
 A small LM (embedding, 8 Linear layers with in-place relu_, a head tied to the embedding, a
 tuple output) whose cross-entropy the caller computes on the logits: the loss and its

@@ -1,6 +1,6 @@
 """A parameter used twice (a tied output head and input embedding) gets two gradient
 contributions, summed before `.grad` is set: the prediction follows autograd's in-place or
-out-of-place sum (NOTE [ Gradients of a parameter used twice ] in hbp/graph/torch_profile.py)
+out-of-place sum (NOTE [ Gradients of a parameter used twice ] in hbp/graph/torch/profile.py)
 and matches the allocator, for the plain step and for a plan that recomputes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run tables: every bench run under a directory as one pandas DataFrame.
 
-    frame = collect("outputs/multirun/2025-01-01/12-00-00")
+    frame = collect("outputs/sweeps/quick")
     print(to_markdown(results_table(frame)))
 
 or from the shell (the tables of docs/results.md are made this way):

@@ -16,6 +16,7 @@ Read in this order, one file per concern:
 - `solver`: the least-recompute tables over memory slots (`Solver`), and
 - `peak`: the least-peak tables in exact bytes (`PeakSolver`: BudgetError's minimum, and the
   fallback when slot rounding rejects a feasible budget).
+- `least_peak`: the least peak over the candidate cut sets, remembered per graph structure.
 - `entry`: `optimal_plan`, `min_feasible_peak`, `finish_plan`.
 
 Memory is discretised into slots of the budget (exact when every byte count is a multiple

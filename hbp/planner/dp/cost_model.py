@@ -40,7 +40,6 @@ import numpy as np
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.positional import positional_bytes
 from hbp.planner.dp.modes import INF, PLAIN, REC, ChildMode
-from hbp.planner.dp.profile import ChildProfile
 
 __all__ = ["EVERY_PIN_MAX_CUTS", "EVERY_PIN_MAX_NODES", "CostModel", "Interval"]
 
@@ -171,7 +170,7 @@ class CostModel:
         self._intervals: dict = {}
         self._meets: dict = {}
         self._interned: dict = {}
-        self._profiles: dict = {}
+        self.profiles: dict = {}  # (e, H, mode, top) -> ChildProfile: `ChildProfile.of`'s memo
         self._first_reader: dict = {}
         self._save_free_mask: dict = {}
         first = np.full(n + 1, n, dtype=np.int64)
@@ -189,7 +188,7 @@ class CostModel:
         # the pass then skips q's FLOPs. At the top level the pin is stored in the forward;
         # in a nested level only where the level's pass runs the child whole (extent FULL),
         # and only on cost models of at most `NESTED_PINS_MAX_CUTS` cuts (their rows cost
-        # planning time in proportion: +50% at 64 cuts). The DP offers two candidates per
+        # planning time in proportion: docs/planner.md "Pinned values"). The DP offers two candidates per
         # (e, f) rather than every node (which would multiply the rows by the interval's
         # length): the node with the most FLOPs in [e, t) and the one with the most FLOPs per
         # byte, from a running argmax per e (`pin_candidates`). On small cost models (at most
@@ -443,14 +442,6 @@ class CostModel:
             out.append(np.maximum.accumulate(np.where(v >= best, idx, e)) if len(v) else idx)
         self._pin_candidates[e] = r = (out[0], out[1])
         return r
-
-    def profile(self, e: int, H: frozenset[int], mode: ChildMode, top: bool) -> ChildProfile:
-        """The needs of a child starting at e with held set H (memoised)."""
-        key = (e, H, mode, top)
-        p = self._profiles.get(key)
-        if p is None:
-            p = self._profiles[key] = ChildProfile(self, e, H, mode, top)
-        return p
 
 
 def _prefix(pos: np.ndarray, size: np.ndarray, n: int) -> np.ndarray:

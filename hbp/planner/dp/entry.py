@@ -9,15 +9,10 @@ the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import math
 import time
-import weakref
 from functools import reduce
 from typing import NamedTuple
-
-import numpy as np
 
 from hbp.analysis.frontier import lower_bound
 from hbp.analysis.liveness import GraphInfo
@@ -26,9 +21,15 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.cuts import candidate_cuts, cut_choices
 from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.least_peak import (
+    absorb_inputs,
+    known_least_peak,
+    least_peak_cached,
+    least_peak_over,
+    top_level,
+)
 from hbp.planner.dp.modes import INF
-from hbp.planner.dp.peak import PeakSolver
-from hbp.planner.dp.recursion import planning, simplify
+from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.plan import Plan, Segment, any_pinned
 from hbp.planner.stages import stage_tables_kept, staged_plan
@@ -42,26 +43,6 @@ __all__ = [
     "min_feasible_peak",
     "optimal_plan",
 ]
-
-
-def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
-    """Merge a leading segment made only of graph inputs into the next one (graph inputs are
-    never run nor recomputed, so this changes nothing but the printout)."""
-    first = segments[0] if segments else None
-    if len(segments) < 2 or not all(info.is_input[j] for j in range(first.start, first.stop)):
-        return segments
-
-    def extend(seg: Segment) -> Segment:
-        kids = [extend(seg.children[0]), *seg.children[1:]] if seg.children else []
-        return Segment(first.start, seg.stop, seg.recompute, kids, pinned=seg.pinned)
-
-    return [extend(segments[1]), *segments[2:]]
-
-
-def _top_level(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
-    """A solver's top-level segments as a plan hands them out: simplified (`simplify`; the
-    whole graph as one plain segment when nothing is left), leading graph inputs absorbed."""
-    return absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
 
 
 def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
@@ -110,7 +91,7 @@ def _solve(
     `nested_pins`: whether children of nested levels pin too, None: the solver's default;
     `tables_only`: None where the tables find no plan, instead of the least-peak plan or a
     BudgetError, for a caller that only reads the tables' value)."""
-    known = None if info.rng_state_bytes else _known_least_peak(info, cuts, nested)
+    known = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
     if known is not None and known > budget_bytes:
         # NOTE [ Known least peaks skip the tables ]
         if tables_only:
@@ -133,24 +114,11 @@ def _solve(
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
         if tables_only:
             return None
-        minimum, segments = _least_peak_cached(info, cuts, nested)
+        minimum, segments = least_peak_cached(info, cuts, nested)
         if minimum > budget_bytes:
             raise BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
         # the slot rounding rejected a feasible budget: the least-peak plan fits
         return _Solved(segments, slots, slot_bytes, "min-peak")
-
-
-def _least_peak(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, list[Segment]]:
-    """The least-peak plan (`PeakSolver`) and its peak. Where the graph keeps generator states,
-    the simulated peak: the DP does not see every copy (NOTE [ Generator states of
-    checkpoints ] in hbp.analysis.simulate), so the minimum is one that a plan reaches."""
-    solver = PeakSolver(model, nested)
-    peak = int(solver.top(0, frozenset()).peak)
-    segments = solver.top_plan()
-    if info.rng_state_bytes:
-        plan = _top_level(info, segments)
-        peak = max(peak, simulate(None, plan, info=info).peak_bytes)
-    return peak, segments
 
 
 @planning(64)
@@ -223,7 +191,7 @@ def optimal_plan(
 
         if not info.rng_state_bytes and budget_bytes < lower_bound(info):
             # NOTE [ Budgets below the lower bound ]: no table can fit it
-            minimum, _ = _least_peak_cached(info, cuts, nested)
+            minimum, _ = least_peak_cached(info, cuts, nested)
             err = BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
             return _below_whole_graph(
                 graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
@@ -292,7 +260,7 @@ def _below_whole_graph(
     if others and not info.rng_state_bytes and err.minimum <= lower_bound(info):
         others = []  # no cut set goes below the lower bound
     if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
-        least, segments = _least_peak_over(info, others, nested)
+        least, segments = least_peak_over(info, others, nested)
         if least <= budget:
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
@@ -317,7 +285,7 @@ def _whole_graph_plan(
     segments, slots, slot_bytes, how, value = _solve(
         info, cuts, budget_bytes, mem_slots, nested, pins
     )
-    segments = _top_level(info, segments)
+    segments = top_level(info, segments)
     meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
     meta["solved_by"] = how
     plan = finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta)
@@ -360,7 +328,7 @@ def _pins_checked(graph, info, plan, value, cuts, mem_slots, nested, naive, pins
         segments, _, _, how, _ = _solve(
             info, cuts, budget, mem_slots, nested, pins, charge, nested_pins
         )
-        segments = _top_level(info, segments)
+        segments = top_level(info, segments)
         meta = dict(plan.meta, solved_by=f"{how} ({label})")
         options.append(finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta))
     fitting = [p for p in options if p.predicted_peak_bytes <= budget]
@@ -381,7 +349,7 @@ def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:
             segments, _, _, how, _ = _solve(info, cuts, target, mem_slots, nested, pins)
         except BudgetError:
             break
-        segments = _top_level(info, segments)
+        segments = top_level(info, segments)
         meta = dict(plan.meta, solved_by=f"{how} (below the budget: random states)")
         plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
         if plan.predicted_peak_bytes <= budget:
@@ -420,7 +388,7 @@ def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
         segments = staged_plan(info, target, nested=False, pins=pins)
         if segments is None:
             return None
-        segments = _top_level(info, segments)
+        segments = top_level(info, segments)
         sim = simulate(graph, segments, info=info)
         if sim.peak_bytes <= budget:
             return segments, sim
@@ -492,96 +460,7 @@ def min_feasible_peak(
     `cut_choices`: NOTE [ Least peak over other cut choices ] in hbp.planner.cuts), and a
     plan reaching it."""
     info = info or GraphInfo.of(graph)
-    return _least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
-
-
-def _least_peak_over(
-    info: GraphInfo, choices: list[list[int]], nested: bool
-) -> tuple[int, list[Segment]]:
-    """The least peak over each cut set of `choices` (NOTE [ Least peak over other cut
-    choices ] in hbp.planner.cuts), the first set's on ties, and its top-level plan."""
-    best = None
-    bound = None
-    for cuts in choices:
-        if best is not None:
-            # no cut set goes below the lower bound: once it is reached, the rest cannot win
-            bound = lower_bound(info) if bound is None else bound
-            if best[0] <= bound and not info.rng_state_bytes:
-                break
-        peak, segments = _least_peak_cached(info, cuts, nested)
-        if best is None or peak < best[0]:
-            best = (peak, _top_level(info, segments))
-    return best
-
-
-def _least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
-    """`_least_peak` over `cuts`, remembered per graph structure (NOTE [ Least peaks are
-    remembered ]): "min" and a BudgetError ask the same least peaks several times for one
-    graph, and every plan call of a graph asks them again."""
-    known = _LEAST_PEAKS.get(id(info))
-    if known is None:
-        fingerprint = info_fingerprint(info)
-        known = _BY_FINGERPRINT.pop(fingerprint, None) or {}
-        _BY_FINGERPRINT[fingerprint] = known  # the most recent last
-        while len(_BY_FINGERPRINT) > REMEMBERED_GRAPHS:
-            _BY_FINGERPRINT.pop(next(iter(_BY_FINGERPRINT)))
-        _LEAST_PEAKS[id(info)] = known
-        weakref.finalize(info, _LEAST_PEAKS.pop, id(info), None)
-    key = (tuple(cuts), nested)
-    if key not in known:
-        model = CostModel(info, cuts)
-        with planning(len(model.cuts)):
-            known[key] = _least_peak(info, model, nested)
-    peak, segments = known[key]
-    return peak, copy.deepcopy(segments)
-
-
-def _known_least_peak(info: GraphInfo, cuts: list[int], nested: bool) -> int | None:
-    """The least peak over `cuts` where `_least_peak_cached` already has it, else None."""
-    known = _LEAST_PEAKS.get(id(info))
-    found = None if known is None else known.get((tuple(cuts), nested))
-    return None if found is None else found[0]
-
-
-# NOTE [ Known least peaks skip the tables ]
-# The recompute tables find a plan only where some plan over the same cuts has a modelled
-# peak within the budget (their slots round bytes up; a pin only adds charges: NOTE [ Pin
-# candidates ] in hbp.planner.dp.cost_model), and the least-peak DP's value is the least such
-# peak over those cuts. Where it is already known (remembered: "min" computes it before
-# planning at it) and above the budget, the tables would end in INF and `_solve` raise this
-# same BudgetError after them, so it is raised at once. Graphs with generator states are
-# excluded (their least peak is a simulated one).
-
-
-# NOTE [ Least peaks are remembered ]
-# The least-peak DP is the costliest part of a BudgetError and of "min" (one DP per cut set
-# of `cut_choices`), and a graph is often planned several times: at several budgets, "min"
-# after a BudgetError, again after a re-capture of the same model. Its results depend on the
-# GraphInfo arrays alone (`info_fingerprint`), so they are kept for the last
-# REMEMBERED_GRAPHS graph structures of the process. The segments handed out are copies
-# (callers name them in place).
-REMEMBERED_GRAPHS = 8
-
-#: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`_least_peak_cached`),
-#: the dict of `_BY_FINGERPRINT` for that GraphInfo's structure.
-_LEAST_PEAKS: dict[int, dict] = {}
-#: info_fingerprint -> the same dicts, the most recently used last.
-_BY_FINGERPRINT: dict[str, dict] = {}
-
-
-def info_fingerprint(info: GraphInfo) -> str:
-    """A digest of every GraphInfo field the planner reads (all but the node names)."""
-    digest = hashlib.sha256()
-    for name, value in sorted(vars(info).items()):
-        if name in ("names", "users") or name.startswith("_"):  # labels; users follow
-            continue  # from inputs; private: tables kept on it (`hbp.planner.stages`)
-        digest.update(name.encode())
-        if isinstance(value, np.ndarray):
-            digest.update(str(value.dtype).encode())
-            digest.update(value.tobytes())
-        else:
-            digest.update(repr(value).encode())
-    return digest.hexdigest()
+    return least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
 
 
 def finish_plan(

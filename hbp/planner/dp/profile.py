@@ -6,14 +6,12 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import INF, PLAIN, REC, ChildMode
-
-if TYPE_CHECKING:
-    from hbp.planner.dp.cost_model import CostModel
 
 __all__ = ["ChildArrays", "ChildProfile"]
 
@@ -53,11 +51,22 @@ class ChildProfile:
     level ending at d and samples them at the candidate cuts f in (e, d].
     """
 
+    @classmethod
+    def of(
+        cls, m: CostModel, e: int, H: frozenset[int], mode: ChildMode, top: bool
+    ) -> ChildProfile:
+        """The needs of a child starting at e with held set H, memoised in `m.profiles`."""
+        key = (e, H, mode, top)
+        p = m.profiles.get(key)
+        if p is None:
+            p = m.profiles[key] = cls(m, e, H, mode, top)
+        return p
+
     def __init__(self, m: CostModel, e: int, H: frozenset[int], mode: ChildMode, top: bool):
         # NOTE [ Profiles do not own their cost model ]: the cost model caches its profiles;
         # a strong reference back would make every cost model, with the ~100k tuples, lists
-        # and arrays of its caches, cyclic garbage that only the collector frees (one
-        # collection of it took 10-20% of a plan call). A proxy lets reference counting
+        # and arrays of its caches, cyclic garbage that only the collector frees (a
+        # collection of it is a sizeable part of a plan call). A proxy lets reference counting
         # free it when the solver is done.
         self.model = weakref.proxy(m)
         self.e, self.H, self.mode, self.top = e, H, mode, top

@@ -83,7 +83,7 @@ class Recursion:
                 continue
             if mode == REC and only is None and not self.nested and not top:
                 continue
-            prof = m.profile(e, H, mode, top)
+            prof = ChildProfile.of(m, e, H, mode, top)
             p = prof.at(m.stop_of(e) if top else d)
             if len(p.f) == 0:
                 continue

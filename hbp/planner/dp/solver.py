@@ -24,7 +24,7 @@ import numpy as np
 
 from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import FULL, INF, NOT_RUN, PLAIN, REC, UNTIL_SAVE, RestSaves
-from hbp.planner.dp.profile import ChildArrays
+from hbp.planner.dp.profile import ChildArrays, ChildProfile
 from hbp.planner.dp.recursion import Choice, Option, Recursion
 
 __all__ = ["NESTED_PINS", "PIN_VALUES", "PinCharge", "SlotArrays", "Solver"]
@@ -248,7 +248,7 @@ class Solver(Recursion):
         wherever m covers its need and what it keeps, else infinite. (The general recursion
         over `options(f, e, H, None, False, only=(f, PLAIN))` gives the same table.)"""
         H = self.model.crossing_in(e, f, False)
-        p = self.model.profile(e, H, PLAIN, False).at(f)
+        p = ChildProfile.of(self.model, e, H, PLAIN, False).at(f)
         slots = self._slot_arrays(p)
         i = len(p.f_list) - 1  # the child ending at f
         has_save = bool(p.has_save[i])

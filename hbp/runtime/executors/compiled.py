@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from hbp.runtime.executors.segments import LeafCall
-
+import torch.fx as fx
 
 # NOTE [ Compiled segments ]
 # With `compile_options`, every leaf segment's generated code is compiled on its own
@@ -30,14 +27,20 @@ if TYPE_CHECKING:
 # only with `torch._inductor.config.fallback_random = True`).
 
 
-def compiled_leaf_call(leaf: LeafCall, values: list, outputs: tuple) -> tuple:
-    """`leaf(values, outputs)` through the one compiled variant that returns every output of
-    the forward pass (the first call is the forward: see NOTE [ Compiled segments ])."""
-    if not leaf.variants:
-        module = leaf.executor.segment_module(leaf.nodes, leaf.inputs, outputs)
-        options = {"dynamic": False, **leaf.executor.compile_options}
-        leaf.variants[outputs] = torch.compile(module, **options)
-    ((full, module),) = leaf.variants.items()
+def compiled_leaf_call(
+    variants: dict[tuple, Callable],
+    build: Callable[[tuple], fx.GraphModule],
+    options: dict,
+    values: list,
+    outputs: tuple,
+) -> tuple:
+    """A leaf segment's call (`segments.LeafCall`) through the one compiled variant that
+    returns every output of the forward pass (the first call is the forward: see NOTE
+    [ Compiled segments ]). `variants` holds that variant once made, `build(outputs)` makes the
+    segment's generated code returning `outputs`, `options` are `torch.compile`'s."""
+    if not variants:
+        variants[outputs] = torch.compile(build(outputs), **{"dynamic": False, **options})
+    ((full, module),) = variants.items()
     if full == outputs:
         return module(values)
     produced = dict(zip(full, module(values)))

@@ -469,13 +469,17 @@ class LeafCall:
         self.variants: dict[tuple, fx.GraphModule] = {}
 
     def __call__(self, values: list, outputs: tuple) -> tuple:
-        if self.executor.compile_options is not None:
-            return compiled_leaf_call(self, values, outputs)
+        options = self.executor.compile_options
+        if options is not None:
+            return compiled_leaf_call(self.variants, self.build, options, values, outputs)
         module = self.variants.get(outputs)
         if module is None:
-            module = self.executor.segment_module(self.nodes, self.inputs, outputs)
-            self.variants[outputs] = module
+            module = self.variants[outputs] = self.build(outputs)
         return module(values)
+
+    def build(self, outputs: tuple) -> fx.GraphModule:
+        """The segment's generated code, returning `outputs`."""
+        return self.executor.segment_module(self.nodes, self.inputs, outputs)
 
 
 class _NestedCall:

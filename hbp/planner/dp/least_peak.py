@@ -1,0 +1,158 @@
+"""The least peak the whole-graph DP reaches: `PeakSolver` over the candidate cut sets, each
+result remembered per graph structure (BudgetError's minimum, "min", and the budgets
+relative to the least peak all ask for it)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import weakref
+
+import numpy as np
+
+from hbp.analysis.frontier import lower_bound
+from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.simulate import simulate
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.peak import PeakSolver
+from hbp.planner.dp.recursion import planning, simplify
+from hbp.planner.plan import Segment
+
+__all__ = [
+    "absorb_inputs",
+    "forget_least_peaks",
+    "info_fingerprint",
+    "known_least_peak",
+    "least_peak_cached",
+    "least_peak_over",
+    "least_peak_plan",
+    "top_level",
+]
+
+
+def absorb_inputs(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
+    """Merge a leading segment made only of graph inputs into the next one (graph inputs are
+    never run nor recomputed, so this changes nothing but the printout)."""
+    first = segments[0] if segments else None
+    if len(segments) < 2 or not all(info.is_input[j] for j in range(first.start, first.stop)):
+        return segments
+
+    def extend(seg: Segment) -> Segment:
+        kids = [extend(seg.children[0]), *seg.children[1:]] if seg.children else []
+        return Segment(first.start, seg.stop, seg.recompute, kids, pinned=seg.pinned)
+
+    return [extend(segments[1]), *segments[2:]]
+
+
+def top_level(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
+    """A solver's top-level segments as a plan hands them out: simplified (`simplify`; the
+    whole graph as one plain segment when nothing is left), leading graph inputs absorbed."""
+    return absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
+
+
+def least_peak_plan(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, list[Segment]]:
+    """The least-peak plan (`PeakSolver`) and its peak. Where the graph keeps generator states,
+    the simulated peak: the DP does not see every copy (NOTE [ Generator states of
+    checkpoints ] in hbp.analysis.simulate), so the minimum is one that a plan reaches."""
+    solver = PeakSolver(model, nested)
+    peak = int(solver.top(0, frozenset()).peak)
+    segments = solver.top_plan()
+    if info.rng_state_bytes:
+        plan = top_level(info, segments)
+        peak = max(peak, simulate(None, plan, info=info).peak_bytes)
+    return peak, segments
+
+
+def least_peak_over(
+    info: GraphInfo, choices: list[list[int]], nested: bool
+) -> tuple[int, list[Segment]]:
+    """The least peak over each cut set of `choices` (NOTE [ Least peak over other cut
+    choices ] in hbp.planner.cuts), the first set's on ties, and its top-level plan."""
+    best = None
+    bound = None
+    for cuts in choices:
+        if best is not None:
+            # no cut set goes below the lower bound: once it is reached, the rest cannot win
+            bound = lower_bound(info) if bound is None else bound
+            if best[0] <= bound and not info.rng_state_bytes:
+                break
+        peak, segments = least_peak_cached(info, cuts, nested)
+        if best is None or peak < best[0]:
+            best = (peak, top_level(info, segments))
+    return best
+
+
+def least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
+    """`least_peak_plan` over `cuts`, remembered per graph structure (NOTE [ Least peaks are
+    remembered ]): "min" and a BudgetError ask the same least peaks several times for one
+    graph, and every plan call of a graph asks them again."""
+    known = _LEAST_PEAKS.get(id(info))
+    if known is None:
+        fingerprint = info_fingerprint(info)
+        known = _BY_FINGERPRINT.pop(fingerprint, None) or {}
+        _BY_FINGERPRINT[fingerprint] = known  # the most recent last
+        while len(_BY_FINGERPRINT) > REMEMBERED_GRAPHS:
+            _BY_FINGERPRINT.pop(next(iter(_BY_FINGERPRINT)))
+        _LEAST_PEAKS[id(info)] = known
+        weakref.finalize(info, _LEAST_PEAKS.pop, id(info), None)
+    key = (tuple(cuts), nested)
+    if key not in known:
+        model = CostModel(info, cuts)
+        with planning(len(model.cuts)):
+            known[key] = least_peak_plan(info, model, nested)
+    peak, segments = known[key]
+    return peak, copy.deepcopy(segments)
+
+
+def known_least_peak(info: GraphInfo, cuts: list[int], nested: bool) -> int | None:
+    """The least peak over `cuts` where `least_peak_cached` already has it, else None."""
+    known = _LEAST_PEAKS.get(id(info))
+    found = None if known is None else known.get((tuple(cuts), nested))
+    return None if found is None else found[0]
+
+
+# NOTE [ Known least peaks skip the tables ]
+# The recompute tables find a plan only where some plan over the same cuts has a modelled
+# peak within the budget (their slots round bytes up; a pin only adds charges: NOTE [ Pin
+# candidates ] in hbp.planner.dp.cost_model), and the least-peak DP's value is the least such
+# peak over those cuts. Where it is already known (remembered: "min" computes it before
+# planning at it) and above the budget, the tables would end in INF and `_solve` raise this
+# same BudgetError after them, so it is raised at once. Graphs with generator states are
+# excluded (their least peak is a simulated one).
+
+
+# NOTE [ Least peaks are remembered ]
+# The least-peak DP is the costliest part of a BudgetError and of "min" (one DP per cut set
+# of `cut_choices`), and a graph is often planned several times: at several budgets, "min"
+# after a BudgetError, again after a re-capture of the same model. Its results depend on the
+# GraphInfo arrays alone (`info_fingerprint`), so they are kept for the last
+# REMEMBERED_GRAPHS graph structures of the process. The segments handed out are copies
+# (callers name them in place).
+REMEMBERED_GRAPHS = 8
+
+#: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`least_peak_cached`),
+#: the dict of `_BY_FINGERPRINT` for that GraphInfo's structure.
+_LEAST_PEAKS: dict[int, dict] = {}
+#: info_fingerprint -> the same dicts, the most recently used last.
+_BY_FINGERPRINT: dict[str, dict] = {}
+
+
+def info_fingerprint(info: GraphInfo) -> str:
+    """A digest of every GraphInfo field the planner reads (all but the node names)."""
+    digest = hashlib.sha256()
+    for name, value in sorted(vars(info).items()):
+        if name in ("names", "users") or name.startswith("_"):  # labels; users follow
+            continue  # from inputs; private: tables kept on it (`hbp.planner.stages`)
+        digest.update(name.encode())
+        if isinstance(value, np.ndarray):
+            digest.update(str(value.dtype).encode())
+            digest.update(value.tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def forget_least_peaks() -> None:
+    """Forget every remembered least peak (cold planning, for benchmarks and tests)."""
+    _BY_FINGERPRINT.clear()
+    _LEAST_PEAKS.clear()
