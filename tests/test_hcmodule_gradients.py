@@ -50,7 +50,7 @@ def test_dropout_mlp_same_results_and_masks_less_memory_more_flops():
         lambda m, i, o: masks[key[0]].append(bytes((o == 0).numpy()))
     )
     plain = step_holding_outputs(model, params, x)
-    hc = hbp.HCModule(model, budget=0.4)
+    hc = hbp.HCModule(model, budget=0.4, calibrate=False)
     key[0] = "hc"
     with pytest.warns(UserWarning, match="forward hooks on layers.2.2 run again"):
         got = step_holding_outputs(hc, params, x)
@@ -74,7 +74,7 @@ def test_tied_weights_frozen_parameters_and_integer_inputs():
     idx, targets = torch.randint(0, 50, (16, 24)), torch.randint(0, 50, (16, 24))
     params = list(model.parameters())
     expected = step_holding_outputs(model, params, idx, targets)
-    hc = hbp.HCModule(model, budget=0.7)
+    hc = hbp.HCModule(model, budget=0.7, calibrate=False)
     got = step_holding_outputs(hc, params, idx, targets)
     assert_all_same(expected[0], got[0])
     assert_all_same(expected[1], got[1])
@@ -86,7 +86,7 @@ def test_input_that_does_not_require_grad_and_one_that_does():
     torch.manual_seed(0)
     model = DropoutMLP(depth=3)
     x = torch.randn(256, D)
-    hc = hbp.HCModule(model, budget=0.6)
+    hc = hbp.HCModule(model, budget=0.6, calibrate=False)
     expected = step_holding_outputs(model, list(model.parameters()), x)
     got = step_holding_outputs(hc, list(model.parameters()), x)
     assert_all_same(expected[1], got[1])
@@ -128,7 +128,7 @@ def test_retain_graph_and_double_backward_through_recomputed_segments():
     torch.manual_seed(0)
     model = BatchNormMLP()
     reference = copy.deepcopy(model)
-    hc = hbp.HCModule(model, budget=0.5)
+    hc = hbp.HCModule(model, budget=0.5, calibrate=False)
     x = torch.randn(128, 64, requires_grad=True)
 
     def twice(module, inp):
@@ -155,7 +155,7 @@ def test_bfloat16_weights_after_wrapping():
     torch.manual_seed(0)
     model = ConvNeXt()
     reference = copy.deepcopy(model).to(torch.bfloat16)
-    hc = hbp.HCModule(model, budget=0.5, block_size=2).to(dtype=torch.bfloat16)
+    hc = hbp.HCModule(model, budget=0.5, block_size=2, calibrate=False).to(dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     x = images().bfloat16()
     expected = run_step(reference, reference, (x,))
@@ -170,7 +170,9 @@ def test_repeated_optimizer_steps_match_the_plain_model(count_captures):
     torch.manual_seed(0)
     model = TinyMobileNetV2()
     reference = copy.deepcopy(model)
-    hc = hbp.HCModule(model, budget=minimum_budget(CASE["mobilenetv2"]), block_size=2)
+    hc = hbp.HCModule(
+        model, budget=minimum_budget(CASE["mobilenetv2"]), block_size=2, calibrate=False
+    )
     captures = count_captures()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -193,7 +195,7 @@ def test_adamw_three_steps_match_plain_training(count_captures):
     torch.manual_seed(0)
     model = EncoderViT()
     reference = copy.deepcopy(model)
-    hc = hbp.HCModule(model, budget=0.5, block_size=2)
+    hc = hbp.HCModule(model, budget=0.5, block_size=2, calibrate=False)
     captures = count_captures()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
     for step in range(3):
@@ -217,7 +219,7 @@ def test_packed_position_ids_passed_keep_the_mask():
     positions = torch.arange(32).repeat(2).expand(2, -1)  # two sequences of 32 per row
     plain = copy.deepcopy(model)
     expected = causal_lm_step(plain, plain, input_ids=ids, position_ids=positions)
-    hc = hbp.HCModule(model, budget=0.5)
+    hc = hbp.HCModule(model, budget=0.5, calibrate=False)
     got = causal_lm_step(model, hc, input_ids=ids, position_ids=positions)
     assert sdpa_input_counts(hc) == [4, 4]  # q, k, v and the mask
     for name in expected:

@@ -31,7 +31,7 @@ def test_transformer_block_with_kwargs_and_dict_outputs():
     x = torch.randn(16, 64, D, requires_grad=True)
     mask = torch.ones(64, 64, dtype=torch.bool).tril()
     params = [x, *model.parameters()]
-    hc = hbp.HCModule(model, budget=0.8)  # one block: little to gain, but some
+    hc = hbp.HCModule(model, budget=0.8, calibrate=False)  # one block: little to gain, but some
     out = hc(x, attn_mask=mask, return_attn_input=True)
     assert set(out) == {"hidden", "norms", "attn_input"} and isinstance(out["norms"], tuple)
     expected = step_holding_outputs(model, params, x, attn_mask=mask, return_attn_input=True)
@@ -54,7 +54,7 @@ def test_keyword_arguments_and_a_boolean_flag_are_part_of_the_signature(count_ca
 def test_plans_once_per_signature_and_runs_plainly_in_eval_or_no_grad(count_captures):
     model = DropoutMLP(depth=2)
     captures = count_captures()
-    hc = hbp.HCModule(model, budget=1.0)
+    hc = hbp.HCModule(model, budget=1.0, calibrate=False)
     x = torch.randn(16, D)
     hc(x).sum().backward()
     hc(x).sum().backward()
@@ -78,7 +78,7 @@ def test_a_new_batch_size_is_planned_again(count_captures):
     case = CASE["causal_buffer"]
     model = case.make_model()
     reference = copy.deepcopy(model)
-    hc = hbp.HCModule(model, budget=0.7, block_size=4)
+    hc = hbp.HCModule(model, budget=0.7, block_size=4, calibrate=False)
     captures = count_captures()
     budgets = []
     for batch, seq in ((4, 40), (2, 40), (2, 24), (4, 40)):
@@ -96,7 +96,7 @@ def test_a_new_sequence_length_is_planned_again(count_captures):
     torch.manual_seed(0)
     model = CausalAttention()
     reference = copy.deepcopy(model)
-    hc = hbp.HCModule(model, budget=0.7)
+    hc = hbp.HCModule(model, budget=0.7, calibrate=False)
     budgets = []
     for seq in (64, 32, 64):
         x = torch.randn(4, seq, 64)
@@ -121,7 +121,7 @@ def test_autocast_is_part_of_the_input_signature(count_captures):
     torch.manual_seed(0)
     model = MLPNet()
     captures = count_captures()
-    hc = hbp.HCModule(model, budget=0.5)
+    hc = hbp.HCModule(model, budget=0.5, calibrate=False)
     x = torch.randn(512, 64)
     hc(x).sum().backward()
     float32 = hc.plan
@@ -138,7 +138,7 @@ def test_outputs_keep_the_modules_own_container_types():
     args, kwargs = case.make_inputs()
     for dataclass_output in (False, True):
         model = HFStyleLM(dataclass_output=dataclass_output)
-        hc = hbp.HCModule(model, budget=0.6, block_size=4)
+        hc = hbp.HCModule(model, budget=0.6, block_size=4, calibrate=False)
         out, expected = hc(*args, **kwargs), model(*args, **kwargs)
         assert type(out) is type(expected)
         assert out.loss.requires_grad and len(out.hidden_states) == 4  # attribute access
@@ -147,7 +147,7 @@ def test_outputs_keep_the_modules_own_container_types():
         else:
             assert list(out) == ["loss", "logits", "hidden_states"]
         out.loss.backward()
-    hc = hbp.HCModule(Containers(), budget=1.0)
+    hc = hbp.HCModule(Containers(), budget=1.0, calibrate=False)
     out = hc(torch.randn(4, 16, requires_grad=True))
     assert type(out) is tuple and type(out[0]) is list and type(out[0][1]) is dict
     assert type(out[1]) is OrderedDict and out[2] == 4 and out[0][1]["n"] == 3

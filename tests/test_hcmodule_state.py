@@ -33,7 +33,7 @@ def test_convnet_batchnorm_updated_once_and_in_place_relu():
     model, reference = ConvBN(), ConvBN()
     reference.load_state_dict(model.state_dict())
     x = torch.randn(8, 3, 16, 16)
-    hc = hbp.HCModule(model, budget=0.6)  # the minimum is 0.50 of naive
+    hc = hbp.HCModule(model, budget=0.6, calibrate=False)  # the minimum is 0.50 of naive
     got = step_holding_outputs(hc, list(model.parameters()), x)
     expected = step_holding_outputs(reference, list(reference.parameters()), x)
     assert any(s.recompute for s in hc.plan.segments)
@@ -66,7 +66,7 @@ def test_eval_no_grad_train_to_state_dict_and_print(count_captures):
     torch.manual_seed(0)
     model = TinyMobileNetV2()
     reference = copy.deepcopy(model)
-    hc = hbp.HCModule(model, budget=0.5, block_size=2)
+    hc = hbp.HCModule(model, budget=0.5, block_size=2, calibrate=False)
     captures = count_captures()
     x = torch.randn(4, 3, 32, 32)
     hc.eval()
@@ -122,7 +122,7 @@ def test_eval_and_no_grad_run_the_plain_module_with_the_same_memory(count_captur
     captures = count_captures()
     torch.manual_seed(0)
     model = Mixer()
-    hc, x = hbp.HCModule(model, budget=0.5), images()
+    hc, x = hbp.HCModule(model, budget=0.5, calibrate=False), images()
     for context, train in ((torch.no_grad, True), (torch.enable_grad, False)):
         hc.train(train)
         with context():
@@ -140,7 +140,7 @@ def test_eval_mode_fine_tuning_plans_only_when_asked(count_captures):
     plan_in_eval=True; then the eval-mode step (BatchNorm on running statistics, no dropout)
     has the plain eval step's gradients within the budget."""
     x = torch.randn(256, 64)
-    hc = hbp.HCModule(BatchNormMLP(), budget=0.5).eval()
+    hc = hbp.HCModule(BatchNormMLP(), budget=0.5, calibrate=False).eval()
     with pytest.warns(UserWarning, match="plan_in_eval=True") as record:
         hc(x).sum().backward()
         hc(x).sum().backward()
@@ -153,7 +153,7 @@ def test_eval_mode_fine_tuning_plans_only_when_asked(count_captures):
     reference = copy.deepcopy(model)
     expected = run_step(reference, reference, (x,))
     # 0.6: with BatchNorm's kernel workspace counted, 0.5 is below this step's minimum
-    hc = hbp.HCModule(model, budget=0.6, plan_in_eval=True)
+    hc = hbp.HCModule(model, budget=0.6, plan_in_eval=True, calibrate=False)
     got = run_step(hc, model, (x,))
     assert_same_step(expected, got, exact=False)
     assert captures == [1] and "plan_in_eval=True" in repr(hc)
@@ -165,7 +165,7 @@ def test_torch_save_pickle_and_deepcopy_round_trip():
     case = CASE["hf_modeloutput"]
     model = case.make_model()
     args, kwargs = case.make_inputs()
-    hc = hbp.HCModule(model, budget=0.5, block_size=4)
+    hc = hbp.HCModule(model, budget=0.5, block_size=4, calibrate=False)
     expected = train_step(hc, model, case, args, kwargs)
     buffer = io.BytesIO()
     torch.save(hc, buffer)
@@ -185,7 +185,7 @@ def test_torch_save_pickle_and_deepcopy_round_trip():
 
 def test_deepcopy_and_state_dict_after_training_continue_identically():
     torch.manual_seed(0)
-    hc = hbp.HCModule(RunningMean(), budget=0.5)
+    hc = hbp.HCModule(RunningMean(), budget=0.5, calibrate=False)
     x = torch.randn(256, 64)
     run_step(hc, hc.module, (x,))
     clone = copy.deepcopy(hc)
@@ -194,7 +194,7 @@ def test_deepcopy_and_state_dict_after_training_continue_identically():
         run_step(hc, hc.module, (x,)), run_step(clone, clone.module, (x,)), exact=False
     )
     assert clone.module.count.item() == hc.module.count.item() == 2
-    fresh = hbp.HCModule(RunningMean(), budget=0.5)
+    fresh = hbp.HCModule(RunningMean(), budget=0.5, calibrate=False)
     fresh.load_state_dict(hc.state_dict())
     assert_same_step(
         run_step(hc, hc.module, (x,)), run_step(fresh, fresh.module, (x,)), exact=False
@@ -202,7 +202,7 @@ def test_deepcopy_and_state_dict_after_training_continue_identically():
 
 
 def test_plan_summary_is_readable():
-    hc = hbp.HCModule(DropoutMLP(depth=3), budget=0.6)
+    hc = hbp.HCModule(DropoutMLP(depth=3), budget=0.6, calibrate=False)
     plan = hc.prepare(torch.randn(256, D))
     text = hc.summary()
     assert text.startswith("HCModule: op-level capture")

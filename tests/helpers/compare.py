@@ -1,6 +1,10 @@
 """Plain model vs HCModule: one training step of each on copies with the same weights,
 inputs and seed (tests/helpers/step.py), the results compared, and what the wrapper's step
-measured against its plan."""
+measured against its plan.
+
+The wrapper's closed loop (calibrate=) is off in these comparisons: it measures a step with
+the CPU profiler and can only change the plans of later steps, which they do not take;
+tests/test_step_budget.py tests it."""
 
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ def compare_with_plain(case: Case, budget) -> dict:
     ref_args, ref_kwargs = copy.deepcopy((args, kwargs))
     keep = not case.own_loss
     expected = train_step(reference, reference, case, ref_args, ref_kwargs, keep_outputs=keep)
-    hc = hbp.HCModule(model, budget=budget, block_size=case.block_size)
+    hc = hbp.HCModule(model, budget=budget, block_size=case.block_size, calibrate=False)
     got = train_step(hc, model, case, args, kwargs, keep_outputs=keep)
     assert_same_step(expected, got, case.exact)
     plan = hc.plan
@@ -90,7 +94,7 @@ def compare(make_model, args, kwargs=None, *, budget, loss_fn=None, exact=False,
     reference = copy.deepcopy(model)
     ref_args, ref_kwargs = copy.deepcopy((args, kwargs))
     expected = run_step(reference, reference, ref_args, ref_kwargs, loss_fn=loss_fn)
-    hc = hbp.HCModule(model, budget=budget, **options)
+    hc = hbp.HCModule(model, budget=budget, calibrate=False, **options)
     got = run_step(hc, model, args, kwargs, loss_fn=loss_fn)
     assert_same_step(expected, got, exact)
     return hc, expected, got
