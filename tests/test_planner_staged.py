@@ -221,8 +221,8 @@ def test_stages_plan_below_the_whole_graph_minimum():
     from hbp.planner import min_feasible_peak
 
     graph = synthetic.residual_net(8, same_layers=True)
-    whole, _ = min_feasible_peak(graph, max_cuts=8)
-    budget = (whole + min_feasible_peak(graph)[0]) // 2
+    whole, _ = min_feasible_peak(graph, max_cuts=8, staged="never")
+    budget = (whole + min_feasible_peak(graph, staged="never")[0]) // 2
     plan = optimal_plan(graph, budget, max_cuts=8)
     assert plan.meta["solved_by"] == "staged" and plan.meta["whole_graph_minimum"] == whole
     assert simulate(graph, plan.segments).peak_bytes == plan.predicted_peak_bytes <= budget
@@ -234,3 +234,8 @@ def test_stages_plan_below_the_whole_graph_minimum():
     assert optimal_plan(graph, err.value.minimum, max_cuts=8).predicted_peak_bytes <= (
         err.value.minimum
     )
+    # "min" is that same least budget: the whole graph's and the stages' least, not the
+    # whole graph's alone
+    least, segments = min_feasible_peak(graph, max_cuts=8)
+    assert least == err.value.minimum < whole
+    assert simulate(graph, segments).peak_bytes <= least

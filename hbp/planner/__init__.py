@@ -20,6 +20,7 @@ from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
 from hbp.planner.dp.recursion import planning
 from hbp.planner.plan import Plan, Segment
 from hbp.planner.schedules import schedule_plan
+from hbp.planner.stages import stage_tables_kept
 from hbp.planner.tree import validate_plan
 from hbp.planner.uniform import uniform_plan
 
@@ -93,11 +94,23 @@ def plan(
             dict(options, block_size=block_size, planner=planner, pins=pins, schedules=schedules),
         )
     info = GraphInfo.of(graph)
+    with stage_tables_kept(info):  # "min" and the plan share them
+        return _plan(graph, info, budget, block_size, planner, pins, schedules, options)
+
+
+def _plan(graph, info, budget, block_size, planner, pins, schedules, options: dict) -> Plan:
     naive = simulate(graph, info=info)
     if budget == "min":
-        within = {"max_cuts": options["max_cuts"]} if "max_cuts" in options else {}
+        within = {k: options[k] for k in ("max_cuts", "staged") if k in options}
+        if planner == "uniform":  # the whole-graph DP's least peak, as a reference
+            within["staged"] = "never"
         budget_bytes, _ = min_feasible_peak(
-            graph, block_size=block_size, nested=planner != "one_level", info=info, **within
+            graph,
+            block_size=block_size,
+            nested=planner != "one_level",
+            info=info,
+            pins=pins,
+            **within,
         )
     else:
         budget_bytes = parse_budget(budget, naive.peak_bytes)

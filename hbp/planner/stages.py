@@ -32,6 +32,7 @@ any overshoot before it is handed out.
 from __future__ import annotations
 
 import contextlib
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -97,12 +98,8 @@ def staged_plan(
     None when no combination of stage options fits. `reuse`: solve identical stages once
     (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests); `pins`:
     whether recomputed segments may pin nodes (None: `PIN_VALUES`)."""
-    # NOTE [ Stage tables do not depend on the budget ]
     settings = (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
-    known = info.__dict__.setdefault("_stage_tables", {})
-    if settings not in known:
-        known[settings] = _stage_tables(info, *settings)
-    cuts, stages, reps, options = known[settings]
+    cuts, stages, reps, options = _tables(info, settings)
     choice = _allocate(options, budget_bytes, global_slots)
     if choice is None:
         return None
@@ -116,6 +113,50 @@ def staged_plan(
                 plan = rebuilt[first, k] = solver.top_plan(o.local_slots, start=first, row=o.row)
             segments.extend(_shifted(s, a - first) for s in plan)
     return segments
+
+
+def least_staged_budget(
+    info: GraphInfo,
+    *,
+    stage_nodes: int = 40,
+    per_region: int = 6,
+    region: int = 32,
+    stage_slots: int = 128,
+    global_slots: int = 8192,
+    nested: bool = True,
+    levels: int = 4,
+    reuse: bool = True,
+    pins: bool | None = None,
+) -> int:
+    """The least budget at which `staged_plan` (same settings) finds a combination of stage
+    options by the cost model (NOTE [ The least staged budget ])."""
+    settings = (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
+    options = _tables(info, settings)[3]
+    least = 0.0  # the least peak of the stages after, above what they are given
+    for opts in reversed(options):
+        least = min(max(o.need_bytes, o.kept_bytes + least) for o in opts)
+    # each stage's need and kept are rounded up to a slot of the budget in `_allocate`
+    rounding = (len(options) + 1) / global_slots
+    return int(math.ceil(least * (1 + rounding))) + 1
+
+
+# NOTE [ The least staged budget ]
+# The least peak of a staged plan by the cost model is a min-max over one option per stage:
+# going backwards, L(s) = min over options o of stage s of max(need(o), kept(o) + L(s + 1)),
+# L(after the last) = 0 (an option's need counts from what the stages before keep). It takes
+# the tables, which every staged plan of the graph needs anyway, and no solve. `_allocate`
+# rounds each stage's need and kept bytes up to slots of 1/global_slots of the budget, so a
+# budget (stages + 1) slots above L surely allocates; what the plan then simulates to is
+# checked by the caller (`hbp.planner.dp.entry`), as for every staged plan.
+
+
+def _tables(info: GraphInfo, settings: tuple):
+    """The stage tables of `settings` (`_stage_tables`), kept on `info` while the caller is
+    inside `stage_tables_kept` (NOTE [ Stage tables do not depend on the budget ])."""
+    known = info.__dict__.setdefault("_stage_tables", {})
+    if settings not in known:
+        known[settings] = _stage_tables(info, *settings)
+    return known[settings]
 
 
 def _stage_tables(
@@ -159,10 +200,15 @@ def _stage_tables(
 def stage_tables_kept(info: GraphInfo) -> Iterator[None]:
     """Inside, staged plans of `info` share their tables; on exit they are dropped (NOTE
     [ Stage tables do not depend on the budget ])."""
+    depth = info.__dict__.get("_stage_tables_depth", 0)
+    info.__dict__["_stage_tables_depth"] = depth + 1
     try:
         yield
     finally:
-        info.__dict__.pop("_stage_tables", None)
+        info.__dict__["_stage_tables_depth"] = depth
+        if depth == 0:  # the outermost drops them
+            info.__dict__.pop("_stage_tables", None)
+            info.__dict__.pop("_stage_tables_depth", None)
 
 
 # NOTE [ Identical stages are solved once ]

@@ -32,7 +32,7 @@ from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.plan import Plan, Segment, any_pinned
-from hbp.planner.stages import stage_tables_kept, staged_plan
+from hbp.planner.stages import least_staged_budget, stage_tables_kept, staged_plan
 from hbp.planner.tree import name_segments
 
 __all__ = [
@@ -198,7 +198,9 @@ def optimal_plan(
                 nested, below_bound=True,
             )  # fmt: skip
         candidate = None
-        if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
+        known = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
+        below = known is not None and known > budget_bytes  # the tables cannot fit it
+        if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS and not below:
             # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
             # value over fewer cuts (its plan is not needed: not simulated)
             fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
@@ -216,6 +218,9 @@ def optimal_plan(
                         whole_graph_recompute=solved.recompute,
                     )
                     return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
+            elif not info.rng_state_bytes:
+                # NOTE [ A budget below the fewer cuts' reach ]
+                least_peak_cached(info, cuts, nested)
         try:
             plan, how = whole_graph(cuts)
         except BudgetError as err:
@@ -373,6 +378,12 @@ STAGED_MIN_NODES = 400
 # those of the full DP beside stages unless the 32-cut DP loses to the staged plan while the
 # full one would beat it (none of experiments/check_plans.py's plans).
 STAGED_WHOLE_GRAPH_CUTS = 32
+# NOTE [ A budget below the fewer cuts' reach ]
+# Where the DP over the fewer cuts finds no plan, the budget is near or below the least peak,
+# and the full tables (the costliest part of a plan call) often find none either. The least
+# peak over all the cuts is computed first (a BudgetError needs it anyway, and it is
+# remembered): above the budget, `_solve` raises at once (NOTE [ Known least peaks skip the
+# tables ]). A least peak already known above the budget skips the fewer cuts' DP too.
 
 
 def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
@@ -396,7 +407,8 @@ def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
     return None
 
 
-#: Bisection steps for the least staged peak a BudgetError reports (each one staged solve).
+#: Bisection steps for the least staged budget, where the one from the cost model
+#: (`least_staged_budget`) simulates above itself (each step one staged solve).
 STAGED_MINIMUM_STEPS = 6
 
 
@@ -406,28 +418,44 @@ def _staged_below_whole_graph(
     """The staged plan within `budget`, below the whole-graph DP's least peak (`err`): the
     stages' fine cuts can reach less than the whole graph's candidate cuts (a ControlNet
     beside a frozen UNet: 3.19 MiB staged, 3.40 whole-graph). None fits: `err`, its minimum
-    lowered to the staged plan's peak at that minimum where that is less. `fits=False`: the
-    budget is known to be below every plan's peak (NOTE [ Budgets below the lower
+    lowered to the least budget a staged plan is found for where that is less. `fits=False`:
+    the budget is known to be below every plan's peak (NOTE [ Budgets below the lower
     bound ])."""
     candidate = _staged_candidate(graph, info, budget, pins) if fits else None
     if candidate is not None:
         meta = dict(meta, whole_graph_minimum=err.minimum)
         return _as_staged(graph, info, meta, budget, candidate, naive, t0)
-    at_minimum = _staged_candidate(graph, info, err.minimum, pins)
-    if at_minimum is None or at_minimum[1].peak_bytes >= err.minimum:
+    found = _staged_minimum(graph, info, pins, err.minimum, budget)
+    if found is None:
         raise err
-    # the least budget a staged plan fits, between the budget (none fits) and the whole
-    # graph's minimum, by bisection (staged plans are not monotone in the budget: the budget
-    # reported is one a staged plan was found for, so planning for it succeeds)
-    low, least = budget, err.minimum
+    detail = f"{err.detail}; less in stages" if err.detail else "in stages"
+    raise BudgetError(budget, found[0], detail) from err
+
+
+def _staged_minimum(graph, info, pins, above: int, low: int = 0):
+    """(the least budget a staged plan is found for, that candidate) where it is below
+    `above`, else None; `low`: a budget none is found for. The cost model's least staged
+    budget first (NOTE [ The least staged budget ]); where its plan simulates above it, a
+    bisection between `low` and `above` (staged plans are not monotone in the budget: the
+    budget reported is one a staged plan was found for, so planning for it succeeds)."""
+    least = max(least_staged_budget(info, nested=False, pins=pins), low + 1)
+    if least < above:
+        candidate = _staged_candidate(graph, info, least, pins)
+        if candidate is not None:
+            return least, candidate
+        low = least
+    at_above = _staged_candidate(graph, info, above, pins)
+    if at_above is None or at_above[1].peak_bytes >= above:
+        return None
+    best = (above, at_above)
     for _ in range(STAGED_MINIMUM_STEPS):
-        middle = (low + least) // 2
-        if _staged_candidate(graph, info, middle, pins) is None:
+        middle = (low + best[0]) // 2
+        candidate = _staged_candidate(graph, info, middle, pins)
+        if candidate is None:
             low = middle
         else:
-            least = middle
-    detail = f"{err.detail}; less in stages" if err.detail else "in stages"
-    raise BudgetError(budget, least, detail) from err
+            best = (middle, candidate)
+    return best if best[0] < above else None
 
 
 def _takes(candidate, plan: Plan, always: bool) -> bool:
@@ -455,12 +483,26 @@ def min_feasible_peak(
     max_cuts: int = 64,
     nested: bool = True,
     info: GraphInfo | None = None,
+    staged: str | None = None,
+    pins: bool | None = None,
 ) -> tuple[int, list[Segment]]:
-    """The smallest simulated peak over the planner's plan space (over the cut sets of
-    `cut_choices`: NOTE [ Least peak over other cut choices ] in hbp.planner.cuts), and a
-    plan reaching it."""
+    """The least budget `optimal_plan` (same arguments) finds a plan for, and that plan's
+    top-level segments: the smallest simulated peak over the whole-graph DP's cut sets
+    (`cut_choices`: NOTE [ Least peak over other cut choices ] in hbp.planner.cuts) or, where
+    `optimal_plan` also plans in stages and they reach less, the least budget a staged plan
+    is found for (its plan simulates at or below it)."""
     info = info or GraphInfo.of(graph)
-    return least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
+    with stage_tables_kept(info):
+        best = least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
+        staged = STAGED if staged is None else staged
+        cuts = candidate_cuts(info, block_size, max_cuts)
+        if block_size == 1 and (
+            staged == "always" or staged == "auto" and _staged_pays(info, cuts)
+        ):
+            found = _staged_minimum(graph, info, pins, best[0])
+            if found is not None:
+                best = (found[0], found[1][0])
+    return best
 
 
 def finish_plan(
