@@ -130,7 +130,6 @@ def unet_cond():
     return model, args, {"encoder_hidden_states": torch.randn(4, 7, 32)}
 
 
-
 # Models of the regression tests that pin how transformers' attention masks are captured and
 # how wav2vec2's CTC loss is (each seeded: the tests compare two copies of it).
 
@@ -188,6 +187,7 @@ def wav2vec2_ctc():
         pad_token_id=0,
     )
     return t.Wav2Vec2ForCTC(config).train()
+
 
 class AliasThenInplace(nn.Module):
     """timm's ResNet basic block: conv, BatchNorm, `drop_block = nn.Identity()` (an alias of
