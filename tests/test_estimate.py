@@ -1,14 +1,17 @@
 """`hbp.estimate`: "will it fit?" from capture and simulation only, checked against the
 allocator's peak of the step it predicts (within 3%)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
+from models.traits import DataDependentTail
 from torch import nn
 
 import hbp
 from hbp.allocator import allocator_peak
-from hbp.errors import BudgetError, ConfigError
+from hbp.errors import BudgetError, CaptureWarning, ConfigError
 from hbp.estimate import Estimate, main
 
 
@@ -77,3 +80,23 @@ def test_command_line_on_a_workload_config(capsys):
     assert "workload=gpt2" in out and "least reachable" in out and "min" in out
     with pytest.raises(ConfigError, match="workload=NAME"):
         main(["budgets=0.5"])
+
+
+def test_estimate_of_a_module_level_fallback_is_what_hcmodule_reaches():
+    torch.manual_seed(0)
+    model, x = DataDependentTail(), torch.randn(256, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        est = hbp.estimate(model, x, budgets=(0.75, "min"))
+        hc = hbp.HCModule(model, budget="min")
+        hc(x).square().mean().backward()
+        assert hc.captured.granularity == "module"
+        assert est.granularity == "module"
+        assert est.min_peak_bytes == hc.plan.budget_bytes
+        below = est.min_peak_bytes - 4096
+        with pytest.raises(BudgetError) as info:
+            hbp.HCModule(model, budget=below)(x)
+    assert info.value.minimum == est.min_peak_bytes
+    assert not est.fits(below) and est.fits(est.min_peak_bytes)
+    (least,) = [p for p in est.frontier if p.budget == "min"]
+    assert least.predicted_peak_bytes == est.min_peak_bytes

@@ -2,12 +2,18 @@
 as plain autograd, BatchNorm statistics updated once, less memory, more FLOPs)."""
 
 import copy
+import json
 
 import pytest
 import torch
+import torch.nn.functional as F
+from models.toy import D, DropoutMLP
 from torch import nn
 
+import hbp
+from hbp.analysis.simulate import simulate
 from hbp.errors import ConfigError
+from hbp.graph.ir import Graph
 from hbp.modes import MODES, build_mode, mode_class
 from hbp.modes.checkpoint import CheckpointedSegment, CheckpointMode, segment_bounds
 from hbp.modes.naive import NaiveMode
@@ -282,3 +288,34 @@ def test_checkpoint_on_workload_matches_naive_gradients(name):
         step_grads(ckpt, module, batch), step_grads(naive, naive.model, batch)
     )
     assert error < 1e-5
+
+
+def test_tiny_mode_plans_on_apply_and_reports_the_plan():
+    torch.manual_seed(0)
+    model = DropoutMLP(depth=4)
+    workload = Workload(
+        name="mlp",
+        profile="test",
+        model=model,
+        make_batch=lambda seed: Batch(args=(torch.randn(256, D),), targets=torch.randn(256, D)),
+        loss_fn=lambda out, batch: F.mse_loss(out, batch.targets),
+    )
+    batch = workload.make_batch(0)
+    mode = build_mode({"name": "tiny", "budget": 0.5, "block_size": 1, "chunked_loss": False})
+    module = mode.apply(workload, batch)
+    assert isinstance(module, hbp.HCModule) and module.module is model
+    info = mode.describe()
+    assert info["capture_granularity"] == "op" and info["plan_segments"] >= 2
+    assert info["predicted_peak_bytes"] <= info["budget_bytes"] < info["naive_predicted_peak_bytes"]
+    assert 0 < info["predicted_recompute_ratio"] < 1 and info["plan_time_s"] > 0
+    assert json.loads(json.dumps(info)) == info  # flat and JSON-serialisable
+    plan = json.loads(mode.artifacts()["plan.json"])
+    assert plan["predicted_peak_bytes"] == info["predicted_peak_bytes"]
+    graph = Graph.from_json(mode.artifacts()["graph.json"])  # what `hbp.optimum graph=` reads
+    assert simulate(graph).peak_bytes == info["naive_predicted_peak_bytes"]
+    torch.manual_seed(1)
+    expected = workload.step_loss(model, batch)
+    torch.manual_seed(1)
+    assert torch.equal(workload.step_loss(module, batch), expected)
+    with pytest.raises(hbp.ConfigError, match="mode.block_size"):
+        build_mode({"name": "tiny", "block_size": 0})

@@ -1,7 +1,9 @@
 """HCModule on real architectures (tests/models/real.py): transformers GPT-2, Llama, BERT, T5
 and ViT, diffusers' conditional UNet, and the timm / torchvision patterns that used to crash,
 trained the way their users train them: the step backpropagates the model's own loss and lets go of the outputs before backward
-(tests/helpers/step.py), with HCModule's defaults (no `keeps_outputs`).
+(tests/helpers/step.py), with HCModule's defaults (no `keeps_outputs`) but its closed loop
+off (`calibrate=False`: a CPU profiler over each model's first step; tests/test_step_budget.py
+tests the loop).
 
 - Captured at operator level (decorated forwards, `**kwargs`, `torch.is_tensor` checks,
   attention-mask construction and output dataclasses need the export trace), with outputs,
@@ -58,7 +60,7 @@ def _compare(name: str, budget, model=None, inputs=None):
     args, kwargs = inputs
     reference = copy.deepcopy(model)
     expected = train_step(reference, reference, None, args, kwargs, loss_fn=case.loss)
-    hc = hbp.HCModule(model, budget=budget)
+    hc = hbp.HCModule(model, budget=budget, calibrate=False)
     got = train_step(hc, model, None, args, kwargs, loss_fn=case.loss)
     assert_same_step(expected, got, case.exact)
     return hc, expected, got
@@ -114,14 +116,14 @@ def test_fallback_cuts_between_repeated_blocks_with_the_callers_arguments(monkey
     `**kwargs` twice)."""
     _module_level(monkeypatch)
     model, _, kwargs = _build("gpt2")
-    hc = hbp.HCModule(model, budget="min")
+    hc = hbp.HCModule(model, budget="min", calibrate=False)
     with pytest.warns(CaptureWarning):
         hc(**kwargs).loss.backward()
     paths = [path for path, _ in hc.captured.module_calls]
     assert {"transformer.h.0", "transformer.h.1", "lm_head"} <= set(paths)
     assert "transformer" not in paths
 
-    inner = hbp.HCModule(model.transformer, budget="min")
+    inner = hbp.HCModule(model.transformer, budget="min", calibrate=False)
     with pytest.warns(CaptureWarning):
         out = inner(input_ids=kwargs["input_ids"], use_cache=False)
     out.last_hidden_state.sum().backward()
@@ -158,7 +160,7 @@ def test_backward_starts_at_the_models_own_loss_and_the_prediction_holds(name):
     the logits' gradient."""
     model, args, kwargs = _build(name)
     case = REAL_CASE[name]
-    hc = hbp.HCModule(model, budget=1.0)
+    hc = hbp.HCModule(model, budget=1.0, calibrate=False)
     got = train_step(hc, model, None, args, kwargs, loss_fn=case.loss)
     graph = hc.captured.graph
     assert graph.grad_outputs is not None and len(graph.grad_outputs) == 1
@@ -173,7 +175,7 @@ def test_a_caller_that_holds_the_outputs_is_counted_from_the_next_step():
     then on the prediction is the measured peak (NOTE [ Outputs the caller lets go ])."""
     model, args, kwargs = _build("gpt2")
     case = REAL_CASE["gpt2"]
-    hc = hbp.HCModule(model, budget=1.0)
+    hc = hbp.HCModule(model, budget=1.0, calibrate=False)
 
     def step():
         with warnings.catch_warnings(record=True) as caught:
@@ -224,7 +226,7 @@ def test_the_librarys_plan_is_predicted_exactly_and_the_planner_recomputes_less(
     naive = train_step(plain, plain, None, args, kwargs, loss_fn=case.loss)
     own_checkpointing(plain, case)
     library = train_step(plain, plain, None, args, kwargs, loss_fn=case.loss)
-    hc = hbp.HCModule(model, budget=1.0)
+    hc = hbp.HCModule(model, budget=1.0, calibrate=False)
     hc.prepare(*args, **kwargs)
     graph = hc.captured.graph
     segments = _library_plan(graph)

@@ -186,7 +186,9 @@ def _rank_batch(rank: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _distributed_worker(rank: int, port: int, kind: str, out: str) -> None:
+def _distributed_worker(rank: int, port: int, out: str) -> None:
+    """Each kind (DDP, FSDP2) in turn, plain then enabled, in one process group: the gradients
+    of the first step and the allocator's peak of the third."""
     import os
 
     import torch.distributed as dist
@@ -198,33 +200,42 @@ def _distributed_worker(rank: int, port: int, kind: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         result = {}
-        for variant in ("plain", "hbp"):
-            model = tiny_gpt2()
-            if variant == "hbp":
-                hbp.enable(model, budget="min")
-            net = DistributedDataParallel(model) if kind == "ddp" else fully_shard(model)
-            batch = _rank_batch(rank)
-            net(**batch).loss.backward()
-            result[variant] = [
-                p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-                for p in model.parameters()
-            ]
-            _step_peak(net, batch)  # the closed loop's step, then the measured one
-            result[f"{variant}_peak"] = _step_peak(net, batch)
+        for kind in ("ddp", "fsdp2"):
+            for variant in ("plain", "hbp"):
+                model = tiny_gpt2()
+                if variant == "hbp":
+                    hbp.enable(model, budget="min")
+                net = DistributedDataParallel(model) if kind == "ddp" else fully_shard(model)
+                batch = _rank_batch(rank)
+                net(**batch).loss.backward()
+                result[f"{kind}_{variant}"] = [
+                    p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                    for p in model.parameters()
+                ]
+                _step_peak(net, batch)  # the closed loop's step, then the measured one
+                result[f"{kind}_{variant}_peak"] = _step_peak(net, batch)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_ddp_and_fsdp2_over_an_enabled_model(tmp_path, kind):
+@pytest.fixture(scope="module")
+def distributed_ranks(tmp_path_factory):
+    """Both kinds from one spawn of the two ranks (each rank imports torch and transformers
+    once for the two)."""
     import torch.multiprocessing as mp
 
     from hbp.bench.distributed import free_port
 
-    mp.spawn(_distributed_worker, args=(free_port(), kind, str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_distributed_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_ddp_and_fsdp2_over_an_enabled_model(distributed_ranks, kind):
+    ranks = distributed_ranks
     plain = tiny_gpt2()
     total = None
     for rank in range(WORLD):
@@ -232,7 +243,8 @@ def test_ddp_and_fsdp2_over_an_enabled_model(tmp_path, kind):
         plain(**_rank_batch(rank)).loss.backward()
         grads = [p.grad.clone() for p in plain.parameters()]
         total = grads if total is None else [t + g for t, g in zip(total, grads)]
-    for got, expected in zip(ranks[0]["hbp"], total):
+    for got, expected in zip(ranks[0][f"{kind}_hbp"], total):
         torch.testing.assert_close(got, expected / WORLD, rtol=1e-4, atol=1e-6)
     for rank in ranks:  # the saving per rank (the wrapper's own buffers count in both)
-        assert rank["hbp_peak"] < 0.75 * rank["plain_peak"], (rank["hbp_peak"], rank["plain_peak"])
+        hc, plain_peak = rank[f"{kind}_hbp_peak"], rank[f"{kind}_plain_peak"]
+        assert hc < 0.75 * plain_peak, (hc, plain_peak)

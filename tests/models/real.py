@@ -130,6 +130,65 @@ def unet_cond():
     return model, args, {"encoder_hidden_states": torch.randn(4, 7, 32)}
 
 
+# Models of the regression tests that pin how transformers' attention masks are captured and
+# how wav2vec2's CTC loss is (each seeded: the tests compare two copies of it).
+
+
+def albert_mlm():
+    t = quiet_transformers()
+    torch.manual_seed(0)
+    config = t.AlbertConfig(
+        vocab_size=256,
+        embedding_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+        max_position_embeddings=96,
+    )
+    return t.AlbertForMaskedLM(config).train()
+
+
+def qwen3_lm():
+    t = quiet_transformers()
+    torch.manual_seed(0)
+    config = t.Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+    )
+    return t.Qwen3ForCausalLM(config).train()
+
+
+def wav2vec2_ctc():
+    t = quiet_transformers()
+    torch.manual_seed(0)
+    config = t.Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2,
+        mask_time_prob=0.0,
+        layerdrop=0.0,
+        pad_token_id=0,
+    )
+    return t.Wav2Vec2ForCTC(config).train()
+
+
 class AliasThenInplace(nn.Module):
     """timm's ResNet basic block: conv, BatchNorm, `drop_block = nn.Identity()` (an alias of
     its input), `nn.ReLU(inplace=True)`, conv, BatchNorm, the residual `+=` and another

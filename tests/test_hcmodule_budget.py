@@ -1,0 +1,203 @@
+"""HCModule holds its budget: the step's peak, measured by the memory tracker or the CPU
+allocator, stays within the plan's budget (and near its prediction) for every form of budget
+(a fraction, "min", bytes, a size string, above the naive peak), on toy models, GRU and
+EmbeddingBag leaves, convolutions whose gradient comes back transposed, and transformers
+models whose attention mask the capture must not build when eager does not."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from helpers.compare import (
+    assert_within_budget,
+    causal_lm_step,
+    compare,
+    compare_with_plain,
+    masked_lm_step,
+    minimum_budget,
+    sdpa_input_counts,
+)
+from models.cases import CASE, CASES, images
+from models.real import albert_mlm, qwen3_lm
+from models.toy import BagMLP, CausalAttention, ConvFrontEnd, GRUHead, Mixer, PatchEmbed
+from torch import nn
+
+import hbp
+from hbp.allocator import allocator_peak
+from hbp.errors import BudgetError
+
+# The largest models: their three budgets run in the slow suite.
+_SLOW = {"vit", "mobilenetv2", "hf_modeloutput", "causal_buffer"}
+
+
+def _params() -> list:
+    params = []
+    for case in CASES:
+        for budget in ("1.0", "0.5", "min"):
+            marks = [pytest.mark.slow] if case.name in _SLOW else []
+            params.append(pytest.param(case.name, budget, id=f"{case.name}-{budget}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("name, budget", _params())
+def test_same_results_within_the_budget(name, budget):
+    """Every toy model at budgets 1.0, 0.5 and the smallest feasible one: the plain model's
+    results (outputs, gradients, BatchNorm buffers), the measured peak (MemoryTracker) within
+    1.05 x the plan's budget and not far below its prediction, recompute only where the budget
+    is tight and at most the predicted FLOPs."""
+    case = CASE[name]
+    value = minimum_budget(case) if budget == "min" else float(budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # checkpoint inlining, forward hooks
+        try:
+            row = compare_with_plain(case, value)
+        except BudgetError as err:  # 0.5 below the minimum: consistent with it
+            assert budget == "0.5" and err.minimum == minimum_budget(case) > err.budget
+            return
+    assert row["granularity"] == "op"
+    assert row["peak"] <= 1.05 * row["budget_bytes"], row
+    assert row["peak"] >= 0.85 * row["predicted"], row  # the prediction is not far off
+    if budget == "1.0":
+        assert row["recomputed_segments"] == 0 and row["extra_flops"] == 0, row
+        if name != "self_checkpointed":  # (its own checkpointing is replaced by the plan)
+            assert row["peak"] <= 1.01 * row["plain_peak"], row
+    else:  # tight: recompute really happens, and costs at most what was predicted
+        assert row["recomputed_segments"] > 0, row
+        assert 0 < row["extra_flops"] <= row["predicted_extra_flops"], row
+        if name != "self_checkpointed":
+            assert row["peak"] < row["plain_peak"], row
+
+
+@pytest.mark.parametrize(
+    "make_model, make_args",
+    [
+        (GRUHead, lambda: (torch.randn(8, 20, 32), torch.randn(2, 8, 64, requires_grad=True))),
+        (BagMLP, lambda: (torch.randint(0, 1000, (400,)), torch.arange(0, 400, 4))),
+    ],
+    ids=["gru", "embedding_bag"],
+)
+def test_gru_and_embedding_bag_at_full_and_minimal_budget(make_model, make_args):
+    for budget in (1.0, "min"):
+        torch.manual_seed(0)
+        hc, plain, got = compare(make_model, make_args(), budget=budget)
+        assert hc.captured.granularity == "op"
+        assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
+
+
+def test_causal_attention_peak_matches_the_prediction():
+    """A recomputed segment's trailing unbind/view/permute run their backward before its
+    recompute (NOTE [ Recompute at the first unpack ]); predicted below measured otherwise."""
+    hc, plain, got = compare(CausalAttention, (torch.randn(4, 64, 64),), budget=0.5)
+    assert got.peak_bytes <= 1.02 * hc.plan.predicted_peak_bytes
+
+
+def test_budget_fraction_min_bytes_and_size_strings():
+    x = images()
+    torch.manual_seed(0)
+    hc = hbp.HCModule(Mixer(), budget=0.3, block_size=2, calibrate=False)
+    with pytest.raises(BudgetError, match=r"smallest feasible budget is [0-9.]+ MiB") as info:
+        hc.prepare(x)
+    minimum = info.value.minimum
+    assert info.value.budget < minimum
+    assert (
+        hbp.HCModule(hc.module, budget="min", block_size=2, calibrate=False).prepare(x).budget_bytes
+        == minimum
+    )
+    hc, plain, got = compare(Mixer, (x,), budget=minimum, block_size=2)
+    assert_within_budget(hc, got, plain)
+    hc, plain, got = compare(Mixer, (x,), budget="2.5MiB", block_size=2)
+    assert hc.plan.budget_bytes == int(2.5 * 2**20) and got.peak_bytes <= 2.5 * 2**20
+
+
+def test_a_byte_budget_above_the_naive_peak_just_runs_plainly():
+    """ "64MiB" on a 4 MiB model used to raise ConfigError ("above the naive peak")."""
+    for budget in ("64MiB", 10**12):
+        hc, plain, got = compare(Mixer, (images(),), budget=budget, block_size=2)
+        assert not any(s.recompute for s in hc.plan.segments)
+        assert got.peak_bytes == plain.peak_bytes
+
+
+def test_no_attention_mask_passed_runs_without_one_as_eager_does():
+    """transformers' attention masks under export: with no `attention_mask` passed, eager
+    SDPA runs without a mask while a traced forward used to build the full mask, which SDPA
+    saves as a float tensor per layer (ALBERT at budget 1.0: 3.6% above the plain step)."""
+    pytest.importorskip("transformers")
+    model = albert_mlm()
+    ids = torch.randint(0, 256, (4, 96))
+    labels = torch.where(torch.rand(ids.shape) < 0.15, ids, torch.full_like(ids, -100))
+    plain = copy.deepcopy(model)
+    masked_lm_step(plain, plain, ids, labels)
+    expected = masked_lm_step(plain, plain, ids, labels)
+    _, plain_peak = allocator_peak(lambda: masked_lm_step(plain, plain, ids, labels))
+
+    hc = hbp.HCModule(model, budget=1.0)
+    masked_lm_step(model, hc, ids, labels)  # capture, plan; sees the logits let go
+    masked_lm_step(model, hc, ids, labels)
+    _, peak = allocator_peak(lambda: masked_lm_step(model, hc, ids, labels))
+    got = masked_lm_step(model, hc, ids, labels)
+
+    assert hc.captured.tracer == "export"
+    masks = [n for n in hc.captured.graph.nodes if n.op.startswith("scaled_dot_product")]
+    assert masks and all(len(n.inputs) == 3 for n in masks)  # q, k, v: no mask
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+    assert peak <= plain_peak * 1.001, (peak, plain_peak)
+    assert abs(hc.plan.predicted_peak_bytes - peak) <= 0.01 * peak
+
+
+def test_causal_lm_without_positions_runs_sdpa_without_a_mask_as_eager_does():
+    """No position ids passed: eager's packed-sequence check finds none and SDPA runs causal
+    with grouped-query attention in the kernel; a trace used to build the full mask and
+    repeat the keys and values per head (Qwen3: 8.4% above the plain step at budget 1.0)."""
+    pytest.importorskip("transformers")
+    model = qwen3_lm()
+    ids = torch.randint(0, 256, (4, 64))
+    plain = copy.deepcopy(model)
+    causal_lm_step(plain, plain, input_ids=ids)
+    expected = causal_lm_step(plain, plain, input_ids=ids)
+    _, plain_peak = allocator_peak(lambda: causal_lm_step(plain, plain, input_ids=ids))
+
+    hc = hbp.HCModule(model, budget=1.0)
+    causal_lm_step(model, hc, input_ids=ids)
+    causal_lm_step(model, hc, input_ids=ids)
+    _, peak = allocator_peak(lambda: causal_lm_step(model, hc, input_ids=ids))
+    got = causal_lm_step(model, hc, input_ids=ids)
+
+    assert sdpa_input_counts(hc) == [3, 3]  # q, k, v: no mask
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+    assert peak <= plain_peak * 1.001, (peak, plain_peak)
+    assert abs(hc.plan.predicted_peak_bytes - peak) <= 0.01 * peak
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: (ConvFrontEnd(), torch.randn(4, 16, 1024), torch.randn(4, 512, 64)),
+        lambda: (PatchEmbed(), torch.randn(4, 4, 64, 64), torch.randn(4, 1024, 64)),
+    ],
+    ids=["permute", "flatten_transpose_to"],
+)
+def test_conv_whose_gradient_comes_back_transposed_holds_the_budget(build):
+    """The conv's gradient comes back through the permute's (or transpose's and flatten's)
+    backward transposed, kept so by the elementwise backward after it (and handed on as it is
+    by `.to` its own dtype), and convolution_backward copies it contiguous: a copy the size of
+    the output over a calibration with the output's own layout (1.100x and 1.127x at "min"
+    before NOTE [ The layout of an output's gradient ] followed the layout back)."""
+    torch.manual_seed(0)
+    model, x, target = build()
+
+    def step(runner):
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(runner(x), target).backward()
+
+    hc = hbp.HCModule(model, budget="min")
+    step(hc)
+    step(hc)
+    _, peak = allocator_peak(lambda: step(hc))
+    assert peak <= hc.plan.budget_bytes * 1.01, (peak, hc.plan.budget_bytes)

@@ -1,0 +1,163 @@
+"""HCModule takes and returns what the module does: keyword arguments and flags, inputs
+with and without grad, outputs in the module's own containers (dicts, ModelOutput,
+dataclasses, lists, non-tensors). A plan belongs to an input signature (shapes, dtypes,
+requires_grad, autocast, keyword values): a step of a known signature reuses its plan, a new
+one is captured and planned again."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import torch
+from helpers.compare import (
+    assert_all_same,
+    assert_within_budget,
+    compare,
+    run_step,
+    step_holding_outputs,
+)
+from helpers.step import assert_same_step, train_step
+from models.cases import CASE, tokens
+from models.toy import CausalAttention, D, DropoutMLP, HFStyleLM, MLPNet, TransformerBlock
+from models.traits import Containers, DictWithAuxLoss, KeywordFlag, ShapeBranches
+
+import hbp
+
+
+def test_transformer_block_with_kwargs_and_dict_outputs():
+    torch.manual_seed(0)
+    model = TransformerBlock()
+    x = torch.randn(16, 64, D, requires_grad=True)
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+    params = [x, *model.parameters()]
+    hc = hbp.HCModule(model, budget=0.8, calibrate=False)  # one block: little to gain, but some
+    out = hc(x, attn_mask=mask, return_attn_input=True)
+    assert set(out) == {"hidden", "norms", "attn_input"} and isinstance(out["norms"], tuple)
+    expected = step_holding_outputs(model, params, x, attn_mask=mask, return_attn_input=True)
+    got = step_holding_outputs(hc, params, x, attn_mask=mask, return_attn_input=True)
+    assert_all_same(expected[0], got[0])
+    assert_all_same(expected[1], got[1])
+    assert any(s.recompute for s in hc.plan.segments)
+
+
+def test_keyword_arguments_and_a_boolean_flag_are_part_of_the_signature(count_captures):
+    captures = count_captures()
+    x, mask = torch.randn(256, 64), torch.rand(256, 128)
+    for use_extra in (True, False):
+        kwargs = {"scale": 0.5, "use_extra": use_extra, "mask": mask}
+        hc, plain, got = compare(KeywordFlag, (x,), kwargs, budget=0.85)
+        assert_within_budget(hc, got, plain, recomputes=False)
+    assert len(captures) == 2
+
+
+def test_plans_once_per_signature_and_runs_plainly_in_eval_or_no_grad(count_captures):
+    model = DropoutMLP(depth=2)
+    captures = count_captures()
+    hc = hbp.HCModule(model, budget=1.0, calibrate=False)
+    x = torch.randn(16, D)
+    hc(x).sum().backward()
+    hc(x).sum().backward()
+    assert len(captures) == 1  # same signature: cached
+    first = hc.plan
+    hc(torch.randn(32, D)).sum().backward()
+    assert len(captures) == 2 and hc.plan is not first  # new shape: planned again
+    hc(x.requires_grad_()).sum().backward()
+    assert len(captures) == 3  # requires_grad is part of the signature
+    with torch.no_grad():
+        hc(x)
+    hc.eval()
+    hc(x)
+    assert len(captures) == 3
+    assert not model.training  # .eval() passes through
+    assert set(hc.state_dict()) == set(model.state_dict())  # the plain model's keys
+
+
+def test_a_new_batch_size_is_planned_again(count_captures):
+    torch.manual_seed(0)
+    case = CASE["causal_buffer"]
+    model = case.make_model()
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget=0.7, block_size=4, calibrate=False)
+    captures = count_captures()
+    budgets = []
+    for batch, seq in ((4, 40), (2, 40), (2, 24), (4, 40)):
+        args = (tokens(batch, seq, 96), tokens(batch, seq, 96))
+        got = train_step(hc, model, case, args, {})
+        assert_same_step(train_step(reference, reference, case, args, {}), got)
+        assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
+        budgets.append(hc.plan.budget_bytes)
+    assert len(captures) == 3  # the last shape was planned already
+    assert budgets[0] > budgets[1] > budgets[2] and budgets[3] == budgets[0]
+
+
+def test_a_new_sequence_length_is_planned_again(count_captures):
+    captures = count_captures()
+    torch.manual_seed(0)
+    model = CausalAttention()
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget=0.7, calibrate=False)
+    budgets = []
+    for seq in (64, 32, 64):
+        x = torch.randn(4, seq, 64)
+        got = run_step(hc, model, (x,))
+        assert_same_step(run_step(reference, reference, (x,)), got, exact=False)
+        assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
+        budgets.append(hc.plan.budget_bytes)
+    assert len(captures) == 2 and budgets[0] == budgets[2] > 1.5 * budgets[1]
+
+
+def test_python_control_flow_on_shapes_plans_per_shape(count_captures):
+    captures = count_captures()
+    for batch in (256, 64):
+        hc, plain, got = compare(ShapeBranches, (torch.randn(batch, 64),), budget=0.85)
+        assert_within_budget(hc, got, plain, recomputes=False)
+        used = {n.module for n in hc.captured.graph.nodes if n.module}
+        assert ("big" in used) == (batch > 100) and ("small" in used) == (batch <= 100)
+    assert len(captures) == 2
+
+
+def test_autocast_is_part_of_the_input_signature(count_captures):
+    torch.manual_seed(0)
+    model = MLPNet()
+    captures = count_captures()
+    hc = hbp.HCModule(model, budget=0.5, calibrate=False)
+    x = torch.randn(512, 64)
+    hc(x).sum().backward()
+    float32 = hc.plan
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hc(x)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and len(captures) == 2
+    assert hc.plan.naive_peak_bytes < 0.7 * float32.naive_peak_bytes  # half-size activations
+
+
+def test_outputs_keep_the_modules_own_container_types():
+    torch.manual_seed(0)
+    case = CASE["hf_modeloutput"]
+    args, kwargs = case.make_inputs()
+    for dataclass_output in (False, True):
+        model = HFStyleLM(dataclass_output=dataclass_output)
+        hc = hbp.HCModule(model, budget=0.6, block_size=4, calibrate=False)
+        out, expected = hc(*args, **kwargs), model(*args, **kwargs)
+        assert type(out) is type(expected)
+        assert out.loss.requires_grad and len(out.hidden_states) == 4  # attribute access
+        if dataclass_output:
+            assert (out.num_layers, out.note) == (3, "ok")
+        else:
+            assert list(out) == ["loss", "logits", "hidden_states"]
+        out.loss.backward()
+    hc = hbp.HCModule(Containers(), budget=1.0, calibrate=False)
+    out = hc(torch.randn(4, 16, requires_grad=True))
+    assert type(out) is tuple and type(out[0]) is list and type(out[0][1]) is dict
+    assert type(out[1]) is OrderedDict and out[2] == 4 and out[0][1]["n"] == 3
+    out[0].append("mutable")  # a real list, not fx's immutable_list
+    out[0][1]["new"] = 1
+
+
+def test_dict_output_with_an_aux_loss():
+    args = (torch.randn(256, 64), torch.randint(0, 10, (256,)))
+    hc, plain, got = compare(DictWithAuxLoss, args, budget=0.5, loss_fn=lambda out: out["loss"])
+    assert_within_budget(hc, got, plain, recomputes=False)
+    out = hc(*args)
+    assert list(out) == ["logits", "loss", "aux"] and out["aux"].requires_grad
