@@ -187,4 +187,6 @@ def test_backward_inside_the_autocast_region_holds_the_budget():
     step(hc)
     step(hc)
     _, peak = allocator_peak(lambda: step(hc))
-    assert peak <= hc.plan.budget_bytes, (peak, hc.plan.budget_bytes)
+    # the caller's `.sum()` is outside the module and its plan: its float32 scalar may be
+    # alive at the peak
+    assert peak <= hc.plan.budget_bytes + 4, (peak, hc.plan.budget_bytes)

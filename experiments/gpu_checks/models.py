@@ -157,11 +157,11 @@ def _workspace_recorder():
     calls: dict[str, dict] = {}
     original = calibrate._raise_fields
 
-    def recording(captured, node, forward, backward):
+    def recording(captured, node, forward, backward, *args, **kwargs):
         entry = calls.setdefault(node.name, {"measured": True, "forward": 0, "backward": 0})
         entry["forward"] = max(entry["forward"], forward)
         entry["backward"] = max(entry["backward"], backward)
-        return original(captured, node, forward, backward)
+        return original(captured, node, forward, backward, *args, **kwargs)
 
     calibrate._raise_fields = recording
     try:
