@@ -27,6 +27,7 @@ from hbp.planner.dp.least_peak import (
     least_peak_cached,
     least_peak_over,
     top_level,
+    union_of,
 )
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
@@ -193,13 +194,22 @@ def optimal_plan(
         below_bound = not info.rng_state_bytes and budget_bytes < lower_bound(info)
         if below_bound:  # NOTE [ Budgets below the lower bound ]: no table can fit it
             least_peak_over(info, choices, nested)
-        above = _known_above(info, choices, nested, budget_bytes)
-        if above is not None:  # NOTE [ Known least peaks skip the tables ]
+
+        def below_the_known_least() -> Plan | None:
+            """Where a remembered least peak is above the budget, the plan below the whole
+            graph, without the tables (NOTE [ Known least peaks skip the tables ])."""
+            above = _known_above(info, choices, nested, budget_bytes)
+            if above is None:
+                return None
             err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
             return _below_whole_graph(
                 graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
                 nested, below_bound=below_bound,
             )  # fmt: skip
+
+        known = below_the_known_least()
+        if known is not None:
+            return known
         candidate = None
         if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
             # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
@@ -221,13 +231,9 @@ def optimal_plan(
                     return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
             elif not info.rng_state_bytes:  # NOTE [ A budget below the fewer cuts' reach ]
                 least_peak_over(info, choices, nested)
-                above = _known_above(info, choices, nested, budget_bytes)
-                if above is not None:
-                    err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
-                    return _below_whole_graph(
-                        graph, info, meta, budget_bytes, err, naive, pins, t0, stages,
-                        block_size, max_cuts, nested,
-                    )  # fmt: skip
+                known = below_the_known_least()
+                if known is not None:
+                    return known
         try:
             plan, how = whole_graph(cuts)
         except BudgetError as err:
@@ -402,7 +408,7 @@ def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget
     fit the budget."""
     if info.rng_state_bytes:
         return None
-    for cuts in (choices[0], sorted(set().union(*choices))):
+    for cuts in (choices[0], union_of(choices)):
         known = known_least_peak(info, cuts, nested)
         if known is not None and known > budget:
             return known
@@ -467,29 +473,29 @@ def _staged_minimum(graph, info, pins, above: int, low: int = 0):
     least = max(least, low + 1)
     if least < above:
         candidate = _staged_candidate(graph, info, least, pins)
-        if candidate is not None:
-            best, low = (least, candidate), max(low, below - 1)
-            for _ in range(STAGED_REFINE_STEPS):  # within the allocation's rounding
-                middle = (low + best[0]) // 2
-                candidate = _staged_candidate(graph, info, middle, pins)
-                if candidate is None:
-                    low = middle
-                else:
-                    best = (middle, candidate)
-            return best
+        if candidate is not None:  # refined within the allocation's rounding
+            return _lowered(
+                graph, info, pins, (least, candidate), max(low, below - 1), STAGED_REFINE_STEPS
+            )
         low = least
     at_above = _staged_candidate(graph, info, above, pins)
     if at_above is None or at_above[1].peak_bytes >= above:
         return None
-    best = (above, at_above)
-    for _ in range(STAGED_MINIMUM_STEPS):
+    best = _lowered(graph, info, pins, (above, at_above), low, STAGED_MINIMUM_STEPS)
+    return best if best[0] < above else None
+
+
+def _lowered(graph, info, pins, best: tuple, low: int, steps: int) -> tuple:
+    """`best` = (a budget a staged plan is found for, that candidate), lowered by `steps`
+    bisection steps towards `low`, a budget none is found for."""
+    for _ in range(steps):
         middle = (low + best[0]) // 2
         candidate = _staged_candidate(graph, info, middle, pins)
         if candidate is None:
             low = middle
         else:
             best = (middle, candidate)
-    return best if best[0] < above else None
+    return best
 
 
 def _takes(candidate, plan: Plan, always: bool) -> bool:

@@ -27,6 +27,7 @@ __all__ = [
     "least_peak_over",
     "least_peak_plan",
     "top_level",
+    "union_of",
 ]
 
 
@@ -72,9 +73,14 @@ def least_peak_over(
     if len(choices) > 1:
         first = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
         if first is None or first > lower_bound(info):  # no set goes below the lower bound
-            cuts = sorted(set().union(*choices))
+            cuts = union_of(choices)
     peak, segments = least_peak_cached(info, cuts, nested)
     return peak, top_level(info, segments)
+
+
+def union_of(choices: list[list[int]]) -> list[int]:
+    """The cuts of every set of `choices`, in order."""
+    return sorted(set().union(*choices))
 
 
 def least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
