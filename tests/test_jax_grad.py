@@ -41,6 +41,19 @@ def n_nodes(fun, args, argnums=0):
     return len(capture_jaxpr(fun, *args, argnums=argnums)[0])
 
 
+def grad_fns_per_strategy(fun, budget, args, **options) -> dict:
+    """strategy -> height_compressed_grad(fun, budget, strategy=...): "pieces" plans for the
+    budget, the others run its plan (the strategy is the executor; the plan does not depend on
+    it), so each executor is checked without planning the same graph three times."""
+    first = hj.height_compressed_grad(fun, budget, strategy="pieces", **options)
+    plan = first.get_plan(*args)
+    others = {
+        s: hj.height_compressed_grad(fun, plan=plan, strategy=s, **options)
+        for s in ("remat", "fenced")
+    }
+    return {"pieces": first, **others}
+
+
 @pytest.mark.parametrize(
     ("strategy", "budget"),
     [
@@ -100,8 +113,7 @@ def test_has_aux_and_argnums_tuple(resnet):
     want = jax.grad(loss_aux, argnums=(0, 1), has_aux=True)(*args)
     options = {"argnums": (0, 1), "has_aux": True}
     budget = tightest_budget(loss_aux, args, **options)
-    for strategy in ("pieces", "remat", "fenced"):
-        grad_fn = hj.height_compressed_grad(loss_aux, budget, strategy=strategy, **options)
+    for grad_fn in grad_fns_per_strategy(loss_aux, budget, args, **options).values():
         got = grad_fn(*args)
         assert_trees_close(got[0], want[0])
         assert jnp.allclose(got[1]["pred_mean"], want[1]["pred_mean"])
@@ -174,22 +186,35 @@ def test_non_scalar_loss_raises_type_error(mlp):
         hj.height_compressed_grad(lambda p, x: x @ p[0], budget=1.0)(params, x)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["pieces", "remat", "fenced"])
-def test_transformer_sgd_trajectory_matches_jax_grad(strategy):
-    """3 SGD steps with height_compressed_grad at the tightest plan follow jax.grad's
-    parameter trajectory (scan, masks, einsum, custom_vjp, a user's jax.checkpoint)."""
+@pytest.fixture(scope="module")
+def transformer_trajectory():
+    """The transformer's inputs, jax.grad's parameters after each of 3 SGD steps, and the
+    plan budget="min" resolves to (one capture and plan: the strategy does not change it)."""
     params = transformer_params(jax.random.PRNGKey(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 16))
     mask = jnp.tril(jnp.ones((8, 8), bool))
-    grad_fn = hj.height_compressed_grad(transformer_loss, budget="min", strategy=strategy)
-    mine, ref = params, params
+    reference_grad = jax.jit(jax.grad(transformer_loss))  # compiled once, not op by op
+    ref, trajectory = params, []
     for _ in range(3):
+        ref = jax.tree.map(lambda p, g: p - 1e-3 * g, ref, reference_grad(ref, x, mask))
+        trajectory.append(ref)
+    plan = hj.height_compressed_grad(transformer_loss, budget="min").get_plan(params, x, mask)
+    return params, x, mask, trajectory, plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["pieces", "remat", "fenced"])
+def test_transformer_sgd_trajectory_matches_jax_grad(transformer_trajectory, strategy):
+    """3 SGD steps with height_compressed_grad at the tightest plan follow jax.grad's
+    parameter trajectory (scan, masks, einsum, custom_vjp, a user's jax.checkpoint)."""
+    params, x, mask, trajectory, plan = transformer_trajectory
+    grad_fn = hj.height_compressed_grad(transformer_loss, plan=plan, strategy=strategy)
+    mine = params
+    for ref in trajectory:
         mine = jax.tree.map(lambda p, g: p - 1e-3 * g, mine, grad_fn(mine, x, mask))
-        ref = jax.tree.map(lambda p, g: p - 1e-3 * g, ref, jax.grad(transformer_loss)(ref, x, mask))
+        assert_trees_close(mine, ref)
     assert any(s.recompute for s in grad_fn.plan.segments)
-    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(ref))
-    assert_trees_close(mine, ref)
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(trajectory[-1]))
 
 
 @pytest.mark.parametrize(
@@ -234,8 +259,7 @@ def test_user_functions_match_jax_grad(case):
             return jnp.mean(x**2)
 
     want = jax.grad(loss, argnums=argnums)(*args)
-    for strategy in ("pieces", "remat", "fenced"):
-        grad_fn = hj.height_compressed_grad(loss, "min", argnums=argnums, strategy=strategy)
+    for grad_fn in grad_fns_per_strategy(loss, "min", args, argnums=argnums).values():
         got = grad_fn(*args)
         assert jax.tree.structure(got) == jax.tree.structure(want)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
