@@ -103,11 +103,12 @@ def test_height_compressed_under_jit_saves_temp_memory(residual):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("strategy", ["auto", "fenced"])
-def test_pytrees_has_aux_and_argnums_tuple(pytree, strategy, jit):
+def test_pytrees_has_aux_and_argnums_tuple(pytree, jit):
+    """The default strategy ("auto": "fenced" eagerly and traced, so one case covers both
+    names; test_nested_plan_fenced names "fenced" itself)."""
     params, x, target = pytree
     options = {"argnums": (0, 1), "has_aux": True}
-    grad_fn = hj.height_compressed_grad(pytree_loss, "min", strategy=strategy, **options)
+    grad_fn = hj.height_compressed_grad(pytree_loss, "min", **options)
     run = jax.jit(grad_fn) if jit else grad_fn
     got = run(params, x, target)
     want = jax.grad(pytree_loss, **options)(params, x, target)
