@@ -457,3 +457,22 @@ def test_encoder_decoder_least_peak_is_below_checkpointing_each_block(layers):
     at_blocks = optimal_plan(graph, blocks.peak_bytes, info=info)
     assert at_blocks.predicted_peak_bytes <= blocks.peak_bytes
     assert at_blocks.predicted_recompute_flops <= blocks.recompute_flops
+
+
+def test_relative_budget_is_resolved_by_plan_as_by_the_caller():
+    """plan(graph, "N%act") plans at the least peak + N% of what checkpointing saves, the
+    bytes `Budget.resolve` gives from `least_peak` (NOTE [ Relative budgets resolved where
+    they are planned ])."""
+    from hbp.planner import least_peak
+    from hbp.planner.budget import Budget
+
+    graph = synthetic.residual_net(4)
+    naive = naive_peak(graph)
+    for form in ("50%act", Budget.activations(0.25), "0%act"):
+        expected = Budget.parse(form).resolve(naive, lambda: least_peak(graph))
+        planned = plan(graph, form)
+        assert planned.budget_bytes == expected
+        assert planned.predicted_peak_bytes <= expected
+        assert planned.segments == plan(graph, expected).segments
+    with pytest.raises(ConfigError):
+        plan(graph, "150%act")

@@ -207,6 +207,11 @@ def optimal_plan(
                 nested, below_bound=below_bound,
             )  # fmt: skip
 
+        if stages and not below_bound and not info.rng_state_bytes:
+            # NOTE [ A budget below the stages' reach ]
+            below_stages, _ = least_staged_budget(info, nested=False, pins=pins)
+            if budget_bytes < below_stages:
+                least_peak_over(info, choices, nested)
         known = below_the_known_least()
         if known is not None:
             return known
@@ -399,6 +404,16 @@ STAGED_WHOLE_GRAPH_CUTS = 32
 # and it is remembered): above the budget, no table over the first set can fit it (NOTE
 # [ Known least peaks skip the tables ]), and the budget goes where the tables' BudgetError
 # would have sent it, `_below_whole_graph`.
+
+
+# NOTE [ A budget below the stages' reach ]
+# The stages' least budget by the cost model (NOTE [ The least staged budget ] in
+# hbp.planner.stages) takes only the stage tables, which a plan beside stages builds anyway.
+# A budget below it has no staged plan, so it fits only where the whole graph's least peak
+# is at most the budget: that least peak (remembered; a BudgetError needs it) is taken first,
+# and where it is above the budget the tables over the fewer cuts and over all cuts (which
+# would end in INF) are not run; the budget goes to `_below_whole_graph` as after them. Where
+# it is at most the budget, planning goes on as before, the least peak known.
 
 
 def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int):
