@@ -1,4 +1,5 @@
-"""Entry points of the DP planner: `optimal_plan`, `min_feasible_peak`, `finish_plan`.
+"""Entry points of the DP planner: `optimal_plan` and `min_feasible_peak` (`finish_plan`, in
+`hbp.planner.dp.finish`, is re-exported here).
 
 `optimal_plan` picks the candidate cuts (`hbp.planner.cuts`), sizes the memory slots, runs
 the least-recompute tables (`Solver`) and, where the slot rounding rejects a feasible budget,
@@ -21,6 +22,7 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.cuts import candidate_cuts, cut_choices
 from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.finish import finish_plan, kept_bytes
 from hbp.planner.dp.least_peak import (
     absorb_inputs,
     known_least_peak,
@@ -34,7 +36,6 @@ from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.plan import Plan, Segment, any_pinned
 from hbp.planner.stages import least_staged_budget, stage_tables_kept, staged_plan
-from hbp.planner.tree import name_segments
 
 __all__ = [
     "STAGED",
@@ -558,45 +559,3 @@ def min_feasible_peak(
             if found is not None:
                 best = (found[0], found[1][0])
     return best
-
-
-def finish_plan(
-    graph: Graph,
-    segments: list[Segment],
-    budget_bytes: int,
-    *,
-    info: GraphInfo | None = None,
-    naive=None,
-    meta: dict | None = None,
-    sim=None,
-) -> Plan:
-    """A Plan for `segments` with its predictions filled in from the simulator (`sim`: the
-    simulation of these segments, when the caller has it)."""
-    info = info or GraphInfo.of(graph)
-    naive = naive or simulate(graph, info=info)
-    name_segments(info, segments)
-    sim = sim or simulate(graph, segments, info=info)
-    kept = kept_bytes(info, segments)
-    meta = dict(meta or {})
-    meta["cuts"] = [info.names[s.start] for s in segments[1:]]
-    meta["predicted_peak_phase"] = sim.peak_phase
-    meta["predicted_peak_at"] = sim.peak_at
-    return Plan(
-        segments=segments,
-        budget_bytes=int(budget_bytes),
-        predicted_peak_bytes=sim.peak_bytes,
-        predicted_recompute_flops=sim.recompute_flops,
-        naive_peak_bytes=naive.peak_bytes,
-        naive_flops=naive.total_flops,
-        kept_bytes=kept,
-        meta=meta,
-    )
-
-
-def kept_bytes(info: GraphInfo, segments: list[Segment]) -> int:
-    """Bytes of distinct storage the top-level recomputed segments hold as inputs."""
-    roots = set()
-    for s in segments:
-        if s.recompute:
-            roots.update(int(info.root[v]) for v in info.segment_inputs(s.start, s.stop))
-    return int(sum(info.storage_bytes[r] for r in roots))
