@@ -220,26 +220,30 @@ def optimal_plan(
         if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
             # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
             # value over fewer cuts (its plan is not needed: not simulated)
+            candidate = _staged_candidate(graph, info, budget_bytes, pins)
             fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
-            # None: below what the fewer cuts reach, or where only their least-peak plan fits
-            solved = _solve(info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True)
-            if solved is not None:
-                candidate = _staged_candidate(graph, info, budget_bytes, pins)
-                if candidate is not None and candidate[1].recompute_flops < solved.recompute * (
-                    1 - 1e-9
-                ):
-                    meta.update(
-                        candidate_cuts=len(fewer) - 2,
-                        mem_slots=solved.slots,
-                        slot_bytes=solved.slot_bytes,
-                        whole_graph_recompute=solved.recompute,
-                    )
-                    return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
-            elif not info.rng_state_bytes:  # NOTE [ A budget below the fewer cuts' reach ]
-                least_peak_over(info, choices, nested)
-                known = below_the_known_least()
-                if known is not None:
-                    return known
+            # NOTE [ No staged plan and a known least peak ]
+            if candidate is not None or not _least_known(info, choices, nested):
+                # None: below what the fewer cuts reach, or where only their least-peak plan fits
+                solved = _solve(
+                    info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True
+                )
+                if solved is not None:
+                    if candidate is not None and candidate[1].recompute_flops < (
+                        solved.recompute * (1 - 1e-9)
+                    ):
+                        meta.update(
+                            candidate_cuts=len(fewer) - 2,
+                            mem_slots=solved.slots,
+                            slot_bytes=solved.slot_bytes,
+                            whole_graph_recompute=solved.recompute,
+                        )
+                        return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
+                elif not info.rng_state_bytes:  # NOTE [ A budget below the fewer cuts' reach ]
+                    least_peak_over(info, choices, nested)
+                    known = below_the_known_least()
+                    if known is not None:
+                        return known
         try:
             plan, how = whole_graph(cuts)
         except BudgetError as err:
@@ -415,6 +419,24 @@ STAGED_WHOLE_GRAPH_CUTS = 32
 # and where it is above the budget the tables over the fewer cuts and over all cuts (which
 # would end in INF) are not run; the budget goes to `_below_whole_graph` as after them. Where
 # it is at most the budget, planning goes on as before, the least peak known.
+
+
+# NOTE [ No staged plan and a known least peak ]
+# The DP over the fewer cuts decides two things: whether the staged plan recomputes less than
+# it (no staged plan: nothing to decide), and, where it finds no plan, whether the least peak
+# is above the budget (known already: `below_the_known_least` has just said it is not). So
+# where no staged plan fits and the least peak is remembered ("min", "N%act"), either way the
+# next step is the DP over all cuts, and the fewer cuts' tables are not run.
+
+
+def _least_known(info: GraphInfo, choices: list[list[int]], nested: bool) -> bool:
+    """Whether the least peak over the first cut set of `choices` or their union is
+    remembered (`least_peak_cached`); never for graphs with generator states."""
+    if info.rng_state_bytes:
+        return False
+    return any(
+        known_least_peak(info, c, nested) is not None for c in (choices[0], union_of(choices))
+    )
 
 
 def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int):
