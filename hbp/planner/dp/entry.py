@@ -27,6 +27,7 @@ from hbp.planner.dp.least_peak import (
     absorb_inputs,
     known_least_peak,
     least_peak_cached,
+    least_peak_floor,
     least_peak_over,
     top_level,
     union_of,
@@ -34,8 +35,9 @@ from hbp.planner.dp.least_peak import (
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.solver import PinCharge, Solver
+from hbp.planner.dp.staged_search import staged_below, staged_candidate, staged_minimum
 from hbp.planner.plan import Plan, Segment, any_pinned
-from hbp.planner.stages import least_staged_budget, stage_tables_kept, staged_plan
+from hbp.planner.stages import least_staged_budget, stage_tables_kept
 
 __all__ = [
     "STAGED",
@@ -200,6 +202,16 @@ def optimal_plan(
             """Where a remembered least peak is above the budget, the plan below the whole
             graph, without the tables (NOTE [ Known least peaks skip the tables ])."""
             above = _known_above(info, choices, nested, budget_bytes)
+            if above is None and _floor_above(info, choices, nested, budget_bytes):
+                # NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak
+                found = _staged_below_the_floor(
+                    graph, info, meta, budget_bytes, naive, pins, t0, stages, nested, cuts,
+                    choices, below_bound,
+                )  # fmt: skip
+                if found is not None:
+                    return found
+                least_peak_over(info, choices, nested)  # the floor could not decide
+                above = _known_above(info, choices, nested, budget_bytes)
             if above is None:
                 return None
             err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
@@ -211,7 +223,9 @@ def optimal_plan(
         if stages and not below_bound and not info.rng_state_bytes:
             # NOTE [ A budget below the stages' reach ]
             below_stages, _ = least_staged_budget(info, nested=False, pins=pins)
-            if budget_bytes < below_stages:
+            if budget_bytes < below_stages and not _floor_above(
+                info, choices, nested, budget_bytes
+            ):
                 least_peak_over(info, choices, nested)
         known = below_the_known_least()
         if known is not None:
@@ -220,7 +234,7 @@ def optimal_plan(
         if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
             # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
             # value over fewer cuts (its plan is not needed: not simulated)
-            candidate = _staged_candidate(graph, info, budget_bytes, pins)
+            candidate = staged_candidate(graph, info, budget_bytes, pins)
             fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
             # NOTE [ No staged plan and a known least peak ]
             if candidate is not None or not _least_known(info, choices, nested):
@@ -252,7 +266,7 @@ def optimal_plan(
                 nested,
             )  # fmt: skip
         if how == "dp" and stages:
-            candidate = candidate or _staged_candidate(graph, info, budget_bytes, pins)
+            candidate = candidate or staged_candidate(graph, info, budget_bytes, pins)
             if _takes(candidate, plan, staged == "always"):
                 meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
                 return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
@@ -453,32 +467,37 @@ def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget
     return None
 
 
+def _floor_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int) -> bool:
+    """Whether the floor of the least peak over the union of `choices` (at most the least of
+    every set: NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak) is above
+    `budget`: then no whole-graph plan fits it. Never for graphs with generator states."""
+    if info.rng_state_bytes:
+        return False
+    return least_peak_floor(info, union_of(choices), nested) > budget
+
+
+def _staged_below_the_floor(
+    graph, info, meta, budget: int, naive, pins, t0, stages, nested, cuts, choices, below_bound
+) -> Plan | None:
+    """For a budget below the floor of the whole graph's least peak (no whole-graph plan fits
+    it): the staged plan within it, or the BudgetError whose minimum is the stages' least
+    budget where that is below the floor (the least of all); None where only the whole
+    graph's least peak can decide (what `_below_whole_graph` then gives is the same)."""
+    if not stages:
+        return None
+    floor = least_peak_floor(info, union_of(choices), nested)
+    candidate = None if below_bound else staged_candidate(graph, info, budget, pins)
+    if candidate is not None:
+        meta = dict(meta, whole_graph_floor=floor)
+        return _as_staged(graph, info, meta, budget, candidate, naive, t0)
+    found = staged_below(graph, info, pins, floor, budget)
+    if found is None:
+        return None
+    raise BudgetError(budget, found[0], f"{_plans_over(info, cuts, nested)}; less in stages")
+
+
 def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
     return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
-
-
-def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
-    """The staged plan (`hbp.planner.stages`) within `budget`: (segments, their simulation),
-    or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
-    budget and the stages planned again (twice at most)."""
-    target = budget
-    for _ in range(3):
-        segments = staged_plan(info, target, nested=False, pins=pins)
-        if segments is None:
-            return None
-        segments = top_level(info, segments)
-        sim = simulate(graph, segments, info=info)
-        if sim.peak_bytes <= budget:
-            return segments, sim
-        target -= sim.peak_bytes - budget
-    return None
-
-
-#: Bisection steps for the least staged budget, where the one from the cost model
-#: (`least_staged_budget`) simulates above itself (each step one staged solve).
-STAGED_MINIMUM_STEPS = 6
-#: Bisection steps within the allocation's rounding below the least staged budget found.
-STAGED_REFINE_STEPS = 2
 
 
 def _staged_below_whole_graph(
@@ -490,50 +509,15 @@ def _staged_below_whole_graph(
     lowered to the least budget a staged plan is found for where that is less. `fits=False`:
     the budget is known to be below every plan's peak (NOTE [ Budgets below the lower
     bound ])."""
-    candidate = _staged_candidate(graph, info, budget, pins) if fits else None
+    candidate = staged_candidate(graph, info, budget, pins) if fits else None
     if candidate is not None:
         meta = dict(meta, whole_graph_minimum=err.minimum)
         return _as_staged(graph, info, meta, budget, candidate, naive, t0)
-    found = _staged_minimum(graph, info, pins, err.minimum, budget)
+    found = staged_minimum(graph, info, pins, err.minimum, budget)
     if found is None:
         raise err
     detail = f"{err.detail}; less in stages" if err.detail else "in stages"
     raise BudgetError(budget, found[0], detail) from err
-
-
-def _staged_minimum(graph, info, pins, above: int, low: int = 0):
-    """(the least budget a staged plan is found for, that candidate) where it is below
-    `above`, else None; `low`: a budget none is found for. The cost model's least staged
-    budget first (NOTE [ The least staged budget ]); where its plan simulates above it, a
-    bisection between `low` and `above` (staged plans are not monotone in the budget: the
-    budget reported is one a staged plan was found for, so planning for it succeeds)."""
-    below, least = least_staged_budget(info, nested=False, pins=pins)
-    least = max(least, low + 1)
-    if least < above:
-        candidate = _staged_candidate(graph, info, least, pins)
-        if candidate is not None:  # refined within the allocation's rounding
-            return _lowered(
-                graph, info, pins, (least, candidate), max(low, below - 1), STAGED_REFINE_STEPS
-            )
-        low = least
-    at_above = _staged_candidate(graph, info, above, pins)
-    if at_above is None or at_above[1].peak_bytes >= above:
-        return None
-    best = _lowered(graph, info, pins, (above, at_above), low, STAGED_MINIMUM_STEPS)
-    return best if best[0] < above else None
-
-
-def _lowered(graph, info, pins, best: tuple, low: int, steps: int) -> tuple:
-    """`best` = (a budget a staged plan is found for, that candidate), lowered by `steps`
-    bisection steps towards `low`, a budget none is found for."""
-    for _ in range(steps):
-        middle = (low + best[0]) // 2
-        candidate = _staged_candidate(graph, info, middle, pins)
-        if candidate is None:
-            low = middle
-        else:
-            best = (middle, candidate)
-    return best
 
 
 def _takes(candidate, plan: Plan, always: bool) -> bool:
@@ -571,13 +555,22 @@ def min_feasible_peak(
     is found for (its plan simulates at or below it)."""
     info = info or GraphInfo.of(graph)
     with stage_tables_kept(info):
-        best = least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
+        choices = cut_choices(info, block_size, max_cuts)
         staged = STAGED if staged is None else staged
         cuts = candidate_cuts(info, block_size, max_cuts)
-        if block_size == 1 and (
+        stages = block_size == 1 and (
             staged == "always" or staged == "auto" and _staged_pays(info, cuts)
-        ):
-            found = _staged_minimum(graph, info, pins, best[0])
+        )
+        if stages and not info.rng_state_bytes:
+            # NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak: the stages
+            # below the whole graph's floor reach less than it, without its least peak
+            floor = least_peak_floor(info, union_of(choices), nested)
+            found = staged_below(graph, info, pins, floor)
+            if found is not None:
+                return found[0], found[1][0]
+        best = least_peak_over(info, choices, nested)
+        if stages:
+            found = staged_minimum(graph, info, pins, best[0])
             if found is not None:
                 best = (found[0], found[1][0])
     return best
