@@ -224,7 +224,10 @@ def test_stages_plan_below_the_whole_graph_minimum():
     whole, _ = min_feasible_peak(graph, max_cuts=8, staged="never")
     budget = (whole + min_feasible_peak(graph, staged="never")[0]) // 2
     plan = optimal_plan(graph, budget, max_cuts=8)
-    assert plan.meta["solved_by"] == "staged" and plan.meta["whole_graph_minimum"] == whole
+    # the whole graph's least peak, or the floor under it that proved it above the budget
+    # (NOTE [ A floor under the least peak ])
+    below = plan.meta.get("whole_graph_minimum", plan.meta.get("whole_graph_floor"))
+    assert plan.meta["solved_by"] == "staged" and budget < below <= whole
     assert simulate(graph, plan.segments).peak_bytes == plan.predicted_peak_bytes <= budget
     validate_plan(graph, plan)
     # below what anything reaches: the error's minimum is a staged plan's peak, and fits
