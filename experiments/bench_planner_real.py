@@ -14,8 +14,7 @@ from hbp.errors import BudgetError
 from hbp.graph.torch.calibrate import calibrate_scratch
 from hbp.graph.torch.capture import capture
 from hbp.integrations.torch.loss import WithLoss
-from hbp.planner import least_peak, plan
-from hbp.planner.budget import Budget
+from hbp.planner import plan
 from hbp.planner.dp.least_peak import forget_least_peaks as forget_least_peaks_of_planner
 
 BUDGETS = (0.5, 0.3, "min", "50%act")
@@ -51,11 +50,10 @@ def gpt2_medium():
 
 
 def plan_any(graph, budget):
-    """`plan(graph, budget)` for every budget form HCModule takes ("50%act" resolved as
-    HCModule resolves it: the least peak plus half of what checkpointing can save)."""
-    b = Budget.parse(budget)
-    naive = simulate(graph).peak_bytes
-    return plan(graph, b.resolve(naive, lambda: least_peak(graph)))
+    """`plan(graph, budget)`: every budget form HCModule takes ("50%act" resolved inside
+    `plan`, as HCModule has it resolved: the least peak plus half of what checkpointing can
+    save)."""
+    return plan(graph, budget)
 
 
 def timed(fn):

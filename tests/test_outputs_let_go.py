@@ -218,3 +218,38 @@ def test_the_loss_backward_runs_on_stays_counted_with_keeps_outputs_false():
     model.zero_grad(set_to_none=True)
     _, measured = allocator_peak(lambda: hc(x, y).backward())
     assert measured <= 1.02 * plan.budget_bytes
+
+
+class LogitsLM(TinyLM):
+    """TinyLM returning its logits: the caller's loss starts backward from them, so by default
+    they are counted as held until backward ends."""
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_budget_error_says_when_letting_go_of_the_outputs_fits_and_plans_once_when_it_cannot(
+    monkeypatch,
+):
+    """Between the least peaks with and without the held logits the error says to pass
+    keeps_outputs=False; far below both it is raised after one plan (NOTE [ Letting go of the
+    outputs cannot reach the budget ])."""
+    import hbp.planner
+
+    torch.manual_seed(0)
+    ids = _batch()[0]
+    model = LogitsLM()
+    held = hbp.HCModule(model, budget="min").prepare(ids).predicted_peak_bytes
+    let_go = hbp.HCModule(model, budget="min", keeps_outputs=False).prepare(ids)
+    assert let_go.predicted_peak_bytes < held
+    with pytest.raises(hbp.BudgetError, match="keeps_outputs=False"):
+        hbp.HCModule(model, budget=(let_go.predicted_peak_bytes + held) // 2).prepare(ids)
+    plans = []
+    plan = hbp.planner.plan
+    monkeypatch.setattr(hbp.planner, "plan", lambda *a, **k: plans.append(a) or plan(*a, **k))
+    with pytest.raises(hbp.BudgetError) as err:
+        hbp.HCModule(model, budget=let_go.predicted_peak_bytes // 4).prepare(ids)
+    assert "keeps_outputs" not in str(err.value) and len(plans) == 1

@@ -457,3 +457,53 @@ def test_encoder_decoder_least_peak_is_below_checkpointing_each_block(layers):
     at_blocks = optimal_plan(graph, blocks.peak_bytes, info=info)
     assert at_blocks.predicted_peak_bytes <= blocks.peak_bytes
     assert at_blocks.predicted_recompute_flops <= blocks.recompute_flops
+
+
+def test_relative_budget_is_resolved_by_plan_as_by_the_caller():
+    """plan(graph, "N%act") plans at the least peak + N% of what checkpointing saves, the
+    bytes `Budget.resolve` gives from `least_peak` (NOTE [ Relative budgets resolved where
+    they are planned ])."""
+    from hbp.planner import least_peak
+    from hbp.planner.budget import Budget
+
+    graph = synthetic.residual_net(4)
+    naive = naive_peak(graph)
+    for form in ("50%act", Budget.activations(0.25), "0%act"):
+        expected = Budget.parse(form).resolve(naive, lambda: least_peak(graph))
+        planned = plan(graph, form)
+        assert planned.budget_bytes == expected
+        assert planned.predicted_peak_bytes <= expected
+        assert planned.segments == plan(graph, expected).segments
+    with pytest.raises(ConfigError):
+        plan(graph, "150%act")
+
+
+@pytest.mark.parametrize(
+    "graph",
+    [
+        *(
+            synthetic.random_dag(n, seed=s, skip_prob=0.3, max_skip=6)
+            for n in (8, 14)
+            for s in range(6)
+        ),
+        synthetic.residual_net(1),
+        synthetic.encoder_decoder_net(1),
+    ],
+)
+def test_the_floor_is_never_above_the_least_peak(graph):
+    """NOTE [ A floor under the least peak ]: the cheap floor bounds the least-peak DP from
+    below over every cut set (the plans that skip the DP on it are the DP's plans)."""
+    from hbp.planner.dp.least_peak import (
+        forget_least_peaks,
+        least_peak_cached,
+        least_peak_floor,
+        union_of,
+    )
+
+    info = GraphInfo.of(graph)
+    choices = cut_choices(info)
+    every = [list(range(info.n + 1))] if info.n <= 20 else []  # every position a cut
+    for cuts in (choices[0], union_of(choices), *every):
+        forget_least_peaks()
+        floor = least_peak_floor(info, cuts, True)
+        assert 0 < floor <= least_peak_cached(info, cuts, True)[0]

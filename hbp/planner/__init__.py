@@ -14,7 +14,7 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
-from hbp.planner.budget import parse_budget
+from hbp.planner.budget import Budget, BudgetKind, parse_budget
 from hbp.planner.cache import PlanCache, graph_fingerprint, load_plan, save_plan
 from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
 from hbp.planner.dp.recursion import planning
@@ -62,7 +62,9 @@ def plan(
     Args:
         budget: float in (0, 1] = fraction of the simulated naive peak; int = bytes; str like
             "64MiB" (see `parse_budget`); "min" = the smallest peak the planner can reach
-            (the least memory, whatever the recompute).
+            (the least memory, whatever the recompute); "N%act" or a `Budget` of that kind =
+            the least peak + N% of what checkpointing can save (`hbp.planner.budget`),
+            resolved in this call (NOTE [ Relative budgets resolved where they are planned ]).
         block_size: leaf granularity: at most one cut per `block_size` consecutive nodes,
             at the cheapest position (see `candidate_cuts`).
         planner: "optimal", "one_level" or "uniform".
@@ -100,6 +102,13 @@ def plan(
 
 def _plan(graph, info, budget, block_size, planner, pins, schedules, options: dict) -> Plan:
     naive = simulate(graph, info=info)
+    if _is_relative(budget):  # NOTE [ Relative budgets resolved where they are planned ]
+        nested = planner != "one_level"
+
+        def least() -> int:
+            return min_feasible_peak(graph, block_size=block_size, nested=nested, info=info)[0]
+
+        budget = Budget.parse(budget).resolve(naive.peak_bytes, least)
     if budget == "min":
         within = {k: options[k] for k in ("max_cuts", "staged") if k in options}
         if planner == "uniform":  # the whole-graph DP's least peak, as a reference
@@ -137,6 +146,27 @@ def _plan(graph, info, budget, block_size, planner, pins, schedules, options: di
     if schedules:
         return schedule_plan(graph, budget_bytes, best, info=info, naive=naive) or best
     return best
+
+
+def _is_relative(budget) -> bool:
+    """Whether `budget` is an "N%act" form (a `Budget` of that kind or its string)."""
+    if isinstance(budget, Budget):
+        return budget.kind is BudgetKind.ACTIVATIONS
+    return (
+        isinstance(budget, str)
+        and "%" in budget
+        and Budget.parse(budget).kind is (BudgetKind.ACTIVATIONS)
+    )
+
+
+# NOTE [ Relative budgets resolved where they are planned ]
+# An "N%act" budget is the least peak plus a share of what checkpointing saves above it, so
+# resolving it runs what "min" runs: the least-peak DP and the stages' least budget, whose
+# stage tables (NOTE [ Stage tables do not depend on the budget ] in hbp.planner.stages) the
+# plan at the resolved bytes needs again. Resolved by the caller, then planned, the tables
+# were built twice (once per call's `stage_tables_kept`); resolved inside `plan`, one
+# GraphInfo and one scope serve both. The least peak is the one `least_peak` gives (no
+# `pins` argument), as before.
 
 
 def least_peak(graph: Graph, *, block_size: int = 1, planner: str = "optimal") -> int:

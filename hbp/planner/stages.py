@@ -148,7 +148,7 @@ def least_staged_budget(
 # the tables, which every staged plan of the graph needs anyway, and no solve. `_allocate`
 # rounds each stage's need and kept bytes up to slots of 1/global_slots of the budget, so a
 # budget (stages + 1) slots above L surely allocates (below L none does), and the caller
-# (`hbp.planner.dp.entry._staged_minimum`) bisects between the two a few steps; what each
+# (`hbp.planner.dp.staged_search.staged_minimum`) bisects between the two a few steps; what each
 # plan simulates to is checked, as for every staged plan.
 
 

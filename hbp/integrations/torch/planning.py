@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from hbp.allocator import foreign_profiler_running
+from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, capture
@@ -200,9 +201,10 @@ class Planning:
             plan = self._module_level_plan(captured, naive, self._target(captured, naive, device))
         else:
             try:
+                relative = self._budget.kind is BudgetKind.ACTIVATIONS  # resolved by `plan`
                 plan = make_plan(
                     graph,
-                    self._target(captured, naive, device),
+                    self._budget if relative else self._target(captured, naive, device),
                     block_size=self.block_size,
                     planner=self.planner,
                     pins=pins,
@@ -249,6 +251,8 @@ class Planning:
 
         if self.keeps_outputs is not None or graph.held_outputs == []:
             return err
+        if err.budget < err.minimum - _held_output_bytes(graph):
+            return err  # NOTE [ Letting go of the outputs cannot reach the budget ]
         held, graph.held_outputs = graph.held_outputs, []
         try:
             make_plan(graph, err.budget, block_size=self.block_size, planner=self.planner)
@@ -384,3 +388,21 @@ class Planning:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, UserWarning, stacklevel=stacklevel)
+
+
+def _held_output_bytes(graph) -> int:
+    """Bytes of the distinct storage of the outputs the caller is counted to hold."""
+    info = GraphInfo.of(graph)
+    index = {name: j for j, name in enumerate(info.names)}
+    roots = {int(info.root[index[name]]) for name in graph.held_outputs or () if name in index}
+    return int(sum(int(info.storage_bytes[r]) for r in roots))
+
+
+# NOTE [ Letting go of the outputs cannot reach the budget ]
+# A BudgetError at the default `keeps_outputs` plans again without the held outputs to say
+# whether letting go of them would fit (a second plan of the whole graph). Holding a value
+# longer adds at most its bytes at any moment, so a plan's peak without the held outputs is
+# at least its peak with them less their bytes: a budget below the minimum less those bytes
+# cannot fit without them either, and the error is raised without that second plan. (The
+# candidate cuts of the two graphs can differ a little, as their frontiers do: the bound
+# then holds for the plans both search, which is what the hint is about.)

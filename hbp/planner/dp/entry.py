@@ -1,4 +1,5 @@
-"""Entry points of the DP planner: `optimal_plan`, `min_feasible_peak`, `finish_plan`.
+"""Entry points of the DP planner: `optimal_plan` and `min_feasible_peak` (`finish_plan`, in
+`hbp.planner.dp.finish`, is re-exported here).
 
 `optimal_plan` picks the candidate cuts (`hbp.planner.cuts`), sizes the memory slots, runs
 the least-recompute tables (`Solver`) and, where the slot rounding rejects a feasible budget,
@@ -21,10 +22,12 @@ from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.cuts import candidate_cuts, cut_choices
 from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.finish import finish_plan, kept_bytes
 from hbp.planner.dp.least_peak import (
     absorb_inputs,
     known_least_peak,
     least_peak_cached,
+    least_peak_floor,
     least_peak_over,
     top_level,
     union_of,
@@ -32,9 +35,9 @@ from hbp.planner.dp.least_peak import (
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.solver import PinCharge, Solver
+from hbp.planner.dp.staged_search import staged_below, staged_candidate, staged_minimum
 from hbp.planner.plan import Plan, Segment, any_pinned
-from hbp.planner.stages import least_staged_budget, stage_tables_kept, staged_plan
-from hbp.planner.tree import name_segments
+from hbp.planner.stages import least_staged_budget, stage_tables_kept
 
 __all__ = [
     "STAGED",
@@ -199,6 +202,16 @@ def optimal_plan(
             """Where a remembered least peak is above the budget, the plan below the whole
             graph, without the tables (NOTE [ Known least peaks skip the tables ])."""
             above = _known_above(info, choices, nested, budget_bytes)
+            if above is None and _floor_above(info, choices, nested, budget_bytes):
+                # NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak
+                found = _staged_below_the_floor(
+                    graph, info, meta, budget_bytes, naive, pins, t0, stages, nested, cuts,
+                    choices, below_bound,
+                )  # fmt: skip
+                if found is not None:
+                    return found
+                least_peak_over(info, choices, nested)  # the floor could not decide
+                above = _known_above(info, choices, nested, budget_bytes)
             if above is None:
                 return None
             err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
@@ -207,6 +220,13 @@ def optimal_plan(
                 nested, below_bound=below_bound,
             )  # fmt: skip
 
+        if stages and not below_bound and not info.rng_state_bytes:
+            # NOTE [ A budget below the stages' reach ]
+            below_stages, _ = least_staged_budget(info, nested=False, pins=pins)
+            if budget_bytes < below_stages and not _floor_above(
+                info, choices, nested, budget_bytes
+            ):
+                least_peak_over(info, choices, nested)
         known = below_the_known_least()
         if known is not None:
             return known
@@ -214,26 +234,30 @@ def optimal_plan(
         if staged == "auto" and stages and max_cuts > STAGED_WHOLE_GRAPH_CUTS:
             # NOTE [ Fewer whole-graph cuts beside stages ]: the staged plan against the DP's
             # value over fewer cuts (its plan is not needed: not simulated)
+            candidate = staged_candidate(graph, info, budget_bytes, pins)
             fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
-            # None: below what the fewer cuts reach, or where only their least-peak plan fits
-            solved = _solve(info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True)
-            if solved is not None:
-                candidate = _staged_candidate(graph, info, budget_bytes, pins)
-                if candidate is not None and candidate[1].recompute_flops < solved.recompute * (
-                    1 - 1e-9
-                ):
-                    meta.update(
-                        candidate_cuts=len(fewer) - 2,
-                        mem_slots=solved.slots,
-                        slot_bytes=solved.slot_bytes,
-                        whole_graph_recompute=solved.recompute,
-                    )
-                    return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
-            elif not info.rng_state_bytes:  # NOTE [ A budget below the fewer cuts' reach ]
-                least_peak_over(info, choices, nested)
-                known = below_the_known_least()
-                if known is not None:
-                    return known
+            # NOTE [ No staged plan and a known least peak ]
+            if candidate is not None or not _least_known(info, choices, nested):
+                # None: below what the fewer cuts reach, or where only their least-peak plan fits
+                solved = _solve(
+                    info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True
+                )
+                if solved is not None:
+                    if candidate is not None and candidate[1].recompute_flops < (
+                        solved.recompute * (1 - 1e-9)
+                    ):
+                        meta.update(
+                            candidate_cuts=len(fewer) - 2,
+                            mem_slots=solved.slots,
+                            slot_bytes=solved.slot_bytes,
+                            whole_graph_recompute=solved.recompute,
+                        )
+                        return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
+                elif not info.rng_state_bytes:  # NOTE [ A budget below the fewer cuts' reach ]
+                    least_peak_over(info, choices, nested)
+                    known = below_the_known_least()
+                    if known is not None:
+                        return known
         try:
             plan, how = whole_graph(cuts)
         except BudgetError as err:
@@ -242,7 +266,7 @@ def optimal_plan(
                 nested,
             )  # fmt: skip
         if how == "dp" and stages:
-            candidate = candidate or _staged_candidate(graph, info, budget_bytes, pins)
+            candidate = candidate or staged_candidate(graph, info, budget_bytes, pins)
             if _takes(candidate, plan, staged == "always"):
                 meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
                 return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
@@ -401,6 +425,34 @@ STAGED_WHOLE_GRAPH_CUTS = 32
 # would have sent it, `_below_whole_graph`.
 
 
+# NOTE [ A budget below the stages' reach ]
+# The stages' least budget by the cost model (NOTE [ The least staged budget ] in
+# hbp.planner.stages) takes only the stage tables, which a plan beside stages builds anyway.
+# A budget below it has no staged plan, so it fits only where the whole graph's least peak
+# is at most the budget: that least peak (remembered; a BudgetError needs it) is taken first,
+# and where it is above the budget the tables over the fewer cuts and over all cuts (which
+# would end in INF) are not run; the budget goes to `_below_whole_graph` as after them. Where
+# it is at most the budget, planning goes on as before, the least peak known.
+
+
+# NOTE [ No staged plan and a known least peak ]
+# The DP over the fewer cuts decides two things: whether the staged plan recomputes less than
+# it (no staged plan: nothing to decide), and, where it finds no plan, whether the least peak
+# is above the budget (known already: `below_the_known_least` has just said it is not). So
+# where no staged plan fits and the least peak is remembered ("min", "N%act"), either way the
+# next step is the DP over all cuts, and the fewer cuts' tables are not run.
+
+
+def _least_known(info: GraphInfo, choices: list[list[int]], nested: bool) -> bool:
+    """Whether the least peak over the first cut set of `choices` or their union is
+    remembered (`least_peak_cached`); never for graphs with generator states."""
+    if info.rng_state_bytes:
+        return False
+    return any(
+        known_least_peak(info, c, nested) is not None for c in (choices[0], union_of(choices))
+    )
+
+
 def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int):
     """A remembered least peak above `budget` over the first cut set of `choices` or over
     their union (at most the first set's: NOTE [ Least peak over other cut choices ] in
@@ -415,32 +467,37 @@ def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget
     return None
 
 
+def _floor_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int) -> bool:
+    """Whether the floor of the least peak over the union of `choices` (at most the least of
+    every set: NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak) is above
+    `budget`: then no whole-graph plan fits it. Never for graphs with generator states."""
+    if info.rng_state_bytes:
+        return False
+    return least_peak_floor(info, union_of(choices), nested) > budget
+
+
+def _staged_below_the_floor(
+    graph, info, meta, budget: int, naive, pins, t0, stages, nested, cuts, choices, below_bound
+) -> Plan | None:
+    """For a budget below the floor of the whole graph's least peak (no whole-graph plan fits
+    it): the staged plan within it, or the BudgetError whose minimum is the stages' least
+    budget where that is below the floor (the least of all); None where only the whole
+    graph's least peak can decide (what `_below_whole_graph` then gives is the same)."""
+    if not stages:
+        return None
+    floor = least_peak_floor(info, union_of(choices), nested)
+    candidate = None if below_bound else staged_candidate(graph, info, budget, pins)
+    if candidate is not None:
+        meta = dict(meta, whole_graph_floor=floor)
+        return _as_staged(graph, info, meta, budget, candidate, naive, t0)
+    found = staged_below(graph, info, pins, floor, budget)
+    if found is None:
+        return None
+    raise BudgetError(budget, found[0], f"{_plans_over(info, cuts, nested)}; less in stages")
+
+
 def _staged_pays(info: GraphInfo, cuts: list[int]) -> bool:
     return info.n >= STAGED_MIN_NODES and len(cuts) - 2 < info.n // 4
-
-
-def _staged_candidate(graph, info, budget: int, pins: bool | None = None):
-    """The staged plan (`hbp.planner.stages`) within `budget`: (segments, their simulation),
-    or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
-    budget and the stages planned again (twice at most)."""
-    target = budget
-    for _ in range(3):
-        segments = staged_plan(info, target, nested=False, pins=pins)
-        if segments is None:
-            return None
-        segments = top_level(info, segments)
-        sim = simulate(graph, segments, info=info)
-        if sim.peak_bytes <= budget:
-            return segments, sim
-        target -= sim.peak_bytes - budget
-    return None
-
-
-#: Bisection steps for the least staged budget, where the one from the cost model
-#: (`least_staged_budget`) simulates above itself (each step one staged solve).
-STAGED_MINIMUM_STEPS = 6
-#: Bisection steps within the allocation's rounding below the least staged budget found.
-STAGED_REFINE_STEPS = 2
 
 
 def _staged_below_whole_graph(
@@ -452,50 +509,15 @@ def _staged_below_whole_graph(
     lowered to the least budget a staged plan is found for where that is less. `fits=False`:
     the budget is known to be below every plan's peak (NOTE [ Budgets below the lower
     bound ])."""
-    candidate = _staged_candidate(graph, info, budget, pins) if fits else None
+    candidate = staged_candidate(graph, info, budget, pins) if fits else None
     if candidate is not None:
         meta = dict(meta, whole_graph_minimum=err.minimum)
         return _as_staged(graph, info, meta, budget, candidate, naive, t0)
-    found = _staged_minimum(graph, info, pins, err.minimum, budget)
+    found = staged_minimum(graph, info, pins, err.minimum, budget)
     if found is None:
         raise err
     detail = f"{err.detail}; less in stages" if err.detail else "in stages"
     raise BudgetError(budget, found[0], detail) from err
-
-
-def _staged_minimum(graph, info, pins, above: int, low: int = 0):
-    """(the least budget a staged plan is found for, that candidate) where it is below
-    `above`, else None; `low`: a budget none is found for. The cost model's least staged
-    budget first (NOTE [ The least staged budget ]); where its plan simulates above it, a
-    bisection between `low` and `above` (staged plans are not monotone in the budget: the
-    budget reported is one a staged plan was found for, so planning for it succeeds)."""
-    below, least = least_staged_budget(info, nested=False, pins=pins)
-    least = max(least, low + 1)
-    if least < above:
-        candidate = _staged_candidate(graph, info, least, pins)
-        if candidate is not None:  # refined within the allocation's rounding
-            return _lowered(
-                graph, info, pins, (least, candidate), max(low, below - 1), STAGED_REFINE_STEPS
-            )
-        low = least
-    at_above = _staged_candidate(graph, info, above, pins)
-    if at_above is None or at_above[1].peak_bytes >= above:
-        return None
-    best = _lowered(graph, info, pins, (above, at_above), low, STAGED_MINIMUM_STEPS)
-    return best if best[0] < above else None
-
-
-def _lowered(graph, info, pins, best: tuple, low: int, steps: int) -> tuple:
-    """`best` = (a budget a staged plan is found for, that candidate), lowered by `steps`
-    bisection steps towards `low`, a budget none is found for."""
-    for _ in range(steps):
-        middle = (low + best[0]) // 2
-        candidate = _staged_candidate(graph, info, middle, pins)
-        if candidate is None:
-            low = middle
-        else:
-            best = (middle, candidate)
-    return best
 
 
 def _takes(candidate, plan: Plan, always: bool) -> bool:
@@ -533,55 +555,22 @@ def min_feasible_peak(
     is found for (its plan simulates at or below it)."""
     info = info or GraphInfo.of(graph)
     with stage_tables_kept(info):
-        best = least_peak_over(info, cut_choices(info, block_size, max_cuts), nested)
+        choices = cut_choices(info, block_size, max_cuts)
         staged = STAGED if staged is None else staged
         cuts = candidate_cuts(info, block_size, max_cuts)
-        if block_size == 1 and (
+        stages = block_size == 1 and (
             staged == "always" or staged == "auto" and _staged_pays(info, cuts)
-        ):
-            found = _staged_minimum(graph, info, pins, best[0])
+        )
+        if stages and not info.rng_state_bytes:
+            # NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak: the stages
+            # below the whole graph's floor reach less than it, without its least peak
+            floor = least_peak_floor(info, union_of(choices), nested)
+            found = staged_below(graph, info, pins, floor)
+            if found is not None:
+                return found[0], found[1][0]
+        best = least_peak_over(info, choices, nested)
+        if stages:
+            found = staged_minimum(graph, info, pins, best[0])
             if found is not None:
                 best = (found[0], found[1][0])
     return best
-
-
-def finish_plan(
-    graph: Graph,
-    segments: list[Segment],
-    budget_bytes: int,
-    *,
-    info: GraphInfo | None = None,
-    naive=None,
-    meta: dict | None = None,
-    sim=None,
-) -> Plan:
-    """A Plan for `segments` with its predictions filled in from the simulator (`sim`: the
-    simulation of these segments, when the caller has it)."""
-    info = info or GraphInfo.of(graph)
-    naive = naive or simulate(graph, info=info)
-    name_segments(info, segments)
-    sim = sim or simulate(graph, segments, info=info)
-    kept = kept_bytes(info, segments)
-    meta = dict(meta or {})
-    meta["cuts"] = [info.names[s.start] for s in segments[1:]]
-    meta["predicted_peak_phase"] = sim.peak_phase
-    meta["predicted_peak_at"] = sim.peak_at
-    return Plan(
-        segments=segments,
-        budget_bytes=int(budget_bytes),
-        predicted_peak_bytes=sim.peak_bytes,
-        predicted_recompute_flops=sim.recompute_flops,
-        naive_peak_bytes=naive.peak_bytes,
-        naive_flops=naive.total_flops,
-        kept_bytes=kept,
-        meta=meta,
-    )
-
-
-def kept_bytes(info: GraphInfo, segments: list[Segment]) -> int:
-    """Bytes of distinct storage the top-level recomputed segments hold as inputs."""
-    roots = set()
-    for s in segments:
-        if s.recompute:
-            roots.update(int(info.root[v]) for v in info.segment_inputs(s.start, s.stop))
-    return int(sum(info.storage_bytes[r] for r in roots))

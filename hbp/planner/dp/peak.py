@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import FULL, INF, NOT_RUN, PLAIN, REC, UNTIL_SAVE, RestSaves
-from hbp.planner.dp.profile import ChildArrays
+from hbp.planner.dp.profile import ChildArrays, ChildProfile
 from hbp.planner.dp.recursion import Choice, Recursion
 
 __all__ = ["PeakSolver", "PeakValue"]
@@ -30,6 +30,7 @@ class _PeakLists(NamedTuple):
     kept: list
     need: tuple  # by PassExtent
     flops: tuple  # by PassExtent FULL, UNTIL_SAVE
+    has_save: list  # bools
 
 
 class PeakSolver(Recursion):
@@ -74,28 +75,45 @@ class PeakSolver(Recursion):
         return self._memo[key]
 
     def _fill(self, d, e, H, flag, top, only=None) -> PeakValue:
-        """The least (peak, recompute) over the options, ends f in order within each mode."""
+        """The least (peak, recompute) over the options, ends f in order within each mode
+        (NOTE [ The least-peak fill walks the options itself ])."""
+        if only is not None:
+            return self._fill_options(d, e, H, flag, top, only)
         m = self.model
         memo = self._memo
         best_peak, best_cost, best_choice = INF, INF, None
         own_tail = m.own_tail_until(None if top else d)
-        for group in self.by_mode(self.options(d, e, H, flag, top, only)):
-            p = group[0].arrays
+        variants = _TOP if top else _VARIANTS[flag]
+        for mode in (PLAIN, REC):
+            if mode == REC and not self.nested and not top:
+                continue
+            prof = ChildProfile.of(m, e, H, mode, top)
+            p = prof.at(m.stop_of(e) if top else d)
+            f_list = p.f_list
+            if not f_list:
+                continue
             lists = p.peak_lists
             if lists is None:
                 lists = p.peak_lists = _peak_lists(p)
-            kept_list, needs, flops = lists
-            H_list = group[0].profile.held_list(p.d)
-            mode = group[0].mode
-            selects = [o.select.tolist() for o in group]
-            for i, f in enumerate(p.f_list):
+            kept_list, needs, flops, has_save = lists
+            H_list = prof.held_list(p.d)
+            # a recomputed child spanning the whole rest [e, d) with everything it reads held
+            # is the same plan without the extra nesting (and a cycle): `Recursion.options`
+            skip = (
+                len(f_list) - 1
+                if mode == REC and not top and f_list[-1] == d and H == m.crossing_in(e, d, False)
+                else -1
+            )
+            for i, f in enumerate(f_list):
+                if i == skip:
+                    continue
                 kept = kept_list[i]
                 H2 = H_list[i]
+                saves = has_save[i]
                 rec_peak = None  # a recomputed child's: kept + T(e, f)'s peak (and its tail's)
-                for option, select in zip(group, selects):
-                    if not select[i]:
+                for extent, flag2, needs_save in variants:
+                    if needs_save is not None and saves != needs_save:
                         continue
-                    extent, flag2 = option.extent, option.rest
                     need = needs[extent][i]
                     if top:
                         sub = memo.get(("top", f, H2))
@@ -128,6 +146,61 @@ class PeakSolver(Recursion):
                         best_choice = Choice(f, mode, extent, H2, flag2)
         return PeakValue(best_peak, best_cost, best_choice)
 
+    def _fill_options(self, d, e, H, flag, top, only) -> PeakValue:
+        """`_fill` over `Recursion.options` (`only`: one child end and mode)."""
+        m = self.model
+        memo = self._memo
+        best_peak, best_cost, best_choice = INF, INF, None
+        own_tail = m.own_tail_until(None if top else d)
+        for group in self.by_mode(self.options(d, e, H, flag, top, only)):
+            p = group[0].arrays
+            lists = p.peak_lists
+            if lists is None:
+                lists = p.peak_lists = _peak_lists(p)
+            kept_list, needs, flops, _ = lists
+            H_list = group[0].profile.held_list(p.d)
+            mode = group[0].mode
+            selects = [o.select.tolist() for o in group]
+            for i, f in enumerate(p.f_list):
+                kept = kept_list[i]
+                H2 = H_list[i]
+                rec_peak = None
+                for option, select in zip(group, selects):
+                    if not select[i]:
+                        continue
+                    extent, flag2 = option.extent, option.rest
+                    need = needs[extent][i]
+                    if top:
+                        sub = memo.get(("top", f, H2))
+                        if sub is None:
+                            sub = self.top(f, H2)
+                    else:
+                        sub = memo.get((d, f, H2, flag2))
+                        if sub is None:
+                            sub = self.tail(d, f, H2, flag2)
+                    x = kept + sub.peak
+                    peak = x if x > need else need
+                    cost = sub.cost
+                    if not top and extent != NOT_RUN:
+                        cost += flops[extent][i]
+                    if mode == REC:
+                        if rec_peak is None:
+                            r = memo.get(("rec", e, f))
+                            if r is None:
+                                r = self.rec(e, f)
+                            rec_peak, rec_cost = kept + r.peak, r.cost
+                            if f <= own_tail:
+                                x = kept + m.tail_need(e, f)
+                                if x > rec_peak:
+                                    rec_peak = x
+                        if rec_peak > peak:
+                            peak = rec_peak
+                        cost += rec_cost
+                    if peak < best_peak or (peak == best_peak and cost < best_cost):
+                        best_peak, best_cost = peak, cost
+                        best_choice = Choice(f, mode, extent, H2, flag2)
+        return PeakValue(best_peak, best_cost, best_choice)
+
     # rebuilding the plan ---------------------------------------------------------------------
     def _choose(self, d, e, H, flag, top, budget, row) -> tuple[Choice, int]:
         value = self.top(e, H) if top else self.tail(d, e, H, flag)
@@ -145,7 +218,30 @@ _INFEASIBLE = PeakValue(INF, INF, None)
 def _peak_lists(p: ChildArrays) -> _PeakLists:
     needs = tuple(x.astype(float).tolist() for x in p.need)
     flops = (p.flops[FULL].astype(float).tolist(), p.flops[UNTIL_SAVE].astype(float).tolist())
-    return _PeakLists(p.kept.astype(float).tolist(), needs, flops)
+    return _PeakLists(p.kept.astype(float).tolist(), needs, flops, p.has_save.tolist())
+
+
+# (pass extent, the rest's flag, whether the child must have a save event (None: either)) per
+# option of a level's first child, in `Recursion.options`' order: at the top level, and by the
+# level's flag (None: a one-level segment)
+_TOP = ((FULL, None, None),)
+_VARIANTS = {
+    RestSaves.YES: ((FULL, RestSaves.YES, None), (UNTIL_SAVE, RestSaves.NO, True)),
+    RestSaves.NO: ((NOT_RUN, RestSaves.NO, False),),
+    None: (
+        (FULL, RestSaves.YES, True),
+        (UNTIL_SAVE, RestSaves.NO, True),
+        (NOT_RUN, RestSaves.NO, False),
+    ),
+}
+
+# NOTE [ The least-peak fill walks the options itself ]
+# `Recursion.options` builds, per fill, an Option per (mode, extent) with a numpy mask of the
+# ends it is open to; the least-peak tables fill each state once with a scalar loop, where
+# those objects and masks were a quarter of the time. `_fill` walks the same options in the
+# same order (plain before recomputed, ends in order, extents as `options` lists them: ties
+# go the same way) from each child's cached lists (`_PeakLists`, with `has_save`); a fill
+# restricted to one child (`only`) goes through `options`.
 
 
 def _order(v: PeakValue) -> tuple[float, float]:

@@ -1,0 +1,91 @@
+"""The stages' side of a plan call: the staged plan within a budget, checked by the simulator
+(`staged_candidate`), and the least budget a staged plan is found for (`staged_minimum`,
+`staged_below`), from the cost model's least staged budget (NOTE [ The least staged budget ]
+in hbp.planner.stages) refined by bisection."""
+
+from __future__ import annotations
+
+from hbp.analysis.simulate import simulate
+from hbp.planner.dp.least_peak import top_level
+from hbp.planner.stages import least_staged_budget, staged_plan
+
+__all__ = [
+    "STAGED_MINIMUM_STEPS",
+    "STAGED_REFINE_STEPS",
+    "lowered",
+    "staged_below",
+    "staged_candidate",
+    "staged_minimum",
+]
+
+
+def staged_candidate(graph, info, budget: int, pins: bool | None = None):
+    """The staged plan (`hbp.planner.stages`) within `budget`: (segments, their simulation),
+    or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
+    budget and the stages planned again (twice at most)."""
+    target = budget
+    for _ in range(3):
+        segments = staged_plan(info, target, nested=False, pins=pins)
+        if segments is None:
+            return None
+        segments = top_level(info, segments)
+        sim = simulate(graph, segments, info=info)
+        if sim.peak_bytes <= budget:
+            return segments, sim
+        target -= sim.peak_bytes - budget
+    return None
+
+
+#: Bisection steps for the least staged budget, where the one from the cost model
+#: (`least_staged_budget`) simulates above itself (each step one staged solve).
+STAGED_MINIMUM_STEPS = 6
+#: Bisection steps within the allocation's rounding below the least staged budget found.
+STAGED_REFINE_STEPS = 2
+
+
+def staged_minimum(graph, info, pins, above: int, low: int = 0):
+    """(the least budget a staged plan is found for, that candidate) where it is below
+    `above`, else None; `low`: a budget none is found for. The cost model's least staged
+    budget first (NOTE [ The least staged budget ] in hbp.planner.stages); where its plan simulates above it, a
+    bisection between `low` and `above` (staged plans are not monotone in the budget: the
+    budget reported is one a staged plan was found for, so planning for it succeeds)."""
+    found = staged_below(graph, info, pins, above, low)
+    if found is not None:
+        return found
+    least = max(least_staged_budget(info, nested=False, pins=pins)[1], low + 1)
+    if least < above:  # no staged plan at the cost model's least budget
+        low = least
+    at_above = staged_candidate(graph, info, above, pins)
+    if at_above is None or at_above[1].peak_bytes >= above:
+        return None
+    best = lowered(graph, info, pins, (above, at_above), low, STAGED_MINIMUM_STEPS)
+    return best if best[0] < above else None
+
+
+def staged_below(graph, info, pins, above: int, low: int = 0):
+    """`staged_minimum`'s first step, which reads `above` only as a bound: (the least budget
+    a staged plan is found for, that candidate) where the cost model's least staged budget is
+    below `above` and a staged plan is found there, refined within the allocation's rounding;
+    else None. `staged_minimum` gives the same wherever this gives one, for any `above` at
+    least as large (NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak)."""
+    below, least = least_staged_budget(info, nested=False, pins=pins)
+    least = max(least, low + 1)
+    if least >= above:
+        return None
+    candidate = staged_candidate(graph, info, least, pins)
+    if candidate is None:
+        return None
+    return lowered(graph, info, pins, (least, candidate), max(low, below - 1), STAGED_REFINE_STEPS)
+
+
+def lowered(graph, info, pins, best: tuple, low: int, steps: int) -> tuple:
+    """`best` = (a budget a staged plan is found for, that candidate), lowered by `steps`
+    bisection steps towards `low`, a budget none is found for."""
+    for _ in range(steps):
+        middle = (low + best[0]) // 2
+        candidate = staged_candidate(graph, info, middle, pins)
+        if candidate is None:
+            low = middle
+        else:
+            best = (middle, candidate)
+    return best
