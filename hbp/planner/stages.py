@@ -41,6 +41,7 @@ import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.planner.cuts import _frontier, window_cuts
+from hbp.planner.dp import solver as solver_module
 from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
@@ -98,7 +99,7 @@ def staged_plan(
     None when no combination of stage options fits. `reuse`: solve identical stages once
     (NOTE [ Identical stages are solved once ]; off: every stage solved, for tests); `pins`:
     whether recomputed segments may pin nodes (None: `PIN_VALUES`)."""
-    settings = (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
+    settings = _settings(stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
     cuts, stages, reps, options = _tables(info, settings)
     choice = _allocate(options, budget_bytes, global_slots)
     if choice is None:
@@ -131,7 +132,7 @@ def least_staged_budget(
     """(a budget below which, and one at which, `staged_plan` (same settings) surely finds
     no / a combination of stage options by the cost model (NOTE [ The least staged
     budget ]))."""
-    settings = (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
+    settings = _settings(stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
     options = _tables(info, settings)[3]
     least = 0.0  # the least peak of the stages after, above what they are given
     for opts in reversed(options):
@@ -150,6 +151,14 @@ def least_staged_budget(
 # budget (stages + 1) slots above L surely allocates (below L none does), and the caller
 # (`hbp.planner.dp.staged_search.staged_minimum`) bisects between the two a few steps; what each
 # plan simulates to is checked, as for every staged plan.
+
+
+def _settings(stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins) -> tuple:
+    """The key of a set of stage tables: `pins=None` is the solver's default
+    (`hbp.planner.dp.solver.PIN_VALUES`, read now), so that a caller naming it and one leaving
+    it out share the tables (the least budget for "N%act" and the plan for it)."""
+    pins = solver_module.PIN_VALUES if pins is None else pins
+    return (stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
 
 
 def _tables(info: GraphInfo, settings: tuple):
