@@ -443,37 +443,40 @@ STAGED_WHOLE_GRAPH_CUTS = 32
 # next step is the DP over all cuts, and the fewer cuts' tables are not run.
 
 
+def _known_least_peaks(info: GraphInfo, choices: list[list[int]], nested: bool) -> list[int]:
+    """The remembered least peaks (`least_peak_cached`) over the first cut set of `choices`
+    and over their union (at most the first set's: NOTE [ Least peak over other cut choices ]
+    in hbp.planner.cuts), in that order; none for graphs with generator states."""
+    if info.rng_state_bytes:
+        return []
+    known = (known_least_peak(info, cuts, nested) for cuts in (choices[0], union_of(choices)))
+    return [k for k in known if k is not None]
+
+
 def _least_known(info: GraphInfo, choices: list[list[int]], nested: bool) -> bool:
     """Whether the least peak over the first cut set of `choices` or their union is
-    remembered (`least_peak_cached`); never for graphs with generator states."""
-    if info.rng_state_bytes:
-        return False
-    return any(
-        known_least_peak(info, c, nested) is not None for c in (choices[0], union_of(choices))
-    )
+    remembered."""
+    return bool(_known_least_peaks(info, choices, nested))
 
 
 def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int):
     """A remembered least peak above `budget` over the first cut set of `choices` or over
-    their union (at most the first set's: NOTE [ Least peak over other cut choices ] in
-    hbp.planner.cuts), else None: where there is one, the tables over the first set cannot
-    fit the budget."""
-    if info.rng_state_bytes:
-        return None
-    for cuts in (choices[0], union_of(choices)):
-        known = known_least_peak(info, cuts, nested)
-        if known is not None and known > budget:
-            return known
-    return None
+    their union, else None: where there is one, the tables over the first set cannot fit the
+    budget."""
+    return next((k for k in _known_least_peaks(info, choices, nested) if k > budget), None)
+
+
+def _whole_graph_floor(info: GraphInfo, choices: list[list[int]], nested: bool) -> int:
+    """The floor of the least peak over the union of `choices`, at most the least of every
+    set (NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak)."""
+    return least_peak_floor(info, union_of(choices), nested)
 
 
 def _floor_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int) -> bool:
     """Whether the floor of the least peak over the union of `choices` (at most the least of
     every set: NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak) is above
     `budget`: then no whole-graph plan fits it. Never for graphs with generator states."""
-    if info.rng_state_bytes:
-        return False
-    return least_peak_floor(info, union_of(choices), nested) > budget
+    return not info.rng_state_bytes and _whole_graph_floor(info, choices, nested) > budget
 
 
 def _staged_below_the_floor(
@@ -485,7 +488,7 @@ def _staged_below_the_floor(
     graph's least peak can decide (what `_below_whole_graph` then gives is the same)."""
     if not stages:
         return None
-    floor = least_peak_floor(info, union_of(choices), nested)
+    floor = _whole_graph_floor(info, choices, nested)
     candidate = None if below_bound else staged_candidate(graph, info, budget, pins)
     if candidate is not None:
         meta = dict(meta, whole_graph_floor=floor)
@@ -564,8 +567,7 @@ def min_feasible_peak(
         if stages and not info.rng_state_bytes:
             # NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak: the stages
             # below the whole graph's floor reach less than it, without its least peak
-            floor = least_peak_floor(info, union_of(choices), nested)
-            found = staged_below(graph, info, pins, floor)
+            found = staged_below(graph, info, pins, _whole_graph_floor(info, choices, nested))
             if found is not None:
                 return found[0], found[1][0]
         best = least_peak_over(info, choices, nested)

@@ -102,10 +102,10 @@ def least_peak_floor(info: GraphInfo, cuts: list[int], nested: bool) -> int:
     """A lower bound of the least peak over `cuts` (`least_peak_cached`): the largest least
     peak of recomputing one interval between adjacent cuts alone (NOTE [ A floor under the
     least peak ]); the least peak itself where it is remembered. Remembered as it is."""
-    known = _remembered(info)
-    exact = known.get((tuple(cuts), nested))
+    exact = known_least_peak(info, cuts, nested)
     if exact is not None:
-        return exact[0]
+        return exact
+    known = _remembered(info)
     key = ("floor", tuple(cuts), nested)
     if key not in known:
         model = CostModel(info, cuts)

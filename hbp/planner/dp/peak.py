@@ -76,16 +76,15 @@ class PeakSolver(Recursion):
 
     def _fill(self, d, e, H, flag, top, only=None) -> PeakValue:
         """The least (peak, recompute) over the options, ends f in order within each mode
-        (NOTE [ The least-peak fill walks the options itself ])."""
-        if only is not None:
-            return self._fill_options(d, e, H, flag, top, only)
+        (NOTE [ The least-peak fill walks the options itself ]); `only` = (f, mode): that
+        child alone, as `Recursion.options` has it."""
         m = self.model
         memo = self._memo
         best_peak, best_cost, best_choice = INF, INF, None
         own_tail = m.own_tail_until(None if top else d)
         variants = _TOP if top else _VARIANTS[flag]
-        for mode in (PLAIN, REC):
-            if mode == REC and not self.nested and not top:
+        for mode in (PLAIN, REC) if only is None else (only[1],):
+            if mode == REC and only is None and not self.nested and not top:
                 continue
             prof = ChildProfile.of(m, e, H, mode, top)
             p = prof.at(m.stop_of(e) if top else d)
@@ -104,9 +103,11 @@ class PeakSolver(Recursion):
                 if mode == REC and not top and f_list[-1] == d and H == m.crossing_in(e, d, False)
                 else -1
             )
-            for i, f in enumerate(f_list):
+            ends = range(len(f_list)) if only is None else _index_of(f_list, only[0])
+            for i in ends:
                 if i == skip:
                     continue
+                f = f_list[i]
                 kept = kept_list[i]
                 H2 = H_list[i]
                 saves = has_save[i]
@@ -135,61 +136,6 @@ class PeakSolver(Recursion):
                                 r = self.rec(e, f)
                             rec_peak, rec_cost = kept + r.peak, r.cost
                             if f <= own_tail:  # it counts its tail itself
-                                x = kept + m.tail_need(e, f)
-                                if x > rec_peak:
-                                    rec_peak = x
-                        if rec_peak > peak:
-                            peak = rec_peak
-                        cost += rec_cost
-                    if peak < best_peak or (peak == best_peak and cost < best_cost):
-                        best_peak, best_cost = peak, cost
-                        best_choice = Choice(f, mode, extent, H2, flag2)
-        return PeakValue(best_peak, best_cost, best_choice)
-
-    def _fill_options(self, d, e, H, flag, top, only) -> PeakValue:
-        """`_fill` over `Recursion.options` (`only`: one child end and mode)."""
-        m = self.model
-        memo = self._memo
-        best_peak, best_cost, best_choice = INF, INF, None
-        own_tail = m.own_tail_until(None if top else d)
-        for group in self.by_mode(self.options(d, e, H, flag, top, only)):
-            p = group[0].arrays
-            lists = p.peak_lists
-            if lists is None:
-                lists = p.peak_lists = _peak_lists(p)
-            kept_list, needs, flops, _ = lists
-            H_list = group[0].profile.held_list(p.d)
-            mode = group[0].mode
-            selects = [o.select.tolist() for o in group]
-            for i, f in enumerate(p.f_list):
-                kept = kept_list[i]
-                H2 = H_list[i]
-                rec_peak = None
-                for option, select in zip(group, selects):
-                    if not select[i]:
-                        continue
-                    extent, flag2 = option.extent, option.rest
-                    need = needs[extent][i]
-                    if top:
-                        sub = memo.get(("top", f, H2))
-                        if sub is None:
-                            sub = self.top(f, H2)
-                    else:
-                        sub = memo.get((d, f, H2, flag2))
-                        if sub is None:
-                            sub = self.tail(d, f, H2, flag2)
-                    x = kept + sub.peak
-                    peak = x if x > need else need
-                    cost = sub.cost
-                    if not top and extent != NOT_RUN:
-                        cost += flops[extent][i]
-                    if mode == REC:
-                        if rec_peak is None:
-                            r = memo.get(("rec", e, f))
-                            if r is None:
-                                r = self.rec(e, f)
-                            rec_peak, rec_cost = kept + r.peak, r.cost
-                            if f <= own_tail:
                                 x = kept + m.tail_need(e, f)
                                 if x > rec_peak:
                                     rec_peak = x
@@ -240,8 +186,13 @@ _VARIANTS = {
 # ends it is open to; the least-peak tables fill each state once with a scalar loop, where
 # those objects and masks were a quarter of the time. `_fill` walks the same options in the
 # same order (plain before recomputed, ends in order, extents as `options` lists them: ties
-# go the same way) from each child's cached lists (`_PeakLists`, with `has_save`); a fill
-# restricted to one child (`only`) goes through `options`.
+# go the same way) from each child's cached lists (`_PeakLists`, with `has_save`), a fill
+# restricted to one child (`only`) included.
+
+
+def _index_of(f_list: list, f: int) -> list[int]:
+    """[the index of end `f` in `f_list`], or [] where it is not a candidate end."""
+    return [f_list.index(f)] if f in f_list else []
 
 
 def _order(v: PeakValue) -> tuple[float, float]:
