@@ -1,6 +1,6 @@
-"""Capture and scratch-calibration time of the transformers Llama of
-`bench_planner_real.llama` (the same config, defined here so that an older hbp on PYTHONPATH
-can run it too), and a field-by-field comparison of the IR two code versions capture.
+"""Capture and scratch-calibration time of the issue's transformers Llama (`llama`, which
+`bench_planner_real` uses too: defined here, with no hbp import, so that an older hbp on
+PYTHONPATH can run this script), and a field-by-field comparison of the IR two code versions capture.
 
     OMP_NUM_THREADS=1 python experiments/bench_capture.py time 2 8 32 64
     OMP_NUM_THREADS=1 python experiments/bench_capture.py time 2 8 32 --dump /tmp/ir_after
@@ -29,7 +29,8 @@ from pathlib import Path
 
 
 def llama(layers: int):
-    """(model, args, kwargs, loss_fn) of `bench_planner_real.llama(layers)`."""
+    """(model, args, kwargs, loss_fn) of the Llama decoder the planner benchmarks use at
+    `layers` layers (hidden 128, 4 heads, vocab 2048, 2 x 128 tokens)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

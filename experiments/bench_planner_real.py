@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_capture import llama  # beside this script
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
@@ -19,26 +20,6 @@ from hbp.planner.dp.least_peak import forget_least_peaks as forget_least_peaks_o
 
 BUDGETS = (0.5, 0.3, "min", "50%act")
 DEFAULT_BUDGET = "50%act"  # HCModule's and hbp.enable's
-
-
-def llama(layers: int):
-    """(model, args, kwargs, loss_fn) of the issue's decoder at `layers` layers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=344,
-        vocab_size=2048,
-        num_hidden_layers=layers,
-        max_position_embeddings=256,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
-        ids = torch.randint(0, cfg.vocab_size, (2, 128))
-    return model, (ids,), {"labels": ids}, lambda out: out.loss
 
 
 def gpt2_medium():
