@@ -258,6 +258,19 @@ class _Made(torch.autograd.Function):
         return None, None, None, None, None
 
 
+def tensor_layout(x: torch.Tensor) -> tuple:
+    """What an op signature reads of a tensor argument besides its storage: shape, strides,
+    storage offset, dtype, device and `requires_grad`."""
+    return (
+        tuple(int(d) for d in x.shape),
+        tuple(int(d) for d in x.stride()),
+        int(x.storage_offset()),
+        x.dtype,
+        x.device,
+        x.requires_grad,
+    )
+
+
 def made_output(layout: tuple, given: Any) -> torch.Tensor:
     """A new tensor of `layout` (`made_layout`), made in the active (fake) mode."""
     shape, stride, dtype, device, requires_grad = layout
@@ -321,12 +334,7 @@ class MadeOutputs:
                         return None, ()
                     described.append(
                         (
-                            tuple(int(d) for d in x.shape),
-                            tuple(int(d) for d in x.stride()),
-                            int(x.storage_offset()),
-                            x.dtype,
-                            x.device,
-                            x.requires_grad,
+                            *tensor_layout(x),
                             storages.setdefault(key, len(storages)),
                             int(x.untyped_storage().nbytes()),
                         )

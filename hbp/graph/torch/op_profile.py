@@ -23,6 +23,7 @@ from hbp.graph.torch.fake import (
     made_output,
     pure_call,
     storage_key,
+    tensor_layout,
     tensor_leaves,
 )
 from hbp.graph.torch.flops import TotalFlopCounterMode
@@ -378,12 +379,7 @@ class ProfileCache:
                         kind = -2 if k in owners else -3
                     described.append(
                         (
-                            tuple(int(d) for d in x.shape),
-                            tuple(int(d) for d in x.stride()),
-                            int(x.storage_offset()),
-                            x.dtype,
-                            x.device,
-                            x.requires_grad,
+                            *tensor_layout(x),
                             kind,
                             storages.setdefault(k, len(storages)),
                             int(x.untyped_storage().nbytes()),
