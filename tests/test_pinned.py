@@ -297,3 +297,42 @@ def test_a_pinned_value_mutated_in_place_later_is_recomputed_exactly():
     loss, grads = step(lambda: model(x), params)
     loss2, grads2 = step(lambda: PlanExecutor(captured, plan, model)(x), params)
     assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))
+
+
+class _ContextBeforeTheOp(torch.utils.checkpoint.SelectiveCheckpointContext):
+    """Torch before 2.13: the policy is asked before the op runs, with no `op_output`."""
+
+    def __init__(self, *, is_recompute, op_output=None):
+        self.is_recompute = is_recompute
+
+
+def test_pins_hold_when_the_policy_is_asked_before_the_op_runs(chain, monkeypatch):
+    """NOTE [ Pins before the op has run ]: every pinned plan gives the same gradients, peak
+    and recompute FLOPs without `ctx.op_output` (the op's schema tells views and in-place
+    results apart), as with it."""
+    model, x, captured = chain
+    n = len(captured.graph)
+    params = [x, *model.parameters()]
+
+    def run(plan):
+        executor = PlanExecutor(captured, plan, model)
+        loss, grads = step(lambda: executor(x), params)
+        for p in params:
+            p.grad = None
+        with FlopCounterMode(display=False) as counter:
+            _, peak = allocator_peak(lambda: executor(x).backward())
+        return loss, grads, peak, counter.get_total_flops()
+
+    after = {name: run(Plan(segments)) for name, segments in plans(n).items()}
+    monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", _ContextBeforeTheOp)
+    for name, segments in plans(n).items():
+        loss, grads, peak, flops = run(Plan(segments))
+        loss0, grads0, peak0, flops0 = after[name]
+        assert torch.equal(loss, loss0) and all(map(torch.equal, grads, grads0)), name
+        assert (peak, flops) == (peak0, flops0), name
+
+
+def test_a_pinned_view_is_recomputed_when_the_policy_is_asked_before_the_op(monkeypatch):
+    """Without `op_output`, an in-place result on a pinned node is still not stored."""
+    monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", _ContextBeforeTheOp)
+    test_a_pinned_value_mutated_in_place_later_is_recomputed_exactly()

@@ -92,6 +92,28 @@ def test_closed_loop_says_when_the_callers_loss_makes_the_budget_infeasible():
     assert f"the least is {budget / 2**20:.2f} MiB" in message
 
 
+def test_closed_loop_says_when_what_the_plan_did_not_see_exceeds_the_whole_budget():
+    """The caller's loss holds more than the module's whole budget (a compiled caller's
+    buffers can, on CUDA): no target is left to plan for, and the step says so instead of
+    planning for a negative budget."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    idx, targets = batch()
+    hc = hbp.HCModule(model, 0.8)
+
+    def wide_loss(output):
+        logits, _ = output
+        return (logits[..., None] * torch.ones(4)).tanh().square().mean()
+
+    with pytest.warns(UserWarning, match="no less than the budget: no plan can meet it"):
+        wide_loss(hc(idx)).backward()
+        unseen = hc.measured_peak_bytes - hc.compiled.plan.predicted_peak_bytes
+    assert unseen >= hc.compiled.budget_bytes
+    model.zero_grad(set_to_none=True)
+    wide_loss(hc(idx)).backward()  # settled: the next step runs the same plan
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_closed_loop_gradients_are_those_of_the_plain_model():
     torch.manual_seed(0)
     model = TiedLM()

@@ -196,6 +196,16 @@ class ClosedLoop:
             "memory outside the module (the caller's loss and its backward), kernel "
             "workspace or compiled kernels' buffers the plan did not see. "
         )
+        if target <= 0:  # what the plan did not see is the whole budget or more
+            compiled.settled = True
+            warnings.warn(
+                message + f"That is {unseen / MIB:.2f} MiB, no less than the budget: no plan "
+                "can meet it this way; pass loss_fn= so that hbp plans the loss too, or raise "
+                "the budget.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
         try:
             self._replan(compiled, target)
         except BudgetError as err:

@@ -76,17 +76,36 @@ def pin_policy(segment: tuple[int, int, int]) -> Callable:
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if getattr(_PINNING, "segment", None) != segment:
             return CheckpointPolicy.PREFER_RECOMPUTE
+        if _returns_an_alias(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        output = getattr(ctx, "op_output", None)  # NOTE [ Pins before the op has run ]
+        if output is None:
+            return CheckpointPolicy.MUST_SAVE
         inputs = {
             t.untyped_storage().data_ptr()
             for t in pytree.tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor)
         }
-        for t in pytree.tree_leaves(ctx.op_output):
+        for t in pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
     return policy
+
+
+# NOTE [ Pins before the op has run ]
+# Torch 2.13 asks the policy after the op ran (`ctx.op_output`), so that an output sharing a
+# storage with an input (a view, an in-place result) is told apart by its storage. Older
+# torch (2.11, the lent GPU machines' build) asks before the op runs and has no `op_output`.
+# The op's schema says the same for every op that declares its aliasing (its returns carry
+# alias annotations: views, in-place and out= overloads), and it is read first on every
+# version; the storage check then only adds the undeclared cases where the output is known.
+
+
+def _returns_an_alias(op) -> bool:
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _save_nothing(ctx, op, *args, **kwargs) -> CheckpointPolicy:
