@@ -459,6 +459,16 @@ class _Checkpointed:
         return self.block.call(values, self.block.outputs_before(_pass_end()))
 
 
+# NOTE [ Calling the generated code ]
+# A segment's generated code is an `fx.GraphModule`, called through its `forward`, not
+# `__call__`: `GraphModule.__call__` wraps every call in a handler that, on any exception, walks
+# the traceback to print the generated code when the error was raised there; each early stop
+# of a recompute (torch raises inside a node to end the pass) paid that walk, a few hundred
+# microseconds of host time per recomputed segment per step, which a GPU step cannot hide.
+# `nn.Module.__call__` adds global module hooks, which would fire on hbp's internal modules
+# as if they were the user's; the user's own submodules inside the code still run theirs.
+
+
 class LeafCall:
     """A segment without children: generated code, one variant per set of returned values."""
 
@@ -475,7 +485,7 @@ class LeafCall:
         module = self.variants.get(outputs)
         if module is None:
             module = self.variants[outputs] = self.build(outputs)
-        return module(values)
+        return module.forward(values)  # NOTE [ Calling the generated code ]
 
     def build(self, outputs: tuple) -> fx.GraphModule:
         """The segment's generated code, returning `outputs`."""
