@@ -137,6 +137,21 @@ def test_recomputation_runs_exactly_the_recomputed_nodes_once_more(stack):
     assert runs["head"] == 1 and "x" not in runs  # plain nodes once, graph inputs never
 
 
+def test_global_module_hooks_see_the_users_modules_and_not_the_generated_code(stack):
+    """NOTE [ Calling the generated code ]: a global forward hook fires for the model's own
+    modules, as many times as they run (recomputes included), and never for hbp's segments."""
+    model, x, captured = stack
+    executor = PlanExecutor(captured, plans_for(captured)["nested"], model)
+    seen: list[nn.Module] = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(m))
+    try:
+        executor(x).backward()
+    finally:
+        handle.remove()
+    assert seen and all(not isinstance(m, torch.fx.GraphModule) for m in seen)
+    assert {id(m) for m in seen} <= {id(m) for m in model.modules()}
+
+
 def test_recomputed_values_die_as_soon_as_the_recompute_has_used_them():
     """A long recomputed segment followed by a plain one: during the recompute, values the
     segment hands to later segments must not be kept (the recompute pass needs none)."""
