@@ -153,12 +153,19 @@ class Planning:
                 parts.append((type(x).__name__, x))
             else:
                 parts.append((type(x).__name__, id(x)))
-        # .to()/.half() keep the Parameter objects and change their dtype/device.
-        parts.append(
-            tuple((id(p), p.requires_grad, p.dtype, p.device) for p in self.module.parameters())
-        )
-        parts.append(tuple((id(b), b.dtype, b.device) for b in self.module.buffers()))
-        parts.append(tuple(m.training for m in self.module.modules()))
+        # .to()/.half() keep the Parameter objects and change their dtype/device. One walk
+        # over the modules reads what parameters(), buffers() and modules() would (each walks
+        # them again; a step pays this walk on the host).
+        params, buffers, training = [], [], []
+        for m in self.module.modules():
+            training.append(m.training)
+            params.extend(
+                (id(p), p.requires_grad, p.dtype, p.device)
+                for p in m._parameters.values()
+                if p is not None
+            )
+            buffers.extend((id(b), b.dtype, b.device) for b in m._buffers.values() if b is not None)
+        parts += [tuple(params), tuple(buffers), tuple(training)]
         return tuple(parts)
 
     def _compile(
