@@ -291,10 +291,11 @@ def _tail(text, n: int = 1500) -> str:
 
 
 def _pinned_torch() -> str | None:
-    """The torch version pyproject.toml pins (a lent GPU machine runs its own torch)."""
-    text = (ROOT / "pyproject.toml").read_text()
-    start = text.find('"torch==')
-    return text[start + 8 : text.find('"', start + 1)] if start >= 0 else None
+    """The torch version `make` installs (the Makefile's pin; a lent GPU machine runs its
+    own torch, which pyproject.toml's range allows)."""
+    text = (ROOT / "Makefile").read_text()
+    start = text.find("'torch==")
+    return text[start + 8 : text.find("'", start + 1)] if start >= 0 else None
 
 
 def _git_sha() -> str | None:

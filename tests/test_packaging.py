@@ -20,7 +20,8 @@ def test_bench_dependencies_are_an_extra():
         d.split("[")[0].split("=")[0].split(">")[0].split("<")[0] for d in project["dependencies"]
     ]
     assert sorted(core) == ["highspy", "numpy", "torch"]
-    assert "torch==2.13.0" in project["dependencies"]
+    # a range for users (checked on 2.11 with CUDA by gpu-check); `make` pins the suite's
+    assert any(d.startswith("torch>=2.11") for d in project["dependencies"])
     bench = " ".join(project["optional-dependencies"]["bench"])
     for name in ("hydra-core", "wandb", "pandas", "pyarrow", "matplotlib", "psutil"):
         assert name in bench
