@@ -299,13 +299,20 @@ def _pinned_torch() -> str | None:
 
 
 def _git_sha() -> str | None:
+    """HEAD's commit, with "-dirty" where the tracked files differ from it (a lent machine's
+    copy carries the working tree beside an older .git)."""
     try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        )
-        return done.stdout.strip() or None
+        sha = _git("rev-parse", "HEAD")
+        if not sha:
+            return None
+        return sha + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:  # noqa: BLE001 - the device machine may have no git
         return None
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    return done.stdout.strip()
 
 
 if __name__ == "__main__":
