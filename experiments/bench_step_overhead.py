@@ -27,15 +27,13 @@ import hbp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("layers", type=int)
-    parser.add_argument("--budget", default=None, help="a fraction, 'min' or 'N%%act'")
+    parser.add_argument("--budget", default=None, help="as HCModule takes it: 0.5, min, 50%%act")
     parser.add_argument("--steps", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     model, inputs, kwargs, _ = llama(args.layers)
-    budget = args.budget
-    if budget is not None and budget[0].isdigit() and "%" not in budget:
-        budget = float(budget)
+    budget = args.budget  # a string HCModule parses itself ("0.5" is a fraction)
     hc = hbp.HCModule(model) if budget is None else hbp.HCModule(model, budget)
 
     def plain():
