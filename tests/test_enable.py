@@ -80,6 +80,27 @@ def test_disable_restores_the_forward_and_enable_replaces_the_budget():
     hbp.disable(model)  # idempotent
 
 
+def test_enable_again_with_another_budget_plans_the_capture_again(count_captures):
+    """`hbp.enable` with only another budget (or block_size, planner) keeps the engine and its
+    captures; other options make a new engine."""
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    reference = copy.deepcopy(model)
+    captures = count_captures()
+    hbp.enable(model, budget=1.0)
+    _step(model, kwargs)
+    engine, naive = hbp.engine_of(model), hbp.engine_of(model).compiled.naive_peak_bytes
+    hbp.enable(model, budget=0.5, block_size=2)
+    assert torch.equal(_step(reference, kwargs), _step(model, kwargs))
+    _same_grads(reference, model)
+    assert hbp.engine_of(model) is engine and captures == [1]
+    assert engine.plan.budget_bytes == int(0.5 * naive) and engine.plan.meta["block_size"] == 2
+    hbp.enable(model, budget=0.5, keeps_outputs=True)
+    assert hbp.engine_of(model) is not engine
+    _step(model, kwargs)
+    assert captures == [1, 1]
+
+
 def test_enable_on_a_submodule_and_hooks_run_once():
     """`hbp.enable(model.model)`: the decoder alone, under the model's own head and loss."""
     torch.manual_seed(0)

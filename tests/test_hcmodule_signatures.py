@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
+import pytest
 import torch
 from helpers.compare import (
     assert_all_same,
@@ -161,3 +162,54 @@ def test_dict_output_with_an_aux_loss():
     assert_within_budget(hc, got, plain, recomputes=False)
     out = hc(*args)
     assert list(out) == ["logits", "loss", "aux"] and out["aux"].requires_grad
+
+
+def test_a_budget_set_between_steps_plans_the_capture_again(count_captures):
+    """`hc.budget = ...` after a step: the next call plans its signature again from the
+    capture already made (no second capture), for the new budget, with the plain model's
+    results and the allocator's peak within it; the closed loop measures the new plan."""
+    torch.manual_seed(0)
+    model = CausalAttention()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 64, 64)
+    hc = hbp.HCModule(model, budget=1.0)
+    captures = count_captures()
+    run_step(hc, model, (x,))
+    captured, naive = hc.captured, hc.compiled.naive_peak_bytes
+    assert hc.plan.budget_bytes == naive
+    hc.budget = 0.6
+    assert hc.budget == 0.6 and "budget=0.6" in repr(hc)
+    got = run_step(hc, model, (x,))
+    assert_same_step(run_step(reference, reference, (x,)), got, exact=False)
+    assert len(captures) == 1 and hc.captured is captured
+    assert hc.plan.budget_bytes == int(0.6 * naive) and hc.plan.predicted_peak_bytes < naive
+    assert hc.measured_peak_bytes <= 1.05 * hc.plan.budget_bytes
+    assert hc.compiled.measurements == 1  # the new plan's own first step
+    hc.budget = "min"
+    run_step(hc, model, (x,))
+    assert len(captures) == 1 and hc.plan.predicted_peak_bytes < int(0.6 * naive)
+
+
+def test_planning_options_are_checked_when_set():
+    hc = hbp.HCModule(MLPNet(), budget=0.5)
+    for name, bad in (("budget", -1), ("budget", "lots"), ("block_size", 0), ("planner", "x")):
+        before = getattr(hc, name)
+        with pytest.raises(hbp.ConfigError, match=name):
+            setattr(hc, name, bad)
+        assert getattr(hc, name) == before  # the old value stays
+
+
+def test_a_block_size_set_between_steps_plans_as_a_new_wrapper_would(count_captures):
+    torch.manual_seed(0)
+    model = MLPNet()
+    x = torch.randn(2048, D)
+    hc = hbp.HCModule(model, budget=0.5, calibrate=False)
+    run_step(hc, model, (x,))
+    captures = count_captures()
+    hc.block_size = 4
+    run_step(hc, model, (x,))
+    assert not captures and hc.plan.meta["block_size"] == 4  # planned from the capture
+    fresh = hbp.HCModule(model, budget=0.5, block_size=4, calibrate=False).prepare(x)
+    assert len(captures) == 1  # the fresh wrapper's own
+    assert hc.plan.segments == fresh.segments
+    assert hc.plan.predicted_peak_bytes == fresh.predicted_peak_bytes

@@ -14,9 +14,11 @@ model kept in `model.__dict__` (not a submodule: no state_dict key, no `.modules
 Calls without grad (`generate`, evaluation under `torch.no_grad()`) run the original forward.
 The engine's capture and its module-level executor call the model again; those inner calls
 (the engine is `inside`) run the original forward too, and the capture runs without the model's
-own forward hooks (they run once, around the enabled forward, as nn.Module calls them). `disable` puts back the forward the
-instance had (none, or one set by another library before). Enabling an enabled model with the
-same budget and options does nothing; with others it replaces the engine.
+own forward hooks (they run once, around the enabled forward, as nn.Module calls them).
+`disable` puts back the forward the instance had (none, or one set by another library before).
+Enabling an enabled model with the same budget and options does nothing; with another budget,
+block_size or planner only, the engine plans its captures again (NOTE [ Options changed after
+the first step ] in planning.py); with other options it is replaced.
 """
 
 from __future__ import annotations
@@ -122,12 +124,33 @@ def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Modu
     if engine is not None:
         if engine.options == (budget, options):
             return model
+        if _without_plan_options(engine.options[1]) == _without_plan_options(options):
+            _set_plan_options(engine, budget, options)  # the captures are kept
+            return model
         disable(model)
     previous = model.__dict__.get("forward")
     engine = _Engine(model, previous, budget, options)
     model.__dict__[ENGINE_ATTR] = engine
     model.__dict__["forward"] = EnabledForward(engine)
     return model
+
+
+#: HCModule's options that change its plans only (NOTE [ Options changed after the first
+#: step ] in planning.py), with their defaults.
+PLAN_OPTIONS = {"block_size": 1, "planner": "optimal"}
+
+
+def _without_plan_options(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
+
+
+def _set_plan_options(engine: _Engine, budget, options: dict) -> None:
+    """`engine` planning for `budget` and `options`' plan options from its next call, on
+    the captures it has made."""
+    engine.budget = budget
+    for name, default in PLAN_OPTIONS.items():
+        setattr(engine, name, options.get(name, default))
+    engine.options = (budget, options)
 
 
 def disable(model: nn.Module) -> nn.Module:

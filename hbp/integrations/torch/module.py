@@ -128,16 +128,12 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"HCModule wraps an nn.Module, got {type(module).__name__}")
-        self._budget = Budget.parse(budget)  # malformed budgets fail here, not at a step
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError("block_size", block_size, "an int >= 1")
-        if planner not in PLANNERS:
-            raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
-        self.module = module
-        # not `.forward`: HCModule's own (`_Forward`) has the module's signature
+        # malformed options fail here, not at a step; set later, they plan the captures
+        # again (NOTE [ Options changed after the first step ] in planning.py)
         self.budget = budget
         self.block_size = block_size
         self.planner = planner
+        self.module = module
         self.verbose = verbose
         self.plan_in_eval = bool(plan_in_eval)
         if loss_fn is not None and not callable(loss_fn):
@@ -163,6 +159,39 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         self.register_load_state_dict_pre_hook(_accept_unwrapped_keys)
 
     # -- public -----------------------------------------------------------------------------
+
+    @property
+    def budget(self):
+        """The budget as given (`hbp.Budget`'s forms). Set between steps, every input
+        signature is planned again at its next call from the capture already made."""
+        return self._budget_given
+
+    @budget.setter
+    def budget(self, budget) -> None:
+        self._budget = Budget.parse(budget)
+        self._budget_given = budget
+
+    @property
+    def block_size(self) -> int:
+        """At most one cut per this many consecutive nodes (set: as `budget`)."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, block_size: int) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError("block_size", block_size, "an int >= 1")
+        self._block_size = block_size
+
+    @property
+    def planner(self) -> str:
+        """One of `hbp.planner.PLANNERS` (set: as `budget`)."""
+        return self._planner
+
+    @planner.setter
+    def planner(self, planner: str) -> None:
+        if planner not in PLANNERS:
+            raise ConfigError("planner", planner, " or ".join(repr(p) for p in PLANNERS))
+        self._planner = planner
 
     @property
     def plan(self) -> Plan | None:

@@ -34,9 +34,10 @@ class Compiled:
     """What HCModule caches per input signature.
 
     `budget_bytes`: the budget this signature must meet (the plan's own `budget_bytes` is
-    lowered when the closed loop plans again); `measured_peak_bytes`: the allocator's peak of
-    the last measured step (None before); `measurements`: steps measured so far; `settled`:
-    a measured step met the budget (or the loop gave up), so later steps are not measured."""
+    lowered when the closed loop plans again); `planned_for`: the options the plan was made
+    for; `measured_peak_bytes`: the allocator's peak of the last measured step (None
+    before); `measurements`: steps measured so far; `settled`: a measured step met the
+    budget (or the loop gave up), so later steps are not measured."""
 
     captured: CapturedGraph
     plan: Plan
@@ -55,6 +56,7 @@ class Compiled:
     scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
     pins: bool = True  # plans may pin values (False: its segments run compiled)
     device: Any = None  # where the step runs
+    planned_for: tuple = ()  # HCModule's `_plan_options()` when `plan` was made
 
 
 #: Libraries whose own forward hooks are part of their models (transformers collects
@@ -128,6 +130,12 @@ class Planning:
             and not foreign_profiler_running()
         ):
             compiled = None  # NOTE [ Captured under a profiler ]
+        if compiled is not None and compiled.planned_for != self._plan_options():
+            # NOTE [ Options changed after the first step ]
+            measured = self._stop_probe()
+            if measured is not None:  # the last step, run by the plan made for the old options
+                self._measured_peak_bytes = measured[1]
+            self._plan_capture(compiled)
         if compiled is None:
             compiled = self._compile(args, kwargs, root, compiled_segments)
             self._compiled[key] = compiled
@@ -171,8 +179,7 @@ class Planning:
     def _compile(
         self, args, kwargs, root: nn.Module | None = None, compiled_segments: bool = False
     ) -> Compiled:
-        from hbp.planner import plan as make_plan  # the planner is pure: import on use
-
+        """Capture this call and plan it."""
         root = self.module if root is None else root
         lazy = [
             name
@@ -196,22 +203,48 @@ class Planning:
         elif self.keeps_outputs is None:  # NOTE [ Outputs the caller lets go ]
             graph.held_outputs = sorted(graph.backward_seeds(), key=graph.index)
         naive = simulate(graph).peak_bytes
-        start = time.perf_counter()
         # compiled segments run without pins (NOTE [ Running pinned values ]) or explicit
         # schedules (NOTE [ Explicit schedules ]): `pins` stands for both
         pins = not (compiled_segments or self.compile is not False)
-        device = step_device(root, args, kwargs)
+        compiled = Compiled(
+            captured, None, None, naive, captured.capture_time_s, 0.0, root=root, pins=pins
+        )
+        compiled.device = step_device(root, args, kwargs)
+        compiled.scratch_measured = scratch_measured
+        self._plan_capture(compiled)
+        if not scratch_measured:
+            warnings.warn(
+                "HCModule: planned under a running profiler, which the measurement of kernel "
+                "workspace cannot nest in: this plan counts tensors only and may exceed the "
+                "budget. hbp measures and plans again at the first call outside the profiler.",
+                UserWarning,
+                stacklevel=6,
+            )
+        if self.verbose:
+            print(plan_summary(compiled))
+        return compiled
+
+    def _plan_capture(self, compiled: Compiled) -> None:
+        """Plan `compiled`'s capture for the current options (budget, block_size, planner)
+        and make its executor; the closed loop starts again (NOTE [ Options changed after
+        the first step ])."""
+        from hbp.planner import plan as make_plan  # the planner is pure: import on use
+
+        captured, naive, pins = compiled.captured, compiled.naive_peak_bytes, compiled.pins
+        graph = captured.graph
+        start = time.perf_counter()
         cached = self._cached_plan(captured, pins)
         if cached is not None:
             plan = cached
         elif captured.granularity == MODULE:
-            plan = self._module_level_plan(captured, naive, self._target(captured, naive, device))
+            target = self._target(captured, naive, compiled.device)
+            plan = self._module_level_plan(captured, naive, target)
         else:
             try:
                 relative = self._budget.kind is BudgetKind.ACTIVATIONS  # resolved by `plan`
                 plan = make_plan(
                     graph,
-                    self._budget if relative else self._target(captured, naive, device),
+                    self._budget if relative else self._target(captured, naive, compiled.device),
                     block_size=self.block_size,
                     planner=self.planner,
                     pins=pins,
@@ -231,25 +264,29 @@ class Planning:
                 raise self._budget_error_without_outputs(graph, err) from err
         if cached is None:
             self._cache_plan(captured, pins, plan)
-        plan_time_s = time.perf_counter() - start
+        compiled.plan_time_s = time.perf_counter() - start
         return_freed_heap()  # NOTE [ Planning's freed heap ]
-        executor = make_executor(captured, plan, root)
-        self._warn_about(captured, executor)
-        compiled = Compiled(captured, plan, executor, naive, captured.capture_time_s, plan_time_s)
-        compiled.root, compiled.budget_bytes = root, plan.budget_bytes
-        compiled.device = device
-        compiled.scratch_measured, compiled.pins = scratch_measured, pins
-        if not scratch_measured:
-            warnings.warn(
-                "HCModule: planned under a running profiler, which the measurement of kernel "
-                "workspace cannot nest in: this plan counts tensors only and may exceed the "
-                "budget. hbp measures and plans again at the first call outside the profiler.",
-                UserWarning,
-                stacklevel=6,
-            )
-        if self.verbose:
-            print(plan_summary(compiled))
-        return compiled
+        compiled.plan = plan
+        compiled.executor = make_executor(captured, plan, compiled.root or self.module)
+        self._warn_about(captured, compiled.executor)
+        compiled.budget_bytes = plan.budget_bytes
+        compiled.planned_for = self._plan_options()
+        compiled.measured_peak_bytes, compiled.measurements = None, 0
+        compiled.settled, compiled.segments_compiled = False, None
+
+    # NOTE [ Options changed after the first step ]
+    # `hc.budget = 0.3` (or a new block_size or planner) between steps plans every signature
+    # seen so far again at its next call, from the capture already made: capture and scratch
+    # calibration depend on the module and the inputs, not on these options, and they are
+    # most of a first step's cost. The new plan starts its own closed loop (measured from its
+    # first step, as a first plan is); a step of the old plan still being measured counts
+    # for `measured_peak_bytes` only. What is learned of the caller stays: the outputs it
+    # keeps (NOTE [ Outputs the caller lets go ]) are a fact of its loop, not of a plan.
+
+    def _plan_options(self) -> tuple:
+        """What a plan is made for, besides its capture: changed, the capture is planned
+        again at the next call (NOTE [ Options changed after the first step ])."""
+        return (self._budget, self.block_size, self.planner)
 
     def _budget_error_without_outputs(self, graph, err: BudgetError) -> BudgetError:
         """`err`, saying so when the budget fits once the caller lets go of the outputs
