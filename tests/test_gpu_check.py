@@ -56,7 +56,7 @@ def test_a_check_past_its_time_limit_is_ended_and_recorded_and_the_others_still_
     """The hanging check (a test hook) and its child are killed at the run's deadline; its row
     done before the hang is kept; DDP (no process) is still reported; the run exits 1."""
     started = time.perf_counter()
-    done = _run("--cpu", "--only", "chunked_ce", "ddp", "--time-limit", "30", "--out",
+    done = _run("--cpu", "--only", "chunked_ce", "ddp", "--time-limit", "20", "--out",
                 str(tmp_path), timeout=300, GPU_CHECK_HANG="chunked_ce")  # fmt: skip
     assert time.perf_counter() - started < 150
     assert done.returncode == gpu_check.EXIT_FAILED == 1

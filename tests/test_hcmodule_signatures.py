@@ -213,3 +213,21 @@ def test_a_block_size_set_between_steps_plans_as_a_new_wrapper_would(count_captu
     assert len(captures) == 1  # the fresh wrapper's own
     assert hc.plan.segments == fresh.segments
     assert hc.plan.predicted_peak_bytes == fresh.predicted_peak_bytes
+
+
+def test_a_budget_error_keeps_the_capture_for_the_next_budget(count_captures):
+    """The first step's BudgetError, then `hc.budget = err.minimum`: planned from the capture
+    the failed step made, at the minimum the error named."""
+    torch.manual_seed(0)
+    model = CausalAttention()
+    x = torch.randn(4, 64, 64)
+    hc = hbp.HCModule(model, budget="1KiB")
+    captures = count_captures()
+    with pytest.raises(hbp.BudgetError) as err:
+        run_step(hc, model, (x,))
+    with pytest.raises(hbp.BudgetError):  # planned again, not captured again
+        hc.prepare(x)
+    hc.budget = err.value.minimum
+    run_step(hc, model, (x,))
+    assert len(captures) == 1 and hc.plan.predicted_peak_bytes <= err.value.minimum
+    assert hc.measured_peak_bytes <= 1.05 * err.value.minimum

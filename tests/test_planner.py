@@ -466,7 +466,7 @@ def test_relative_budget_is_resolved_by_plan_as_by_the_caller():
     from hbp.planner import least_peak
     from hbp.planner.budget import Budget
 
-    graph = synthetic.residual_net(4)
+    graph = synthetic.random_dag(14, seed=1, skip_prob=0.3, max_skip=6)  # three budgets apart
     naive = naive_peak(graph)
     for form in ("50%act", Budget.activations(0.25), "0%act"):
         expected = Budget.parse(form).resolve(naive, lambda: least_peak(graph))

@@ -1,5 +1,6 @@
 """A model check: one workload's training step under every way of training it, each on a fresh
-copy of the same weights and batch, measured (step.py) and compared with plain autograd.
+copy of the same weights and batch (the hbp variants share one: one capture, planned again at
+each budget, as `hc.budget = ...` does), measured (step.py) and compared with plain autograd.
 
     naive        plain autograd: the reference gradients and the budgets' base
     checkpoint   uniform checkpointing over the workload's blocks (hbp.modes.checkpoint)
@@ -54,12 +55,18 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
         return workload.loss_fn(module(*batch.args, **batch.kwargs), batch)
 
     reference = None
+    hc = None  # the hbp variants share one HCModule: captured once, planned at each budget
     for variant in VARIANTS:
         row = {"model": spec.describe(), "variant": variant, "dtype": "float32"}
         try:
-            model = copy.deepcopy(master).to(device)
+            if hc is not None and variant.startswith("hbp@"):
+                module, model = hc, hc.module  # no optimizer step: the weights are the master's
+                hc.budget = _budget_of(variant)
+            else:
+                model = copy.deepcopy(master).to(device)
+                module = _wrap(variant, model, workload, batch)
+                hc = module if isinstance(module, hbp.HCModule) else None
             params = list(model.parameters())  # in the plain model's order, before any wrap
-            module = _wrap(variant, model, workload, batch)
             workspace = variant == f"hbp@{BUDGETS[0]}"
             with _workspace_recorder() if workspace else contextlib.nullcontext() as calls:
                 measured = measure(_step(loss_of, module), params, device, timed_steps=timed_steps)
@@ -82,6 +89,7 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
         except Exception as error:  # noqa: BLE001 - recorded; the other variants still run
             row.update(status="error", error=f"{type(error).__name__}: {error}"[:600])
             row["traceback"] = traceback.format_exc()[-3000:]
+            hc = None  # the next hbp variant starts from a fresh copy
         finally:
             model = module = measured = None
             release(device)
@@ -120,8 +128,12 @@ def _wrap(variant: str, model: torch.nn.Module, workload, batch) -> torch.nn.Mod
             raise NotApplicable("hbp's own model: no library checkpointing; see 'checkpoint'")
         enable_library_checkpointing(model)
         return model
+    return hbp.HCModule(model, budget=_budget_of(variant))
+
+
+def _budget_of(variant: str) -> float | str:
     budget = variant.split("@", 1)[1]
-    return hbp.HCModule(model, budget="min" if budget == "min" else float(budget))
+    return "min" if budget == "min" else float(budget)
 
 
 def _with_model(workload, model):

@@ -130,15 +130,8 @@ class Planning:
             and not foreign_profiler_running()
         ):
             compiled = None  # NOTE [ Captured under a profiler ]
-        if compiled is not None and compiled.planned_for != self._plan_options():
-            # NOTE [ Options changed after the first step ]
-            measured = self._stop_probe()
-            if measured is not None:  # the last step, run by the plan made for the old options
-                self._measured_peak_bytes = measured[1]
-            self._plan_capture(compiled)
         if compiled is None:
-            compiled = self._compile(args, kwargs, root, compiled_segments)
-            self._compiled[key] = compiled
+            compiled = self._compiled[key] = self._compile(args, kwargs, root, compiled_segments)
             if len(self._compiled) == MANY_SIGNATURES + 1:
                 self._warn_once(
                     "signatures",
@@ -146,6 +139,12 @@ class Planning:
                     "every new shape/dtype/requires_grad pattern is captured and planned again. "
                     "Pad or bucket inputs to a few shapes.",
                 )
+        if compiled.planned_for != self._plan_options():
+            # its first plan, or NOTE [ Options changed after the first step ]
+            measured = self._stop_probe() if compiled.plan is not None else None
+            if measured is not None:  # the last step, run by the plan made for the old options
+                self._measured_peak_bytes = measured[1]
+            self._plan_capture(compiled)  # a BudgetError keeps the capture for other options
         self._current = compiled
         return compiled
 
@@ -179,7 +178,7 @@ class Planning:
     def _compile(
         self, args, kwargs, root: nn.Module | None = None, compiled_segments: bool = False
     ) -> Compiled:
-        """Capture this call and plan it."""
+        """Capture this call (`_plan_capture` plans it)."""
         root = self.module if root is None else root
         lazy = [
             name
@@ -211,7 +210,6 @@ class Planning:
         )
         compiled.device = step_device(root, args, kwargs)
         compiled.scratch_measured = scratch_measured
-        self._plan_capture(compiled)
         if not scratch_measured:
             warnings.warn(
                 "HCModule: planned under a running profiler, which the measurement of kernel "
@@ -220,8 +218,6 @@ class Planning:
                 UserWarning,
                 stacklevel=6,
             )
-        if self.verbose:
-            print(plan_summary(compiled))
         return compiled
 
     def _plan_capture(self, compiled: Compiled) -> None:
@@ -273,6 +269,8 @@ class Planning:
         compiled.planned_for = self._plan_options()
         compiled.measured_peak_bytes, compiled.measurements = None, 0
         compiled.settled, compiled.segments_compiled = False, None
+        if self.verbose:
+            print(plan_summary(compiled))
 
     # NOTE [ Options changed after the first step ]
     # `hc.budget = 0.3` (or a new block_size or planner) between steps plans every signature
