@@ -95,6 +95,12 @@ def test_enable_again_with_another_budget_plans_the_capture_again(count_captures
     _same_grads(reference, model)
     assert hbp.engine_of(model) is engine and captures == [1]
     assert engine.plan.budget_bytes == int(0.5 * naive) and engine.plan.meta["block_size"] == 2
+    engine.budget = 0.3  # set on the engine: enable("min") still plans "min"
+    hbp.enable(model, budget="min", block_size=2)
+    assert hbp.engine_of(model) is engine and engine.budget == "min"
+    with pytest.raises(hbp.ConfigError, match="block_size"):
+        hbp.enable(model, budget=0.5, block_size=0)
+    assert (engine.budget, engine.block_size) == ("min", 2)  # all or nothing
     hbp.enable(model, budget=0.5, keeps_outputs=True)
     assert hbp.engine_of(model) is not engine
     _step(model, kwargs)

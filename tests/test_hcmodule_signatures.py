@@ -188,6 +188,15 @@ def test_a_budget_set_between_steps_plans_the_capture_again(count_captures):
     hc.budget = "min"
     run_step(hc, model, (x,))
     assert len(captures) == 1 and hc.plan.predicted_peak_bytes < int(0.6 * naive)
+    least, planned = hc.plan.budget_bytes, hc.plan
+    hc.budget = least  # the same bytes as "min" resolved to, another form: planned again
+    hc.budget = f"{least}B"  # ... and the same budget as the line above: not planned again
+    hc.prepare(x)
+    assert hc.plan is not planned and hc.plan.budget_bytes == least
+    replanned = hc.plan
+    hc.budget = least
+    hc.prepare(x)
+    assert hc.plan is replanned
 
 
 def test_planning_options_are_checked_when_set():

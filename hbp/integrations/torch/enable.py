@@ -122,10 +122,8 @@ def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Modu
         raise ConfigError("model", type(model).__name__, "an nn.Module")
     engine = model.__dict__.get(ENGINE_ATTR)
     if engine is not None:
-        if engine.options == (budget, options):
-            return model
         if _without_plan_options(engine.options[1]) == _without_plan_options(options):
-            _set_plan_options(engine, budget, options)  # the captures are kept
+            _set_plan_options(engine, budget, options)  # the captures are kept (or nothing new)
             return model
         disable(model)
     previous = model.__dict__.get("forward")
@@ -146,10 +144,18 @@ def _without_plan_options(options: dict) -> dict:
 
 def _set_plan_options(engine: _Engine, budget, options: dict) -> None:
     """`engine` planning for `budget` and `options`' plan options from its next call, on
-    the captures it has made."""
-    engine.budget = budget
-    for name, default in PLAN_OPTIONS.items():
-        setattr(engine, name, options.get(name, default))
+    the captures it has made (the same options as its own: nothing changes). All of them or,
+    where one is malformed, none (ConfigError)."""
+    names = ("budget", *PLAN_OPTIONS)
+    before = [getattr(engine, name) for name in names]
+    try:
+        engine.budget = budget
+        for name, default in PLAN_OPTIONS.items():
+            setattr(engine, name, options.get(name, default))
+    except ConfigError:
+        for name, value in zip(names, before):
+            setattr(engine, name, value)
+        raise
     engine.options = (budget, options)
 
 

@@ -163,7 +163,8 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     @property
     def budget(self):
         """The budget as given (`hbp.Budget`'s forms). Set between steps, every input
-        signature is planned again at its next call from the capture already made."""
+        signature is planned again at its next call from the capture already made (until
+        then `plan` is the one the last call ran)."""
         return self._budget_given
 
     @budget.setter

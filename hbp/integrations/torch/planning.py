@@ -284,7 +284,8 @@ class Planning:
     def _plan_options(self) -> tuple:
         """What a plan is made for, besides its capture: changed, the capture is planned
         again at the next call (NOTE [ Options changed after the first step ])."""
-        return (self._budget, self.block_size, self.planner)
+        budget = self._budget  # by what it means: "8MiB" and 8388608 are one budget
+        return (budget.kind, budget.value, self.block_size, self.planner)
 
     def _budget_error_without_outputs(self, graph, err: BudgetError) -> BudgetError:
         """`err`, saying so when the budget fits once the caller lets go of the outputs
