@@ -319,3 +319,36 @@ def test_tiny_mode_plans_on_apply_and_reports_the_plan():
     assert torch.equal(workload.step_loss(module, batch), expected)
     with pytest.raises(hbp.ConfigError, match="mode.block_size"):
         build_mode({"name": "tiny", "block_size": 0})
+
+
+def test_tiny_mode_with_a_plan_cache_reads_the_plan_a_run_before_made(tmp_path):
+    """`mode.plan_cache`: the second run on the same graph and budget reads the first run's
+    plan (`plan_from_cache`) and plans nothing; another budget plans and keeps its own."""
+
+    torch.manual_seed(0)
+    model = DropoutMLP(depth=4)
+    workload = Workload(
+        name="mlp",
+        profile="test",
+        model=model,
+        make_batch=lambda seed: Batch(args=(torch.randn(256, D),), targets=torch.randn(256, D)),
+        loss_fn=lambda out, batch: F.mse_loss(out, batch.targets),
+    )
+    batch = workload.make_batch(0)
+    runs = []
+    for budget in (0.5, 0.5, "min"):
+        mode = build_mode({"name": "tiny", "budget": budget, "plan_cache": str(tmp_path)})
+        mode.apply(workload, batch)
+        runs.append(mode.describe())
+    first, again, other = runs
+    assert (first["plan_from_cache"], again["plan_from_cache"], other["plan_from_cache"]) == (
+        False,
+        True,
+        False,
+    )
+    assert again["predicted_peak_bytes"] == first["predicted_peak_bytes"]
+    assert again["plan_segments"] == first["plan_segments"]
+    assert other["predicted_peak_bytes"] < first["predicted_peak_bytes"]
+    assert len(list(tmp_path.rglob("*.json"))) == 2  # one plan per budget
+    with pytest.raises(hbp.ConfigError, match="mode.plan_cache"):
+        build_mode({"name": "tiny", "plan_cache": 3})

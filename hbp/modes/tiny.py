@@ -13,10 +13,14 @@ from hbp.workloads.base import Batch, Workload
 
 
 class TinyMode:
-    """`HCModule(model, budget, block_size=..., planner=...)`, planned on the bench's batch.
+    """`HCModule(model, budget, block_size=..., planner=..., plan_cache=...)`, planned on the
+    bench's batch.
 
     `chunked_loss` is recorded; the bench builds the workload with it where the workload
-    takes that option."""
+    takes that option. `plan_cache`: a directory where plans are kept by captured graph,
+    budget and options (`hbp.planner.cache.PlanCache`): a rerun, or another run of a sweep on
+    the same graph and budget, reads its plan there (`plan_from_cache` in the metrics; its
+    `plan_time_s` is then the read's)."""
 
     name = "tiny"
 
@@ -26,6 +30,7 @@ class TinyMode:
         block_size: int = 1,
         planner: str = "optimal",
         chunked_loss: bool = True,
+        plan_cache: str | None = None,
     ):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError("mode.block_size", block_size, "an integer >= 1")
@@ -35,6 +40,9 @@ class TinyMode:
         self.block_size = block_size
         self.planner = planner
         self.chunked_loss = bool(chunked_loss)
+        if plan_cache is not None and (not isinstance(plan_cache, str) or not plan_cache):
+            raise ConfigError("mode.plan_cache", plan_cache, "a directory, or null")
+        self.plan_cache = plan_cache
         self.module: HCModule | None = None
         self.built_with_chunked_loss = False  # the workload has the option and was built with it
 
@@ -44,7 +52,11 @@ class TinyMode:
         workload.model.train()
         self.built_with_chunked_loss = bool(dict(workload.config).get("chunked_loss", False))
         self.module = HCModule(
-            workload.model, self.budget, block_size=self.block_size, planner=self.planner
+            workload.model,
+            self.budget,
+            block_size=self.block_size,
+            planner=self.planner,
+            plan_cache=self.plan_cache,
         )
         self.module.prepare(*batch.args, **batch.kwargs)
         return self.module
@@ -56,6 +68,7 @@ class TinyMode:
             "block_size": self.block_size,
             "planner": self.planner,
             "chunked_loss": self.chunked_loss,
+            "plan_cache": self.plan_cache,
         }
         compiled = self.module.compiled if self.module is not None else None
         if compiled is None:
@@ -66,6 +79,7 @@ class TinyMode:
                 **plan.metrics(),
                 "naive_predicted_peak_bytes": compiled.naive_peak_bytes,
                 "plan_time_s": compiled.plan_time_s,
+                "plan_from_cache": bool(plan.meta.get("from_cache", False)),
                 "capture_time_s": compiled.capture_time_s,
                 "capture_granularity": compiled.captured.granularity,
                 "graph_nodes": len(compiled.captured.graph),

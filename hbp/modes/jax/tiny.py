@@ -27,8 +27,13 @@ class JaxTinyMode:
         block_size: int = 1,
         planner: str = "optimal",
         chunked_loss: bool = False,
+        plan_cache: str | None = None,
     ):
         refuse_chunked_loss(chunked_loss)
+        if plan_cache is not None:  # the mode config group is shared with torch
+            raise ConfigError(
+                "mode.plan_cache", plan_cache, "null with framework=jax (plans are not kept)"
+            )
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError("mode.block_size", block_size, "an integer >= 1")
         if not isinstance(planner, str) or not planner:
