@@ -290,17 +290,22 @@ def test_checkpoint_on_workload_matches_naive_gradients(name):
     assert error < 1e-5
 
 
-def test_tiny_mode_plans_on_apply_and_reports_the_plan():
+def _mlp_workload() -> tuple[Workload, Batch]:
+    """A 4-layer dropout MLP with an MSE loss as a workload, and its batch."""
     torch.manual_seed(0)
-    model = DropoutMLP(depth=4)
     workload = Workload(
         name="mlp",
         profile="test",
-        model=model,
+        model=DropoutMLP(depth=4),
         make_batch=lambda seed: Batch(args=(torch.randn(256, D),), targets=torch.randn(256, D)),
         loss_fn=lambda out, batch: F.mse_loss(out, batch.targets),
     )
-    batch = workload.make_batch(0)
+    return workload, workload.make_batch(0)
+
+
+def test_tiny_mode_plans_on_apply_and_reports_the_plan():
+    workload, batch = _mlp_workload()
+    model = workload.model
     mode = build_mode({"name": "tiny", "budget": 0.5, "block_size": 1, "chunked_loss": False})
     module = mode.apply(workload, batch)
     assert isinstance(module, hbp.HCModule) and module.module is model
@@ -325,16 +330,7 @@ def test_tiny_mode_with_a_plan_cache_reads_the_plan_a_run_before_made(tmp_path):
     """`mode.plan_cache`: the second run on the same graph and budget reads the first run's
     plan (`plan_from_cache`) and plans nothing; another budget plans and keeps its own."""
 
-    torch.manual_seed(0)
-    model = DropoutMLP(depth=4)
-    workload = Workload(
-        name="mlp",
-        profile="test",
-        model=model,
-        make_batch=lambda seed: Batch(args=(torch.randn(256, D),), targets=torch.randn(256, D)),
-        loss_fn=lambda out, batch: F.mse_loss(out, batch.targets),
-    )
-    batch = workload.make_batch(0)
+    workload, batch = _mlp_workload()
     runs = []
     for budget in (0.5, 0.5, "min"):
         mode = build_mode({"name": "tiny", "budget": budget, "plan_cache": str(tmp_path)})
