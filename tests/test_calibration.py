@@ -99,8 +99,10 @@ def measured_vs_predicted(module, inputs, budget, hc=None):
     """(predicted peak, measured peak, budget bytes) of one HCModule step; the loss is the
     module's own output, kept alive through backward. `hc`: an HCModule of `module` that
     has captured these inputs already, planned again for `budget`."""
-    hc = hbp.HCModule(module, budget) if hc is None else hc
-    hc.budget = budget
+    if hc is None:
+        hc = hbp.HCModule(module, budget)
+    else:
+        hc.budget = budget
     try:
         plan = hc.prepare(*inputs)
     except BudgetError as err:  # budget below the minimum: plan at the minimum instead

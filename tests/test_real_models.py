@@ -66,7 +66,8 @@ def _compare(name: str, budget, model=None, inputs=None, hc=None):
     expected = train_step(reference, reference, None, args, kwargs, loss_fn=case.loss)
     if hc is None:
         hc = hbp.HCModule(model, budget=budget, calibrate=False)
-    hc.budget = budget
+    else:
+        hc.budget = budget
     got = train_step(hc, model, None, args, kwargs, loss_fn=case.loss)
     assert_same_step(expected, got, case.exact)
     return hc, expected, got

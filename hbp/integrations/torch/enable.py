@@ -23,6 +23,7 @@ the first step ] in planning.py); with other options it is replaced.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -134,8 +135,11 @@ def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Modu
 
 
 #: HCModule's options that change its plans only (NOTE [ Options changed after the first
-#: step ] in planning.py), with their defaults.
-PLAN_OPTIONS = {"block_size": 1, "planner": "optimal"}
+#: step ] in planning.py), with their defaults (HCModule's own).
+PLAN_OPTIONS = {
+    name: inspect.signature(HCModule.__init__).parameters[name].default
+    for name in ("block_size", "planner")
+}
 
 
 def _without_plan_options(options: dict) -> dict:

@@ -262,13 +262,12 @@ class Planning:
             self._cache_plan(captured, pins, plan)
         compiled.plan_time_s = time.perf_counter() - start
         return_freed_heap()  # NOTE [ Planning's freed heap ]
-        compiled.plan = plan
-        compiled.executor = make_executor(captured, plan, compiled.root or self.module)
+        self._use_plan(compiled, plan)
         self._warn_about(captured, compiled.executor)
         compiled.budget_bytes = plan.budget_bytes
         compiled.planned_for = self._plan_options()
         compiled.measured_peak_bytes, compiled.measurements = None, 0
-        compiled.settled, compiled.segments_compiled = False, None
+        compiled.settled = False
         if self.verbose:
             print(plan_summary(compiled))
 
@@ -423,8 +422,13 @@ class Planning:
                 planner=self.planner,
                 pins=compiled.pins,
             )
+        self._use_plan(compiled, plan)
+
+    def _use_plan(self, compiled, plan: Plan) -> None:
+        """`plan` is what `compiled` runs from its next step: its executor made, the one with
+        compiled segments (made on first use) dropped."""
         compiled.plan = plan
-        compiled.executor = make_executor(captured, plan, compiled.root or self.module)
+        compiled.executor = make_executor(compiled.captured, plan, compiled.root or self.module)
         compiled.segments_compiled = None
 
     def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
