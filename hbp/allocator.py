@@ -256,7 +256,8 @@ def profiler_peak_bytes(
     start_level = first[2] - first[1]
     if end_ptr is not None:
         # the last match: the allocator may have reused the address for a 1-byte tensor
-        # (a bool scalar) inside the window, but the end marker is the window's last event
+        # (a bool scalar) before the end marker, which is held until the profiler stops
+        # (NOTE [ The end marker stays allocated ] in hbp.integrations.torch.closed_loop)
         ends = [e for e in events if e[0] > first[0] and e[3] == end_ptr and e[1] == _MARKER_BYTES]
         end = ends[-1] if ends else None
         if end is not None:
