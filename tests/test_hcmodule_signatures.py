@@ -225,7 +225,7 @@ def test_a_block_size_set_between_steps_plans_as_a_new_wrapper_would(count_captu
     assert hc.plan.predicted_peak_bytes == fresh.predicted_peak_bytes
 
 
-def test_a_budget_error_keeps_the_capture_for_the_next_budget(count_captures):
+def test_a_budget_error_keeps_the_capture_for_the_next_budget(count_captures, tmp_path):
     """The first step's BudgetError, then `hc.budget = err.minimum`: planned from the capture
     the failed step made, at the minimum the error named."""
     torch.manual_seed(0)
@@ -235,9 +235,15 @@ def test_a_budget_error_keeps_the_capture_for_the_next_budget(count_captures):
     captures = count_captures()
     with pytest.raises(hbp.BudgetError) as err:
         run_step(hc, model, (x,))
+    captured = hc.captured  # the failed step's capture, to look at
+    assert captured is not None and hc.plan is None
+    assert "no plan fits the budget" in hc.summary()
+    with pytest.raises(RuntimeError, match="nothing is planned yet"):
+        hc.save_plan(tmp_path / "plan.json")
     with pytest.raises(hbp.BudgetError):  # planned again, not captured again
         hc.prepare(x)
     hc.budget = err.value.minimum
     run_step(hc, model, (x,))
     assert len(captures) == 1 and hc.plan.predicted_peak_bytes <= err.value.minimum
+    assert hc.captured is captured
     assert hc.measured_peak_bytes <= 1.05 * err.value.minimum

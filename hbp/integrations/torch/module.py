@@ -249,10 +249,10 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         """Write the current plan to `path` (JSON), tied to its captured graph's structure:
         `hbp.planner.cache.load_plan(path, graph)` reads it back for the same graph. To
         reuse plans across runs, pass `plan_cache=` a directory instead."""
-        if self._current is None:
+        if self._current is None or self._current.plan is None:
             raise RuntimeError(
                 "HCModule.save_plan: nothing is planned yet; run a training step (or "
-                ".prepare(*inputs)) first"
+                ".prepare(*inputs)) that plans first"
             )
         save_plan(self._current.plan, path, self._current.captured.graph)
 

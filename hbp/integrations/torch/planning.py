@@ -88,6 +88,8 @@ def plan_summary(compiled: Compiled) -> str:
     )
     if captured.fallback_reason:
         head += f" (op-level capture failed: {captured.fallback_reason})"
+    if compiled.plan is None:  # its planning raised: a BudgetError names the least budget
+        return f"{head}\nnot planned: no plan fits the budget"
     return f"{head}\n{compiled.plan}"
 
 
@@ -144,6 +146,7 @@ class Planning:
             measured = self._stop_probe() if compiled.plan is not None else None
             if measured is not None:  # the last step, run by the plan made for the old options
                 self._measured_peak_bytes = measured[1]
+            self._current = compiled  # `hc.captured` shows the capture, a BudgetError or not
             self._plan_capture(compiled)  # a BudgetError keeps the capture for other options
         self._current = compiled
         return compiled

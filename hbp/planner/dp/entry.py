@@ -217,7 +217,7 @@ def optimal_plan(
             err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
             return _below_whole_graph(
                 graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
-                nested, below_bound=below_bound,
+                nested, below_bound=below_bound, mem_slots=mem_slots,
             )  # fmt: skip
 
         if stages and not below_bound and not info.rng_state_bytes:
@@ -263,7 +263,7 @@ def optimal_plan(
         except BudgetError as err:
             return _below_whole_graph(
                 graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
-                nested,
+                nested, mem_slots=mem_slots,
             )  # fmt: skip
         if how == "dp" and stages:
             candidate = candidate or staged_candidate(graph, info, budget_bytes, pins)
@@ -292,21 +292,30 @@ def _plans_over(info: GraphInfo, cuts: list[int], nested: bool) -> str:
 
 def _below_whole_graph(
     graph, info, meta, budget: int, err, naive, pins, t0, stages, block_size, max_cuts, nested,
-    below_bound: bool = False,
+    below_bound: bool = False, mem_slots: int = 256,
 ) -> Plan:  # fmt: skip
     """The plan for a budget below the whole-graph DP's least peak over the first cut set
-    (`err`): the least-peak plan of another cut set that fits it, else a staged plan, else
-    `err` with the least minimum (`below_bound`: the budget is below `lower_bound`, where
-    nothing fits)."""
+    (`err`): where the union of the other cut sets reaches it, the recompute tables' plan
+    over that union (or its least-peak plan, where it recomputes less), else a staged plan,
+    else `err` with the least minimum (`below_bound`: the budget is below `lower_bound`,
+    where nothing fits)."""
     choices = cut_choices(info, block_size, max_cuts)
     others = len(choices) > 1
     if others and not info.rng_state_bytes and err.minimum <= lower_bound(info):
         others = False  # no cut set goes below the lower bound
     if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
         least, segments = least_peak_over(info, choices, nested)
-        if least <= budget:
+        if least <= budget:  # NOTE [ A budget only other cuts reach ] in hbp.planner.cuts
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+            union = union_of(choices)
+            tables, how = _whole_graph_plan(
+                graph, info, union, budget, naive, meta, mem_slots, nested, max_cuts, block_size,
+                pins,
+            )  # fmt: skip
+            if how == "dp" and tables.predicted_recompute_flops <= plan.predicted_recompute_flops:
+                plan = tables
+                plan.meta["solved_by"] = "dp (union of cut choices)"
             plan.meta["solve_time_s"] = time.perf_counter() - t0
             return plan
         if least < err.minimum:
