@@ -121,7 +121,7 @@ def cut_choices(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> lis
 # plan at that peak: a child's lower peak is taken even where the level's peak is set by
 # something else and a costlier child would have fitted. At the same least peak, the
 # recompute tables over the union found plans with 75% less recompute on
-# experiments/check_plans.py's small diffusers UNet and 45% less on its 48-layer residual
+# experiments/check_plans.py's small diffusers UNet and 3% less on its 48-layer residual
 # net. So the tables run over the union too, and the plan that recomputes less is taken;
 # they cost about three times the least-peak DP, and only budgets in this band pay it.
 
