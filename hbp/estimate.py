@@ -118,7 +118,7 @@ def estimate(
     block_size: int = 1,
     planner: str = "optimal",
     flops_per_s: float | None = None,
-    keeps_outputs: bool = True,
+    keeps_outputs: bool = False,
     **kwargs,
 ) -> Estimate:
     """Estimate the memory of one training step of `model(*inputs, **kwargs)`.
@@ -134,8 +134,10 @@ def estimate(
         block_size, planner: as for `HCModule`.
         flops_per_s: the device's throughput for the step-time estimates (default: measured
             with a short matmul).
-        keeps_outputs: whether the caller keeps the outputs until backward ends (as for
-            `HCModule`; False: `model(**batch).loss.backward()`, only the loss is kept).
+        keeps_outputs: whether the caller keeps the outputs until backward ends. False, the
+            default, is what `HCModule` plans its first step for, and what
+            `model(**batch).loss.backward()` and Trainer do: only the loss is kept. True: a
+            caller that holds the outputs (logits it logs) through backward.
 
     Returns:
         An `Estimate`; `print` it for a table.

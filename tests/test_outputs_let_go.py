@@ -177,6 +177,18 @@ def test_estimate_without_the_outputs_is_the_plain_step_that_drops_them():
     assert abs(dropped.naive_peak_bytes - measured) <= 0.03 * measured
 
 
+def test_the_default_estimate_is_what_the_default_wrapper_plans():
+    """`hbp.estimate` with no flag assumes what HCModule's first plan does (only the loss is
+    kept through backward): its least peak is the "min" budget HCModule plans for."""
+    torch.manual_seed(0)
+    model, batch = TinyLM(), _batch()
+    est = hbp.estimate(model, *batch, budgets=["min"])
+    hc = hbp.HCModule(model, budget="min")
+    hc.prepare(*batch)
+    assert est.min_peak_bytes == hc.plan.budget_bytes
+    assert est.min_peak_bytes < hbp.estimate(model, *batch, keeps_outputs=True).min_peak_bytes
+
+
 def test_a_budget_that_fits_only_without_the_outputs_plans_with_no_flag():
     torch.manual_seed(0)
     batch = _batch()
