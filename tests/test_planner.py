@@ -285,6 +285,19 @@ def test_least_peak_is_over_other_cut_choices():
     assert err.value.minimum == 55
 
 
+def test_a_budget_only_other_cuts_reach_takes_a_staged_plan_that_recomputes_less():
+    """Below the first cut set's least peak (122 bytes here) as above it, a staged plan that
+    fits and recomputes less than the whole-graph plan is taken."""
+    graph = synthetic.random_dag(60, seed=5)
+    whole = optimal_plan(graph, 107, max_cuts=6, staged="never")
+    assert whole.meta["solved_by"] == "dp (union of cut choices)"
+    staged = optimal_plan(graph, 107, max_cuts=6, staged="always")
+    assert staged.meta["solved_by"] == "staged" and staged.meta["whole_graph_minimum"] == 122
+    assert staged.predicted_peak_bytes <= 107
+    assert staged.predicted_recompute_flops < whole.predicted_recompute_flops
+    validate_plan(graph, staged)
+
+
 def test_budget_error_says_when_parameter_gradients_are_most_of_the_minimum():
     graph = synthetic.uniform_chain(8, nbytes=MIB)
     for node in graph.nodes[1:]:

@@ -316,6 +316,10 @@ def _below_whole_graph(
             if how == "dp" and tables.predicted_recompute_flops <= plan.predicted_recompute_flops:
                 plan = tables
                 plan.meta["solved_by"] = "dp (union of cut choices)"
+            candidate = staged_candidate(graph, info, budget, pins) if stages else None
+            if _takes(candidate, plan, False):  # as above the band: the staged plan, if less
+                meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
+                return _as_staged(graph, info, meta, budget, candidate, naive, t0)
             plan.meta["solve_time_s"] = time.perf_counter() - t0
             return plan
         if least < err.minimum:
