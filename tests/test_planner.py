@@ -285,6 +285,18 @@ def test_least_peak_is_over_other_cut_choices():
     assert err.value.minimum == 55
 
 
+def test_a_budget_only_other_cuts_reach_is_planned_a_slot_above_where_slots_round():
+    """Byte counts with no common slot: at the least peak itself the tables' rounded slots
+    reject plans that reach it exactly; one slot above, they find plans that simulate within
+    it (106 FLOPs against 156 at the least peak; 162 where they found none, and the
+    least-peak DP's own plan recomputes 204)."""
+    for seed, least, flops in ((8, 23192, 106), (6, 23585, 162)):
+        p = plan(synthetic.random_dag(30, seed=seed, max_bytes=5000), "min", max_cuts=6)
+        assert p.meta["solved_by"] == "dp (union of cut choices)"
+        assert p.predicted_peak_bytes <= p.budget_bytes == least
+        assert p.predicted_recompute_flops == flops
+
+
 def test_a_budget_only_other_cuts_reach_takes_a_staged_plan_that_recomputes_less():
     """Below the first cut set's least peak (122 bytes here) as above it, a staged plan that
     fits and recomputes less than the whole-graph plan is taken."""

@@ -10,6 +10,7 @@ the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from functools import reduce
@@ -50,21 +51,16 @@ __all__ = [
 
 
 def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
-    sizes = [
-        int(x)
-        for arr in (
-            info.storage_bytes,
-            info.extra_bytes,
-            info.grad_bytes,
-            info.param_grad_bytes,
-        )
-        for x in arr
-        if x
-    ]
-    g = reduce(math.gcd, sizes, 0) or 1
+    g = _byte_gcd(info)
     if budget // g <= max(mem_slots, 1024):
         return int(budget // g), float(g)
     return mem_slots, budget / mem_slots
+
+
+def _byte_gcd(info: GraphInfo) -> int:
+    """The gcd of the graph's byte counts: slots of it are exact (`_slot_size`)."""
+    arrays = (info.storage_bytes, info.extra_bytes, info.grad_bytes, info.param_grad_bytes)
+    return reduce(math.gcd, (int(x) for arr in arrays for x in arr if x), 0) or 1
 
 
 class _Solved(NamedTuple):
@@ -308,14 +304,21 @@ def _below_whole_graph(
         if least <= budget:  # NOTE [ A budget only other cuts reach ] in hbp.planner.cuts
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
-            union = union_of(choices)
-            tables, how = _whole_graph_plan(
-                graph, info, union, budget, naive, meta, mem_slots, nested, max_cuts, block_size,
-                pins,
-            )  # fmt: skip
-            if how == "dp" and tables.predicted_recompute_flops <= plan.predicted_recompute_flops:
-                plan = tables
-                plan.meta["solved_by"] = "dp (union of cut choices)"
+            exact = budget // _byte_gcd(info) <= max(mem_slots, 1024)
+            for slack in (0,) if exact else (-(-budget // mem_slots), 0):  # a slot over, then none
+                tables, how = _whole_graph_plan(
+                    graph, info, union_of(choices), budget + slack, naive, meta, mem_slots, nested,
+                    max_cuts, block_size, pins,
+                )  # fmt: skip
+                if how != "dp" or tables.predicted_peak_bytes <= budget:
+                    break  # none fits a slot over (so none at the budget), or this one fits
+            if (
+                how == "dp"
+                and tables.predicted_peak_bytes <= budget
+                and (tables.predicted_recompute_flops <= plan.predicted_recompute_flops)
+            ):
+                meta = dict(tables.meta, solved_by="dp (union of cut choices)")
+                plan = dataclasses.replace(tables, budget_bytes=budget, meta=meta)
             candidate = staged_candidate(graph, info, budget, pins) if stages else None
             if _takes(candidate, plan, False):  # as above the band: the staged plan, if less
                 meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
