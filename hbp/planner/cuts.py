@@ -129,10 +129,9 @@ def cut_choices(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> lis
 # run one slot above the budget first, and their plan is taken only where it simulates
 # within the budget, else they run at the budget (on check_plans' 48-layer residual net
 # 231.7 instead of 266.7 GFLOP at the same peak; on random DAGs the plan one slot above
-# overshot in 2 of 13 band cases). As
-# above the band, a staged plan that fits and recomputes less is taken instead (a diffusers
-# UNet2DModel of four levels, one byte below the first set's least peak: 2.0 MFLOP staged
-# against 17.9 MFLOP over the union).
+# overshot in 2 of 13 band cases). As above the band, a staged plan that fits and
+# recomputes less is taken instead (a diffusers UNet2DModel of four levels, one byte below
+# the first set's least peak: 2.0 MFLOP staged against 17.9 MFLOP over the union).
 
 
 # NOTE [ Crossing counts are local ]

@@ -141,14 +141,13 @@ class Planning:
                     "every new shape/dtype/requires_grad pattern is captured and planned again. "
                     "Pad or bucket inputs to a few shapes.",
                 )
+        self._current = compiled  # `hc.captured` shows the capture, a BudgetError or not
         if compiled.planned_for != self._plan_options():
             # its first plan, or NOTE [ Options changed after the first step ]
             measured = self._stop_probe() if compiled.plan is not None else None
             if measured is not None:  # the last step, run by the plan made for the old options
                 self._measured_peak_bytes = measured[1]
-            self._current = compiled  # `hc.captured` shows the capture, a BudgetError or not
             self._plan_capture(compiled)  # a BudgetError keeps the capture for other options
-        self._current = compiled
         return compiled
 
     def _signature(self, args, kwargs) -> tuple:

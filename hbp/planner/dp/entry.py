@@ -51,14 +51,19 @@ __all__ = [
 
 
 def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
-    g = _byte_gcd(info)
-    if budget // g <= max(mem_slots, 1024):
+    if _exact_slots(info, budget, mem_slots):
+        g = _byte_gcd(info)
         return int(budget // g), float(g)
     return mem_slots, budget / mem_slots
 
 
+def _exact_slots(info: GraphInfo, budget: int, mem_slots: int) -> bool:
+    """Whether `budget` spans few enough slots of the gcd of the graph's byte counts for the
+    tables to use them (`_slot_size`): no need is then rounded."""
+    return budget // _byte_gcd(info) <= max(mem_slots, 1024)
+
+
 def _byte_gcd(info: GraphInfo) -> int:
-    """The gcd of the graph's byte counts: slots of it are exact (`_slot_size`)."""
     arrays = (info.storage_bytes, info.extra_bytes, info.grad_bytes, info.param_grad_bytes)
     return reduce(math.gcd, (int(x) for arr in arrays for x in arr if x), 0) or 1
 
@@ -304,21 +309,19 @@ def _below_whole_graph(
         if least <= budget:  # NOTE [ A budget only other cuts reach ] in hbp.planner.cuts
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
-            exact = budget // _byte_gcd(info) <= max(mem_slots, 1024)
-            for slack in (0,) if exact else (-(-budget // mem_slots), 0):  # a slot over, then none
+            one_slot = -(-budget // mem_slots)
+            for slack in (0,) if _exact_slots(info, budget, mem_slots) else (one_slot, 0):
                 tables, how = _whole_graph_plan(
                     graph, info, union_of(choices), budget + slack, naive, meta, mem_slots, nested,
                     max_cuts, block_size, pins,
                 )  # fmt: skip
-                if how != "dp" or tables.predicted_peak_bytes <= budget:
-                    break  # none fits a slot over (so none at the budget), or this one fits
-            if (
-                how == "dp"
-                and tables.predicted_peak_bytes <= budget
-                and (tables.predicted_recompute_flops <= plan.predicted_recompute_flops)
-            ):
-                meta = dict(tables.meta, solved_by="dp (union of cut choices)")
-                plan = dataclasses.replace(tables, budget_bytes=budget, meta=meta)
+                if how != "dp":
+                    break  # no table plan a slot over the budget: none at it either
+                if tables.predicted_peak_bytes <= budget:
+                    if tables.predicted_recompute_flops <= plan.predicted_recompute_flops:
+                        meta = dict(tables.meta, solved_by="dp (union of cut choices)")
+                        plan = dataclasses.replace(tables, budget_bytes=budget, meta=meta)
+                    break
             candidate = staged_candidate(graph, info, budget, pins) if stages else None
             if _takes(candidate, plan, False):  # as above the band: the staged plan, if less
                 meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
