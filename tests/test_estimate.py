@@ -82,6 +82,32 @@ def test_command_line_on_a_workload_config(capsys):
         main(["budgets=0.5"])
 
 
+def test_a_module_level_structure_is_planned_once_per_budget(monkeypatch):
+    """An estimate of two budgets and then HCModule's "min" on the same model ask the planner
+    each budget of the module graph once (NOTE [ Module-level plans are remembered ])."""
+    import hbp.planner
+    from hbp.planner import module_level
+
+    monkeypatch.setattr(module_level, "_PLANNED", {})
+    asked, real = [], hbp.planner.plan
+    monkeypatch.setattr(
+        hbp.planner,
+        "plan",
+        lambda graph, budget, **kw: asked.append(budget) or real(graph, budget, **kw),
+    )
+    torch.manual_seed(0)
+    model, x = DataDependentTail(), torch.randn(256, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        est = hbp.estimate(model, x, budgets=(0.75, "min"))
+        planned = list(asked)
+        hc = hbp.HCModule(model, budget="min")
+        hc(x).square().mean().backward()
+    assert sorted(map(str, planned)) == sorted(set(map(str, planned))) and len(planned) >= 8
+    assert asked == planned  # nothing planned again
+    assert hc.plan.budget_bytes == est.min_peak_bytes
+
+
 def test_estimate_of_a_module_level_fallback_is_what_hcmodule_reaches():
     torch.manual_seed(0)
     model, x = DataDependentTail(), torch.randn(256, 64)

@@ -7,12 +7,14 @@ it, so `budget="min"` and `BudgetError.minimum` are the same figure in both.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
+from hbp.planner.dp.least_peak import info_fingerprint
 from hbp.planner.plan import Plan, Segment
 
 if TYPE_CHECKING:  # the planner imports no torch
@@ -31,6 +33,33 @@ __all__ = ["checkpointed_calls", "module_level_plan"]
 # (planned again for a budget lowered by the excess while its execution is over), and every
 # call checkpointed alone then run plainly, the most expensive first, while the simulated
 # peak stays within the budget; the one of these that fits with the least recompute runs.
+
+# NOTE [ Module-level plans are remembered ]
+# Whatever its budget, a module-level plan call asks the planner for "min" and seven budgets
+# across the range (and a few lowered targets), and `hbp.estimate` makes one call per budget
+# it is asked, then HCModule one per budget of its own: on a 19-node graph of six blocks, 25
+# planner calls of ~0.3 s for an estimate of two budgets, where 8 are distinct. The planner's
+# segments (or its BudgetError) are remembered per graph structure (`info_fingerprint`, as
+# the least peaks are), budget and planner options, for the last REMEMBERED_PLANS of them.
+REMEMBERED_PLANS = 64
+_PLANNED: dict[tuple, list[Segment] | None] = {}
+
+
+def _planner_segments(graph, info, budget, block_size: int, planner: str) -> list[Segment] | None:
+    """`hbp.planner.plan(graph, budget)`'s segments, None where it raises BudgetError (NOTE
+    [ Module-level plans are remembered ]). A copy: the caller may change them."""
+    from hbp.planner import plan as make_plan
+
+    key = (info_fingerprint(info), budget, block_size, planner)
+    if key not in _PLANNED:
+        try:
+            segments = make_plan(graph, budget, block_size=block_size, planner=planner).segments
+        except BudgetError:
+            segments = None
+        _PLANNED[key] = segments
+        while len(_PLANNED) > REMEMBERED_PLANS:
+            _PLANNED.pop(next(iter(_PLANNED)))
+    return copy.deepcopy(_PLANNED[key])
 
 
 def checkpointed_calls(n_nodes: int, recomputed: list[int]) -> list[Segment]:
@@ -63,8 +92,6 @@ def module_level_plan(
     Raises:
         BudgetError: no executable plan fits `budget_bytes` (`.minimum` is the least one).
     """
-    from hbp.planner import plan as make_plan
-
     graph = captured.graph
     info = GraphInfo.of(graph)
     n = len(graph)
@@ -81,11 +108,8 @@ def module_level_plan(
 
     def planned(budget: int | str) -> tuple[Plan, Any] | None:
         """The planner's plan for `budget`, as executed; None if it has none."""
-        try:
-            segments = make_plan(graph, budget, block_size=block_size, planner=planner).segments
-        except BudgetError:
-            return None
-        return executed(segments)
+        segments = _planner_segments(graph, info, budget, block_size, planner)
+        return None if segments is None else executed(segments)
 
     alone = [i for i in range(1, n) if i not in overwritten]
     candidates = [executed(checkpointed_calls(n, alone)), planned("min")]
