@@ -297,6 +297,27 @@ def test_a_budget_only_other_cuts_reach_is_planned_a_slot_above_where_slots_roun
         assert p.predicted_recompute_flops == flops
 
 
+def test_a_band_plan_over_its_budget_is_read_lower_from_the_same_tables(monkeypatch):
+    """The plan one slot above the least peak simulates over it here: the plan a slot lower is
+    read from the same tables (one solve over the union), not solved again at the budget,
+    and it is the plan that solve found (252 FLOPs; NOTE [ One solve read at lower slot
+    counts ])."""
+    from hbp.planner.dp import entry, slots
+
+    built = []  # the module of each recompute-table solve
+    for module in (entry, slots):
+        real = module.Solver
+        monkeypatch.setattr(
+            module, "Solver", lambda *a, _r=real, _m=module, **k: built.append(_m) or _r(*a, **k)
+        )
+    p = plan(synthetic.random_dag(30, seed=4, max_bytes=5000), "min", max_cuts=6)
+    assert p.meta["solved_by"] == "dp (union of cut choices)"
+    assert p.meta["read_at_slots"] == p.meta["mem_slots"] - 1
+    assert p.predicted_peak_bytes <= p.budget_bytes == 22866
+    assert p.predicted_recompute_flops == 252
+    assert built == [entry, slots]  # the first cut set's tables, then the union's once
+
+
 def test_a_budget_only_other_cuts_reach_takes_a_staged_plan_that_recomputes_less():
     """Below the first cut set's least peak (122 bytes here) as above it, a staged plan that
     fits and recomputes less than the whole-graph plan is taken."""

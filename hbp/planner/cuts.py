@@ -126,10 +126,14 @@ def cut_choices(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> lis
 # they cost about three times the least-peak DP, and only budgets in this band pay it. Where
 # slots round (`_slot_size` in hbp.planner.dp.entry), the tables at the least peak itself
 # reject most plans that reach it exactly (each need and kept term is rounded up), so they
-# run one slot above the budget first, and their plan is taken only where it simulates
-# within the budget, else they run at the budget (on check_plans' 48-layer residual net
-# 231.7 instead of 266.7 GFLOP at the same peak; on random DAGs the plan one slot above
-# overshot in 2 of 13 band cases). As above the band, a staged plan that fits and
+# run one slot above the budget, and their plan is taken only where it simulates within
+# the budget, else the plans a slot lower and below are read from the same tables (NOTE
+# [ One solve read at lower slot counts ] in hbp.planner.dp.slots; on check_plans' 48-layer
+# residual net 231.7 instead of 266.7 GFLOP at the same peak). Where none of those fits,
+# they run once more four slots above and are read down the same way (a T5 of
+# tests/test_min_is_measured.py: 13.9 MFLOP at the least peak, where the least-peak plan
+# recomputes 29.4; four slots above as the first try lost elsewhere: the residual net fell
+# back to its least-peak plan, 275.5 GFLOP). As above the band, a staged plan that fits and
 # recomputes less is taken instead (a diffusers UNet2DModel of four levels, one byte below
 # the first set's least peak: 2.0 MFLOP staged against 17.9 MFLOP over the union).
 

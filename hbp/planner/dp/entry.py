@@ -11,9 +11,7 @@ the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from functools import reduce
 from typing import NamedTuple
 
 from hbp.analysis.frontier import lower_bound
@@ -35,6 +33,7 @@ from hbp.planner.dp.least_peak import (
 )
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
+from hbp.planner.dp.slots import exact_slots, plan_within, slot_size
 from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.dp.staged_search import staged_below, staged_candidate, staged_minimum
 from hbp.planner.plan import Plan, Segment, any_pinned
@@ -48,24 +47,6 @@ __all__ = [
     "min_feasible_peak",
     "optimal_plan",
 ]
-
-
-def _slot_size(info: GraphInfo, model: CostModel, budget: int, mem_slots: int) -> tuple:
-    if _exact_slots(info, budget, mem_slots):
-        g = _byte_gcd(info)
-        return int(budget // g), float(g)
-    return mem_slots, budget / mem_slots
-
-
-def _exact_slots(info: GraphInfo, budget: int, mem_slots: int) -> bool:
-    """Whether `budget` spans few enough slots of the gcd of the graph's byte counts for the
-    tables to use them (`_slot_size`): no need is then rounded."""
-    return budget // _byte_gcd(info) <= max(mem_slots, 1024)
-
-
-def _byte_gcd(info: GraphInfo) -> int:
-    arrays = (info.storage_bytes, info.extra_bytes, info.grad_bytes, info.param_grad_bytes)
-    return reduce(math.gcd, (int(x) for arr in arrays for x in arr if x), 0) or 1
 
 
 class _Solved(NamedTuple):
@@ -104,7 +85,7 @@ def _solve(
         raise BudgetError(budget_bytes, known, _plans_over(info, cuts, nested))
     model = CostModel(info, cuts)
     with planning(len(cuts)):
-        slots, slot_bytes = _slot_size(info, model, budget_bytes, mem_slots)
+        slots, slot_bytes = slot_size(info, budget_bytes, mem_slots)
         solver = Solver(
             model,
             slots,
@@ -309,19 +290,18 @@ def _below_whole_graph(
         if least <= budget:  # NOTE [ A budget only other cuts reach ] in hbp.planner.cuts
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
-            one_slot = -(-budget // mem_slots)
-            for slack in (0,) if _exact_slots(info, budget, mem_slots) else (one_slot, 0):
-                tables, how = _whole_graph_plan(
-                    graph, info, union_of(choices), budget + slack, naive, meta, mem_slots, nested,
-                    max_cuts, block_size, pins,
+            slot = 0 if exact_slots(info, budget, mem_slots) else -(-budget // mem_slots)
+            for slack in (0,) if not slot else BAND_SLACK:
+                tables = plan_within(
+                    graph, info, union_of(choices), budget, slack * slot, naive, meta, mem_slots,
+                    nested, pins,
                 )  # fmt: skip
-                if how != "dp":
-                    break  # no table plan a slot over the budget: none at it either
-                if tables.predicted_peak_bytes <= budget:
-                    if tables.predicted_recompute_flops <= plan.predicted_recompute_flops:
-                        meta = dict(tables.meta, solved_by="dp (union of cut choices)")
-                        plan = dataclasses.replace(tables, budget_bytes=budget, meta=meta)
+                if tables is not None:
                     break
+            if tables and tables.predicted_recompute_flops <= plan.predicted_recompute_flops:
+                least_rec = plan.predicted_recompute_flops  # the least-peak plan's
+                meta = dict(tables.meta, solved_by="dp (union of cut choices)")
+                plan = dataclasses.replace(tables, meta=dict(meta, least_peak_recompute=least_rec))
             candidate = staged_candidate(graph, info, budget, pins) if stages else None
             if _takes(candidate, plan, False):  # as above the band: the staged plan, if less
                 meta = dict(plan.meta, whole_graph_recompute=plan.predicted_recompute_flops)
@@ -419,6 +399,10 @@ def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:
     return plan
 
 
+# NOTE [ A budget only other cuts reach ] in hbp.planner.cuts: where slots round, the union's
+# tables are solved this many slots above the budget and read down to it, the second where the
+# first finds no plan that fits
+BAND_SLACK = (1, 4)
 # "auto": graphs from STAGED_MIN_NODES nodes on, where the candidate cuts thin out, are also
 # planned in stages and the staged plan is taken when it recomputes less; "always": taken
 # whenever it fits (tests); "never"

@@ -1,0 +1,72 @@
+"""The tables' memory axis: how a budget is cut into slots, and plans read from one solve at
+the slot counts at and below a budget's (NOTE [ One solve read at lower slot counts ])."""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+from hbp.analysis.liveness import GraphInfo
+from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.finish import finish_plan
+from hbp.planner.dp.least_peak import top_level
+from hbp.planner.dp.modes import INF
+from hbp.planner.dp.recursion import planning
+from hbp.planner.dp.solver import PinCharge, Solver
+from hbp.planner.plan import Plan
+
+__all__ = ["byte_gcd", "exact_slots", "plan_within", "slot_size"]
+
+# NOTE [ One solve read at lower slot counts ]
+# The tables hold the least recompute at every slot count up to the budget's, so one solve
+# answers every lower budget on the same axis: its plan at k slots is rebuilt without filling
+# a table again. Where a plan the tables chose simulates above the budget (slot rounding
+# where the tables run a slot above it, pins charged until their pass, generator states the
+# tables do not see), the plans at the slot counts below are read in turn, and the first that
+# simulates within the budget is taken. Solving again at each lower budget instead cost a
+# full solve per try (with the pin and generator-state checks of a plan over its budget, four
+# or five solves of ~3.5 s on a T5's union of 61 cuts).
+LOWER_READS = 12
+
+
+def byte_gcd(info: GraphInfo) -> int:
+    arrays = (info.storage_bytes, info.extra_bytes, info.grad_bytes, info.param_grad_bytes)
+    return reduce(math.gcd, (int(x) for arr in arrays for x in arr if x), 0) or 1
+
+
+def exact_slots(info: GraphInfo, budget: int, mem_slots: int) -> bool:
+    """Whether `budget` spans few enough slots of the gcd of the graph's byte counts for the
+    tables to use them (`slot_size`): no need is then rounded."""
+    return budget // byte_gcd(info) <= max(mem_slots, 1024)
+
+
+def slot_size(info: GraphInfo, budget: int, mem_slots: int) -> tuple[int, float]:
+    """The tables' slots for `budget`, and the bytes of one."""
+    if exact_slots(info, budget, mem_slots):
+        g = byte_gcd(info)
+        return int(budget // g), float(g)
+    return mem_slots, budget / mem_slots
+
+
+def plan_within(
+    graph, info: GraphInfo, cuts: list[int], budget: int, slack: int, naive, meta: dict,
+    mem_slots: int, nested: bool, pins: bool | None,
+) -> Plan | None:  # fmt: skip
+    """The recompute tables over `cuts` solved once at `budget + slack`: the plan at the
+    most slots that simulates within `budget`, read down from the top slot count (NOTE [ One
+    solve read at lower slot counts ]), or None where none of those fits."""
+    model = CostModel(info, cuts)
+    with planning(len(cuts)):
+        slots, slot_bytes = slot_size(info, budget + slack, mem_slots)
+        solver = Solver(model, slots, slot_bytes, nested, pins=pins, pin_charge=PinCharge.PASS)
+        values = solver.top(0, frozenset())[0]
+        meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
+        for k in range(slots, max(slots - LOWER_READS, -1), -1):
+            if values[k] >= INF:
+                return None  # the tables are non-increasing in slots: none fits below
+            segments = top_level(info, solver.top_plan(k))
+            plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
+            if plan.predicted_peak_bytes <= budget:
+                plan.meta.update(solved_by="dp", read_at_slots=k)
+                return plan
+    return None
