@@ -108,6 +108,45 @@ def test_a_module_level_structure_is_planned_once_per_budget(monkeypatch):
     assert hc.plan.budget_bytes == est.min_peak_bytes
 
 
+class _HeadAfterBranchlessBlocks(nn.Module):
+    """Six residual MLP blocks and a head, then a data-dependent branch (module level)."""
+
+    def __init__(self, d=128):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(6)
+        )
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        x = self.head(x)
+        return x * 2 if x.sum() > 0 else x
+
+
+def test_module_level_min_is_the_least_recompute_at_the_least_peak():
+    """Several executable plans reach the module graph's least peak: "min" runs the one with
+    the least recompute, as a byte budget of that peak does, and its recompute is a share
+    of the plain step's FLOPs (forward and backward), as at op level."""
+    torch.manual_seed(0)
+    model, x = _HeadAfterBranchlessBlocks(), torch.randn(512, 128)
+    plans = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        for budget in ("min", None):
+            budget = plans["min"].budget_bytes if budget is None else budget
+            hc = hbp.HCModule(model, budget=budget)
+            hc(x).square().mean().backward()
+            assert hc.captured.granularity == "module"
+            plans[budget] = hc.plan
+    least, as_bytes = plans["min"], plans[plans["min"].budget_bytes]
+    assert least.predicted_peak_bytes == as_bytes.predicted_peak_bytes
+    assert least.predicted_recompute_flops == as_bytes.predicted_recompute_flops
+    assert least.meta["solved_by"] == "least recompute"
+    assert 0 < least.predicted_recompute_ratio < 0.5
+
+
 def test_estimate_of_a_module_level_fallback_is_what_hcmodule_reaches():
     torch.manual_seed(0)
     model, x = DataDependentTail(), torch.randn(256, 64)

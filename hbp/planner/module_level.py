@@ -28,8 +28,9 @@ __all__ = ["checkpointed_calls", "module_level_plan"]
 # an nn.Sequential's children: code between the calls cannot be re-run on its own, so
 # nested plans and segments spanning such code are not executable. The plan is therefore
 # chosen among the executable ones. The least memory the fallback reaches is the lesser of
-# every call checkpointed alone and the planner's least plan as executed (budget="min", and
-# BudgetError.minimum below it, are that plan's peak). For a budget: the planner's plan
+# every call checkpointed alone and the planner's least plan as executed; budget="min" is
+# planned as a budget of that peak (of the plans that reach it, the least recompute), and
+# its plan's peak is BudgetError.minimum. For a budget: the planner's plan
 # (planned again for a budget lowered by the excess while its execution is over), and every
 # call checkpointed alone then run plainly, the most expensive first, while the simulated
 # peak stays within the budget; the one of these that fits with the least recompute runs.
@@ -117,39 +118,46 @@ def module_level_plan(
     step = (naive - lowest) / 8  # the planner's plans across the range, as executed
     candidates += [planned(int(lowest + k * step)) for k in range(1, 8)]
     least = min(filter(None, candidates), key=lambda option: option[1].peak_bytes)
-    if budget_bytes is None:
-        chosen, budget_bytes = least, least[1].peak_bytes
-    else:
-        if least[1].peak_bytes > budget_bytes:
-            raise BudgetError(
-                budget_bytes,
-                least[1].peak_bytes,
-                f"module-level fallback ({captured.fallback_reason}): what it can "
-                "checkpoint (whole child calls) peaks there at the least",
-            )
+
+    def within(budget: int) -> tuple[Plan, Any]:
+        """Of `least`, the planner's plan (lowered while its execution is over `budget`) and
+        every call alone then run plainly while it fits, the least recompute within `budget`."""
         options = [least]
-        target = budget_bytes
-        for _ in range(6):  # the planner's plan, lowered while its execution is over
-            option = planned(target)
+        target = budget
+        for _ in range(6):
+            option = planned(target) if target > 0 else None
             if option is None:  # no plan, or not executable
                 break
-            if option[1].peak_bytes <= budget_bytes:
+            if option[1].peak_bytes <= budget:
                 options.append(option)
                 break
-            target -= option[1].peak_bytes - budget_bytes
-        recomputed = alone  # every call alone, then plain while it fits
+            target -= option[1].peak_bytes - budget
+        recomputed = alone
         for i in sorted(alone, key=lambda i: -info.flops[i]):
             trial = [j for j in recomputed if j != i]
-            if executed(checkpointed_calls(n, trial))[1].peak_bytes <= budget_bytes:
+            if executed(checkpointed_calls(n, trial))[1].peak_bytes <= budget:
                 recomputed = trial
         options.append(executed(checkpointed_calls(n, recomputed)))
-        fitting = [o for o in options if o is not None and o[1].peak_bytes <= budget_bytes]
-        chosen = min(fitting, key=lambda option: option[1].recompute_flops)
+        fitting = [o for o in options if o is not None and o[1].peak_bytes <= budget]
+        return min(fitting, key=lambda option: (option[1].recompute_flops, option[1].peak_bytes))
+
+    lowest = within(least[1].peak_bytes)  # "min"'s plan; its peak is the least (or below)
+    if budget_bytes is None:
+        chosen, budget_bytes = lowest, lowest[1].peak_bytes
+    elif lowest[1].peak_bytes > budget_bytes:
+        raise BudgetError(
+            budget_bytes,
+            lowest[1].peak_bytes,
+            f"module-level fallback ({captured.fallback_reason}): what it can "
+            "checkpoint (whole child calls) peaks there at the least",
+        )
+    else:
+        chosen = within(budget_bytes)
     plan, sim = chosen
     plan.budget_bytes = budget_bytes
     plan.predicted_peak_bytes = sim.peak_bytes
     plan.predicted_recompute_flops = sim.recompute_flops
     plan.naive_peak_bytes = naive
-    plan.naive_flops = graph.total_flops
-    plan.meta.update(planner="module-level (executable plans)")
+    plan.naive_flops = simulate(graph, info=info).total_flops  # the plain step's, as finish_plan
+    plan.meta.update(planner="module-level (executable plans)", solved_by="least recompute")
     return plan
