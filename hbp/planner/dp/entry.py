@@ -33,7 +33,7 @@ from hbp.planner.dp.least_peak import (
 )
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
-from hbp.planner.dp.slots import exact_slots, plan_within, slot_size
+from hbp.planner.dp.slots import at_the_least_peak, exact_slots, plan_within, slot_size
 from hbp.planner.dp.solver import PinCharge, Solver
 from hbp.planner.dp.staged_search import staged_below, staged_candidate, staged_minimum
 from hbp.planner.plan import Plan, Segment, any_pinned
@@ -247,6 +247,7 @@ def optimal_plan(
                 graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size, max_cuts,
                 nested, mem_slots=mem_slots,
             )  # fmt: skip
+        plan, how = at_the_least_peak(graph, info, cuts, plan, how, naive, mem_slots, nested, pins)
         if how == "dp" and stages:
             candidate = candidate or staged_candidate(graph, info, budget_bytes, pins)
             if _takes(candidate, plan, staged == "always"):
