@@ -141,13 +141,16 @@ def module_level_plan(
         fitting = [o for o in options if o is not None and o[1].peak_bytes <= budget]
         return min(fitting, key=lambda option: (option[1].recompute_flops, option[1].peak_bytes))
 
-    lowest = within(least[1].peak_bytes)  # "min"'s plan; its peak is the least (or below)
+    # "min"'s plan (its peak is the least or below), needed where the budget is below `least`
+    at_least = None
+    if budget_bytes is None or least[1].peak_bytes > budget_bytes:
+        at_least = within(least[1].peak_bytes)
     if budget_bytes is None:
-        chosen, budget_bytes = lowest, lowest[1].peak_bytes
-    elif lowest[1].peak_bytes > budget_bytes:
+        chosen, budget_bytes = at_least, at_least[1].peak_bytes
+    elif at_least is not None and at_least[1].peak_bytes > budget_bytes:
         raise BudgetError(
             budget_bytes,
-            lowest[1].peak_bytes,
+            at_least[1].peak_bytes,
             f"module-level fallback ({captured.fallback_reason}): what it can "
             "checkpoint (whole child calls) peaks there at the least",
         )

@@ -299,7 +299,9 @@ def _below_whole_graph(
                 )  # fmt: skip
                 if tables is not None:
                     break
-            if tables and tables.predicted_recompute_flops <= plan.predicted_recompute_flops:
+            if tables is not None and (
+                tables.predicted_recompute_flops <= plan.predicted_recompute_flops
+            ):
                 least_rec = plan.predicted_recompute_flops  # the least-peak plan's
                 meta = dict(tables.meta, solved_by="dp (union of cut choices)")
                 plan = dataclasses.replace(tables, meta=dict(meta, least_peak_recompute=least_rec))

@@ -44,13 +44,17 @@ def byte_gcd(info: GraphInfo) -> int:
 def exact_slots(info: GraphInfo, budget: int, mem_slots: int) -> bool:
     """Whether `budget` spans few enough slots of the gcd of the graph's byte counts for the
     tables to use them (`slot_size`): no need is then rounded."""
-    return budget // byte_gcd(info) <= max(mem_slots, 1024)
+    return _exact(budget, byte_gcd(info), mem_slots)
+
+
+def _exact(budget: int, gcd: int, mem_slots: int) -> bool:
+    return budget // gcd <= max(mem_slots, 1024)
 
 
 def slot_size(info: GraphInfo, budget: int, mem_slots: int) -> tuple[int, float]:
     """The tables' slots for `budget`, and the bytes of one."""
-    if exact_slots(info, budget, mem_slots):
-        g = byte_gcd(info)
+    g = byte_gcd(info)
+    if _exact(budget, g, mem_slots):
         return int(budget // g), float(g)
     return mem_slots, budget / mem_slots
 
@@ -89,7 +93,7 @@ def at_the_least_peak(graph, info, cuts, plan, how, naive, mem_slots, nested, pi
     slot = -(-budget // mem_slots)
     if how != "min-peak" or least is None or budget > least + slot:
         return plan, how
-    if exact_slots(info, budget, mem_slots):
+    if exact_slots(info, budget, mem_slots):  # no rounding: the tables' answer was exact
         return plan, how
     read = plan_within(graph, info, cuts, budget, slot, naive, plan.meta, mem_slots, nested, pins)
     if read is None or read.predicted_recompute_flops >= plan.predicted_recompute_flops:
