@@ -8,7 +8,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ.get("HBP_TEST_THREADS", "1")))
+THREADS = int(os.environ.get("HBP_TEST_THREADS", "1"))
+torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    """Every test starts at THREADS: a bench run in the worker's process sets its own count,
+    and CPU kernels' scratch (what capture measures) depends on it."""
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(THREADS)
 
 
 @pytest.fixture
