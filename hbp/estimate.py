@@ -166,8 +166,8 @@ def estimate(
     capture_time = time.perf_counter() - start
     graph = captured.graph
     module_level = _ModuleLevel(captured, block_size, planner)
-    if not keeps_outputs and not module_level.active:
-        graph.held_outputs = []  # the outputs backward starts from are held regardless
+    if not module_level.active:  # []: only those backward starts from, held regardless
+        graph.held_outputs = list(graph.outputs) if keeps_outputs else []
     info = GraphInfo.of(graph)
     naive = simulate(graph, info=info)
     step_flops = float(info.flops.sum() + info.backward_flops.sum())

@@ -370,13 +370,19 @@ class StepInterpreter:
         self._register_pins(segments, None)
         self._pass(segments, None)
         forward_end = self.live
+        held_seeds = []  # NOTE [ A loss's gradient lives through backward ]
         for j in range(info.n):
             if info.grad_seed[j]:
                 self.grad[j] = self._new(info.grad_bytes[j])
+                if info.seed_grad_held[j]:
+                    held_seeds.append(self.grad[j])
+                    self._hold(self.grad[j])
         self._record(BACKWARD, None)
         for j in info.seed_let_go.nonzero()[0]:  # the caller's hold ends once backward started
             self._release(self.current[j])
         self._backward(segments)
+        for inst in held_seeds:
+            self._release(inst)
         fwd = float(info.flops.sum())
         bwd = float(info.backward_flops.sum())
         return Simulation(

@@ -33,6 +33,17 @@ import numpy as np
 
 from hbp.graph.ir import Graph
 
+# NOTE [ A loss's gradient lives through backward ]
+# `loss.backward()` makes the gradient backward starts from (`torch.ones_like(loss)`, in
+# `torch.autograd.backward`) and holds it in its own frame until the engine returns, so its
+# bytes are live at every backward event, the last one (where a "min" plan often peaks, every
+# parameter gradient made) included: 4 bytes for a float32 loss, which the allocator measured
+# above a plan that freed it after the loss's own backward. A gradient that reaches a
+# non-scalar output through the caller's graph is the engine's, freed once used. A graph
+# that says how its caller trains (`Graph.held_outputs` set: HCModule's and `hbp.estimate`'s
+# captures) holds a scalar seed's gradient to the end; a graph without (synthetic, JAX) keeps
+# the engine's rule for every seed.
+
 
 @dataclass
 class GraphInfo:
@@ -53,6 +64,8 @@ class GraphInfo:
         seed_let_go: grad seeds the caller lets go of once backward has started (grad seeds
             not in `Graph.held_outputs`, other than a scalar loss): held through the forward
             and the backward-start event, then freed when nothing else holds them.
+        seed_grad_held: grad seeds whose gradient lives until backward returns (NOTE
+            [ A loss's gradient lives through backward ]).
         receives_grad / has_backward: see the module docstring.
         grad_bytes: per node, bytes of its output gradient (0 unless it receives one).
         saved: per node, the indices of the inputs its backward keeps (empty without backward).
@@ -92,6 +105,7 @@ class GraphInfo:
     grad_seed: np.ndarray
     is_held: np.ndarray
     seed_let_go: np.ndarray
+    seed_grad_held: np.ndarray
     receives_grad: np.ndarray
     has_backward: np.ndarray
     grad_bytes: np.ndarray
@@ -176,6 +190,7 @@ class GraphInfo:
         grad_seed = np.array([nd.name in seeds for nd in nodes], dtype=bool)
         is_held = is_output.copy()
         seed_let_go = np.zeros(n, dtype=bool)
+        seed_grad_held = np.zeros(n, dtype=bool)
         if graph.held_outputs is not None:
             listed = np.array([nd.name in set(graph.held_outputs) for nd in nodes], dtype=bool)
             is_held &= listed | grad_seed
@@ -183,6 +198,7 @@ class GraphInfo:
             # returns (CPU mse_loss's 0-dim result holds the elementwise loss's whole storage)
             scalar = np.array([nd.gradient_bytes <= 8 for nd in nodes], dtype=bool)
             seed_let_go = grad_seed & ~listed & ~scalar
+            seed_grad_held = grad_seed & scalar  # NOTE [ A loss's gradient lives through backward ]
         receives_grad = np.zeros(n, dtype=bool)
         has_backward = np.zeros(n, dtype=bool)
         for i in range(n - 1, -1, -1):
@@ -238,6 +254,7 @@ class GraphInfo:
             grad_seed=grad_seed,
             is_held=is_held,
             seed_let_go=seed_let_go,
+            seed_grad_held=seed_grad_held,
             receives_grad=receives_grad,
             has_backward=has_backward,
             grad_bytes=grad_bytes,

@@ -80,6 +80,8 @@ def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray
         if info.grad_seed[j]:
             grad[j] = new(info.grad_bytes[j])
             live += int(info.grad_bytes[j])
+            if info.seed_grad_held[j]:  # NOTE [ A loss's gradient lives through backward ]
+                refs[grad[j]] += 1
     at_backward = np.zeros(n, dtype=np.int64)
     after = np.zeros(n + 1, dtype=np.int64)
     after[n] = live

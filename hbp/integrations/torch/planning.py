@@ -203,6 +203,8 @@ class Planning:
             graph.held_outputs = []  # the outputs backward starts from are held regardless
         elif self.keeps_outputs is None:  # NOTE [ Outputs the caller lets go ]
             graph.held_outputs = sorted(graph.backward_seeds(), key=graph.index)
+        else:  # all of them, said (NOTE [ A loss's gradient lives through backward ])
+            graph.held_outputs = list(graph.outputs)
         naive = simulate(graph).peak_bytes
         # compiled segments run without pins (NOTE [ Running pinned values ]) or explicit
         # schedules (NOTE [ Explicit schedules ]): `pins` stands for both
