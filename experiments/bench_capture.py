@@ -5,6 +5,10 @@ PYTHONPATH can run this script), and a field-by-field comparison of the IR two c
     OMP_NUM_THREADS=1 python experiments/bench_capture.py time 2 8 32 64
     OMP_NUM_THREADS=1 python experiments/bench_capture.py time 2 8 32 --dump /tmp/ir_after
     python experiments/bench_capture.py compare /tmp/ir_before /tmp/ir_after
+    OMP_NUM_THREADS=1 python experiments/bench_capture.py time 12 --gpt2 --dump /tmp/ir_after
+
+`--gpt2` times GPT-2 124M at the bench's medium profile (8 x 1024 tokens, ~10 GB; the number
+given is ignored) instead of the Llama.
 
 `time` runs each depth in a fresh process (the calibration cache is per process, as in a
 user's first step) and prints CPU seconds (`time.process_time`) of
@@ -50,8 +54,17 @@ def llama(layers: int):
     return model, (ids,), {"labels": ids}, lambda out: out.loss
 
 
-def one(layers: int, dump: str | None) -> None:
-    """Time one depth in this process (and dump its IR)."""
+def gpt2_medium():
+    """(model, args, kwargs, loss_fn) of GPT-2 124M at the bench's medium profile."""
+    from hbp.workloads import build
+
+    wl = build("gpt2", "medium", seed=0)
+    batch = wl.make_batch(0)
+    return wl.model, tuple(batch.args), dict(batch.kwargs), lambda out: wl.loss_fn(out, batch)
+
+
+def one(layers: int, dump: str | None, gpt2: bool = False) -> None:
+    """Time one depth (or GPT-2) in this process (and dump its IR)."""
     import torch
 
     from hbp.graph.torch.calibrate import calibrate_scratch
@@ -59,7 +72,7 @@ def one(layers: int, dump: str | None) -> None:
     from hbp.integrations.torch.loss import WithLoss
 
     torch.set_num_threads(1)
-    model, args, kwargs, loss_fn = llama(layers)
+    model, args, kwargs, loss_fn = gpt2_medium() if gpt2 else llama(layers)
     root = WithLoss(model, loss_fn, len(args))
     start = time.process_time()
     with torch.enable_grad():
@@ -85,14 +98,14 @@ def one(layers: int, dump: str | None) -> None:
                 if k not in ("graph", "gm", "capture_time_s")
             },
         }
-        with open(Path(dump) / f"llama{layers}.pkl", "wb") as f:
+        with open(Path(dump) / ("gpt2.pkl" if gpt2 else f"llama{layers}.pkl"), "wb") as f:
             pickle.dump(ir, f)
 
 
 def compare(before: Path, after: Path) -> int:
     """Print every difference between the IR dumps of two folders; the number found."""
     total = 0
-    for path in sorted(before.glob("llama*.pkl")):
+    for path in sorted(before.glob("*.pkl")):
         a = pickle.loads(path.read_bytes())
         b = pickle.loads((after / path.name).read_bytes())
         diffs: list[str] = []
@@ -119,6 +132,7 @@ def main() -> None:
     timing = sub.add_parser("time")
     timing.add_argument("layers", type=int, nargs="+")
     timing.add_argument("--dump", default=None)
+    timing.add_argument("--gpt2", action="store_true")
     timing.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     comparing = sub.add_parser("compare")
     comparing.add_argument("before", type=Path)
@@ -127,13 +141,14 @@ def main() -> None:
     if opts.command == "compare":
         sys.exit(1 if compare(opts.before, opts.after) else 0)
     if opts.in_process:
-        one(opts.layers[0], opts.dump)
+        one(opts.layers[0], opts.dump, opts.gpt2)
         return
     print("| layers | nodes | capture (CPU s) | calibration (CPU s) |\n|---:|---:|---:|---:|")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for n in opts.layers:
         command = [sys.executable, __file__, "time", str(n), "--in-process"]
         command += ["--dump", opts.dump] if opts.dump else []
+        command += ["--gpt2"] if opts.gpt2 else []
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         print(next(line for line in out.stdout.splitlines() if line.startswith("|")), flush=True)
 

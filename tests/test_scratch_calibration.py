@@ -15,6 +15,7 @@ from hbp.allocator import allocator_peak
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
 from hbp.graph.torch.capture import capture
+from tests.models.toy import HFStyleLM
 
 
 class ConvNet(nn.Module):
@@ -295,3 +296,34 @@ def test_a_slice_of_a_concatenations_gradient_is_measured_in_exported_graphs_too
         plan, measured = planned_step(module, inputs, budget)
         assert abs(plan.predicted_peak_bytes - measured) <= 0.03 * measured, budget
         assert measured <= 1.02 * plan.budget_bytes, budget
+
+
+def test_calibration_runs_one_block_of_repeated_ones_and_measures_the_same(monkeypatch):
+    """The first pass runs the later blocks' ops not at all: each takes the value of the
+    op of the first block it was profiled like (NOTE [ Calibration runs one block ]). The
+    calibrated graph is the one calibrated by running every op."""
+    ids = torch.randint(0, 120, (2, 16))
+    runs = []
+    run_node = calibrate.run_node
+    monkeypatch.setattr(
+        calibrate, "run_node", lambda gm, node, *a: runs.append(node) or run_node(gm, node, *a)
+    )
+
+    def calibrated(depth: int) -> tuple[list[str], int]:
+        torch.manual_seed(0)
+        model = HFStyleLM(depth=depth)
+        captured = capture(model, (ids,), {"labels": ids})
+        calibrate.clear_cache()
+        runs.clear()
+        calibrate.calibrate_scratch(captured, (ids,), {"labels": ids})
+        return [repr(n) for n in captured.graph.nodes], len(runs)
+
+    graph2, runs2 = calibrated(2)
+    graph8, runs8 = calibrated(8)
+    monkeypatch.setattr(calibrate, "_stand_ins", lambda captured, nodes: {})
+    every2, every_runs2 = calibrated(2)
+    every8, every_runs8 = calibrated(8)
+    assert (graph2, graph8) == (every2, every8)
+    per_layer = (every_runs8 - every_runs2) / 6
+    assert per_layer > 10  # each layer runs its ops when nothing stands in
+    assert runs8 - runs2 < 0.5 * 6 * per_layer  # views only, beyond the first layers

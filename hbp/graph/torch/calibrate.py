@@ -48,10 +48,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from hbp.allocator import foreign_profiler_running
 from hbp.graph.ir import Node
+from hbp.graph.torch.breaks import REAL_RESULTS, guard
 from hbp.graph.torch.captured import CapturedGraph
 from hbp.graph.torch.fallback import buffers_restored
 from hbp.graph.torch.measure_op import Strides, fetch_attr, measure_op, run_node
 from hbp.graph.torch.modes import MODES
+from hbp.graph.torch.op_profile import PROFILED_LIKE
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
@@ -319,7 +321,9 @@ class _Values:
 def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any], until=None):
     """Yield (fx node, values) for every op node, its inputs' values available, running the
     graph on the real inputs (no grad) as it goes and dropping each value after its last
-    user; with `until` (fx nodes), only as far as the last of them."""
+    user; with `until` (fx nodes), only as far as the last of them. A node profiled like an
+    earlier one takes that one's value instead of running (NOTE [ Calibration runs one
+    block ])."""
     values = _Values(gm, captured)
     env = values.env
     nodes = list(gm.graph.nodes)
@@ -329,6 +333,9 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             last_use[arg] = i
+    like = _stand_ins(captured, nodes)
+    last_stand_in = {first: i for i, node in enumerate(nodes) if (first := like.get(node))}
+    kept: dict[fx.Node, Any] = {}  # values that stand in for later nodes'
     placeholders = iter(arguments)
     for i, node in enumerate(nodes):
         if node.op == "output":
@@ -339,11 +346,53 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
             env[node] = fetch_attr(gm, node.target)
         else:
             yield node, values
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            env[node] = run_node(gm, node, args, kwargs)
+            first = like.get(node)
+            if first in kept:
+                env[node] = kept[first]
+            else:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                env[node] = run_node(gm, node, args, kwargs)
+                if node in last_stand_in and _floating(env[node]):
+                    kept[node] = env[node]
+            if first is not None and last_stand_in.get(first) == i:
+                kept.pop(first, None)
         for arg in node.all_input_nodes:
             if last_use.get(arg) == i:
                 env.pop(arg, None)
+
+
+# NOTE [ Calibration runs one block ]
+# The first calibration pass runs the graph forward on real values to hand each op real inputs
+# (`_run_graph`), and a model of repeated blocks repeats its ops' signatures: every op of the
+# later blocks hits the measurement cache, but running them was most of a forward (on CPU, half
+# of a GPT-2's calibration). A node that profiling replayed from an earlier node's profile
+# (`ProfileCache`: the same op on values of the same layout, storages alike) has a value of
+# that node's layout, so it takes that value instead of running: the ops after it get inputs
+# of the layouts they are measured with, and values matter to no measurement. Only new
+# floating-point values stand in (a view must alias its own input; integer values index
+# things); not in a graph that branches on data (a graph break's sizes and a guard's check
+# depend on the values themselves).
+
+
+def _stand_ins(captured: CapturedGraph, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """fx node -> the earlier fx node whose value stands in for its own."""
+    if any(n.meta.get(REAL_RESULTS) or n.target is guard for n in nodes):
+        return {}
+    by_name = {n.name: n for n in nodes}
+    out = {}
+    for node in nodes:
+        first = by_name.get(node.meta.get(PROFILED_LIKE, ""))
+        if first is None or _measurable(captured, node) is None:
+            continue  # a view, an in-place op, or no IR node
+        out[node] = first
+    return out
+
+
+def _floating(value: Any) -> bool:
+    leaves = tree_leaves(value)
+    return bool(leaves) and all(
+        isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves
+    )
 
 
 @contextlib.contextmanager

@@ -195,7 +195,7 @@ def profile_call(
     if key is not None:
         pure = pure_call(*op[:2]) and all(t._version == v for t, v in zip(touched, versions))
         fresh = _fresh_output_of(profile, args, kwargs, params, pure)
-        cache.store(key, profile, inputs, fresh, direct=pure)
+        cache.store(key, profile, inputs, fresh, direct=pure, name=name)
     return profile
 
 
@@ -331,6 +331,10 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 PROFILE_CACHE = True  # off: every node profiled in full (tests compare the two)
 
 
+#: fx node meta: the name of the earlier node whose profile a replay took (`ProfileCache`)
+PROFILED_LIKE = "hbp_profiled_like"
+
+
 class _Cached(NamedTuple):
     """A profiled call, its input references as positions among the call's inputs."""
 
@@ -344,6 +348,9 @@ class _Cached(NamedTuple):
     # a pure call that changed none of its tensors: a replay runs it on the values themselves,
     # not on leaf copies (NOTE [ Replayed outputs made, not computed ])
     direct: bool = False
+    # the node profiled in full, whose value a replay's can stand in for (NOTE [ Calibration
+    # runs one block ] in hbp.graph.torch.calibrate)
+    first: str = ""
 
 
 class ProfileCache:
@@ -352,6 +359,8 @@ class ProfileCache:
     def __init__(self):
         self.entries: dict[tuple, _Cached] = {}
         self.hits = 0
+        #: node name -> the node profiled in full that its replay took its profile from
+        self.replayed_from: dict[str, str] = {}
 
     def key(self, op, args, kwargs, inputs, persistent_keys, owners, params, gradient_view_of):
         """The call's signature, or None where it cannot be told (symbolic sizes, arguments
@@ -400,7 +409,13 @@ class ProfileCache:
         return (op, str(spec), len(params), view, tuple(described))
 
     def store(
-        self, key: tuple, profile: OpProfile, inputs, fresh: tuple | None = None, direct=False
+        self,
+        key: tuple,
+        profile: OpProfile,
+        inputs,
+        fresh: tuple | None = None,
+        direct=False,
+        name: str = "",
     ) -> None:
         if profile.mutated_inputs:
             return
@@ -412,6 +427,7 @@ class ProfileCache:
             [names.index(n) for n in profile.grad_passthrough],
             fresh,
             direct,
+            name,
         )
 
     def replay(self, key, run, args, kwargs, inputs, persistent_keys, owners, name, params=()):
@@ -431,6 +447,7 @@ class ProfileCache:
             )
             owners.update(dict.fromkeys(new_keys, name))
             self.hits += 1
+            self.replayed_from[name] = entry.first
             return replace(
                 first,
                 output=output,
@@ -459,6 +476,7 @@ class ProfileCache:
             return None
         owners.update(dict.fromkeys(new_keys, name))
         self.hits += 1
+        self.replayed_from[name] = entry.first
         return replace(
             first,
             output=output,

@@ -112,6 +112,12 @@ def profile_graph(
         if fx_nodes and fx_nodes[-1] is node:
             by_name[node.name] = nodes[-1]
 
+    for node in gm.graph.nodes:  # NOTE [ Calibration runs one block ]
+        first = cache.replayed_from.get(node.name) if cache is not None else None
+        if first is None:
+            node.meta.pop(op_profile.PROFILED_LIKE, None)
+        else:
+            node.meta[op_profile.PROFILED_LIKE] = first
     if changed:
         gm.graph.lint()
         gm.recompile()
