@@ -112,6 +112,38 @@ def test_plans_fit_with_generator_states(seed):
     assert blind
 
 
+def test_a_budget_below_the_lower_bound_with_generator_states_skips_the_tables(monkeypatch):
+    """Generator states only add to a plan's peak, so below `lower_bound` nothing fits: the
+    BudgetError the recompute tables end in, without running them (NOTE [ Budgets below the
+    lower bound ])."""
+    from hbp.analysis.frontier import lower_bound
+    from hbp.planner.dp import entry
+    from hbp.planner.dp.least_peak import forget_least_peaks
+
+    graph = with_random_nodes(synthetic.random_dag(12, seed=4), state_bytes=3)
+    budget = lower_bound(GraphInfo.of(graph)) - 1
+    tables = []
+
+    class Counted(entry.Solver):
+        def __init__(self, *args, **kwargs):
+            tables.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(entry, "Solver", Counted)
+    errors = []
+    for bound in (lower_bound, lambda info: 0):  # the bound, then the tables' way
+        monkeypatch.setattr(entry, "lower_bound", bound)
+        forget_least_peaks()
+        tables.clear()
+        with pytest.raises(BudgetError) as err:
+            optimal_plan(graph, budget)
+        errors.append((err.value.minimum, err.value.detail, len(tables)))
+    (minimum, detail, skipped), (long_minimum, long_detail, ran) = errors
+    assert (minimum, detail) == (long_minimum, long_detail)
+    assert skipped == 0 < ran
+    assert optimal_plan(graph, minimum).predicted_peak_bytes <= minimum
+
+
 def without_states(graph):
     copy = Graph.from_dict(graph.to_dict())
     copy.rng_state_bytes = 0

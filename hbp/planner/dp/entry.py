@@ -176,9 +176,16 @@ def optimal_plan(
             )
 
         choices = cut_choices(info, block_size, max_cuts)
-        below_bound = not info.rng_state_bytes and budget_bytes < lower_bound(info)
+        below_bound = budget_bytes < lower_bound(info)
         if below_bound:  # NOTE [ Budgets below the lower bound ]: no table can fit it
             least_peak_over(info, choices, nested)
+            if info.rng_state_bytes:  # the error the tables end in, without them
+                minimum, _ = least_peak_cached(info, cuts, nested)
+                err = BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
+                return _below_whole_graph(
+                    graph, info, meta, budget_bytes, err, naive, pins, t0, stages, block_size,
+                    max_cuts, nested, below_bound=True, mem_slots=mem_slots,
+                )  # fmt: skip
 
         def below_the_known_least() -> Plan | None:
             """Where a remembered least peak is above the budget, the plan below the whole
@@ -263,8 +270,9 @@ def optimal_plan(
 # recompute tables (over the fewer cuts beside stages, then over all) nor a staged plan can
 # fit a budget below it (they would end in INF and None). Such a budget goes straight to
 # what a BudgetError needs: the least peaks (`_below_whole_graph`), the same error as after
-# those tables. Graphs with generator states take the long way (the DP does not see every
-# copy of a state; a table's plan can simulate above the budget and be planned again).
+# those tables. With generator states too: their copies only add to a plan's peak, so no
+# plan fits below the bound either, and the error is the one the tables end in (the
+# least-peak plan's simulated peak over the first cut set, then `_below_whole_graph`).
 
 
 def _plans_over(info: GraphInfo, cuts: list[int], nested: bool) -> str:
