@@ -29,8 +29,9 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _threads():
-    """Every test starts at THREADS: a bench run in the worker's process sets its own count,
-    and CPU kernels' scratch (what capture measures) depends on it."""
+    """Every test starts at THREADS and leaves the worker there (the next module's fixtures
+    run before this one): a bench run in the worker's process sets its own count, and CPU
+    kernels' scratch (what capture measures) depends on it."""
     torch.set_num_threads(THREADS)
     yield
     torch.set_num_threads(THREADS)

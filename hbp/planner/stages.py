@@ -280,9 +280,10 @@ def stage_signature(model: CostModel, a: int, b: int) -> tuple:
         getattr(info, name)[a:b].tobytes()
         for name in (
             "storage_bytes", "is_input", "is_output", "grad_seed", "is_held", "seed_let_go",
-            "seed_grad_held", "receives_grad", "has_backward", "grad_bytes", "saves_output", "extra_bytes",
-            "param_grad_bytes", "save_event", "flops", "backward_flops", "forward_scratch_bytes",
-            "backward_scratch_bytes", "stop_flops", "runs_at_stop", "draws_random",
+            "seed_grad_held", "receives_grad", "has_backward", "grad_bytes", "saves_output",
+            "extra_bytes", "param_grad_bytes", "save_event", "flops", "backward_flops",
+            "forward_scratch_bytes", "backward_scratch_bytes", "stop_flops", "runs_at_stop",
+            "draws_random",
         )
     ]  # fmt: skip
     nodes = tuple(
