@@ -84,7 +84,8 @@ def write(document: dict, out: Path) -> tuple[Path, Path]:
 
 COLUMNS = (
     "check", "model", "variant", "dtype", "peak MiB", "reserved MiB", "predicted MiB",
-    "budget MiB", "peak/budget", "recompute GFLOP", "step ms", "grad diff", "status",
+    "budget MiB", "peak/budget", "recompute GFLOP", "step ms", "first step s", "grad diff",
+    "status",
 )  # fmt: skip
 
 
@@ -144,6 +145,7 @@ def _cells(check: str, row: dict) -> list[str]:
         f"{peak / budget:.3f}" if peak and budget else "-",
         f"{recompute / 1e9:.2f}" if recompute is not None else "-",
         f"{row['step_time_s'] * 1e3:.1f}" if _finite(row.get("step_time_s")) else "-",
+        f"{row['first_step_s']:.2f}" if _finite(row.get("first_step_s")) else "-",
         f"{row['grad_diff']:.2e}" if row.get("grad_diff") is not None else "-",
         status,
     ]

@@ -5,7 +5,8 @@ plus the allocator's reserved memory on CUDA and the gradients the step left.
     row.update(measured.fields())
     row["grad_diff"] = grad_diff(measured.grads, reference.grads)
 
-Order: `WARMUP_STEPS` untimed steps (hbp captures, calibrates and plans in the first), then
+Order: `WARMUP_STEPS` untimed steps (hbp captures, calibrates and plans in the first; its wall
+time, the device synchronized after it, is `first_step_s`), then
 the device's cache is emptied and its peak statistics reset, then `hbp.measure_step`:
 `timed_steps` timed steps (median wall time, the device synchronized around each), one step
 under the allocator alone (`peak_bytes`: CUDA's `max_memory_allocated` minus the level before
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ class Measured:
     reserved_bytes: int | None
     flops: int | None
     step_time_s: float
+    first_step_s: float
     grads: list[torch.Tensor | None]
     loss: float | None
 
@@ -47,6 +50,7 @@ class Measured:
             "reserved_bytes": self.reserved_bytes,
             "flops": self.flops,
             "step_time_s": self.step_time_s,
+            "first_step_s": self.first_step_s,
             "loss": self.loss,
         }
 
@@ -62,10 +66,16 @@ def measure(
     """Warm up, then measure `step` (forward, loss, backward; returns the loss) as the module
     docstring says. `params`: the tensors whose `.grad` is reset before every step and read
     after the last one."""
-    for _ in range(WARMUP_STEPS):
-        _reset(params)
-        step()
     cuda = device == "cuda"
+    first_step_s = math.nan
+    for index in range(WARMUP_STEPS):
+        _reset(params)
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if index == 0:
+            first_step_s = time.perf_counter() - start
     reserved_before = None
     gc.collect()
     if cuda:
@@ -93,6 +103,7 @@ def measure(
         reserved_bytes=reserved,
         flops=m.flops,
         step_time_s=m.step_time_s,
+        first_step_s=first_step_s,
         grads=[None if p.grad is None else p.grad.detach().clone() for p in params],
         loss=float(loss) if isinstance(loss, torch.Tensor) else None,
     )
