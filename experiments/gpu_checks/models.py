@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import time
 import traceback
 from collections.abc import Callable
 
@@ -58,6 +59,7 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
     hc = None  # the hbp variants share one HCModule: captured once, planned at each budget
     for variant in VARIANTS:
         row = {"model": spec.describe(), "variant": variant, "dtype": "float32"}
+        start = time.perf_counter()
         try:
             if hc is not None and variant.startswith("hbp@"):
                 module, model = hc, hc.module  # no optimizer step: the weights are the master's
@@ -84,8 +86,9 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
             row["status"] = "ok"
         except NotApplicable as reason:
             row.update(status="n/a", note=str(reason))
-        except hbp.BudgetError as error:
+        except hbp.BudgetError as error:  # raised in the first step: its time is the error's
             row.update(status="infeasible", note=str(error)[:300])
+            row["first_step_s"] = time.perf_counter() - start
         except Exception as error:  # noqa: BLE001 - recorded; the other variants still run
             row.update(status="error", error=f"{type(error).__name__}: {error}"[:600])
             row["traceback"] = traceback.format_exc()[-3000:]
