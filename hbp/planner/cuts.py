@@ -26,18 +26,40 @@ def _frontier(info: GraphInfo) -> tuple[np.ndarray, np.ndarray]:
     n = info.n
     w = np.zeros(n + 2, dtype=np.int64)
     count = np.zeros(n + 2, dtype=np.int64)
+    for r, lu in zip(*_crossing_groups(info)):
+        w[r + 1] += info.storage_bytes[r]
+        w[lu + 1] -= info.storage_bytes[r]
+        count[r + 1] += 1
+        count[lu + 1] -= 1
+    return np.cumsum(w)[: n + 1], np.cumsum(count)[: n + 1]
+
+
+def _crossing_groups(info: GraphInfo) -> tuple[list[int], list[int]]:
+    """(root, last touch) of every storage group touched after the node that makes it: the
+    group crosses the cuts c with root < c <= last touch."""
+    n = info.n
     root = info.root
     lu = np.full(n, -1, dtype=np.int64)
     for j in range(n):
         r = root[j]
         lu[r] = max(lu[r], j, info.last_user[j])
-    for r in range(n):
-        if root[r] == r and info.storage_bytes[r] > 0 and lu[r] > r:
-            w[r + 1] += info.storage_bytes[r]
-            w[lu[r] + 1] -= info.storage_bytes[r]
-            count[r + 1] += 1
-            count[lu[r] + 1] -= 1
-    return np.cumsum(w)[: n + 1], np.cumsum(count)[: n + 1]
+    roots = [r for r in range(n) if root[r] == r and info.storage_bytes[r] > 0 and lu[r] > r]
+    return roots, [int(lu[r]) for r in roots]
+
+
+def dp_work(info: GraphInfo, cuts: list[int]) -> float:
+    """The DP's estimated work over `cuts`: the inner cuts squared times the held sets summed
+    over them, where a cut's held sets are 2^k for the k intervals between `cuts` that the
+    storage groups crossing it are made in (NOTE [ The union where it pays ] in
+    hbp.planner.dp.least_peak)."""
+    roots, ends = (np.asarray(a, dtype=np.int64) for a in _crossing_groups(info))
+    inner = cuts[1:-1]
+    made_in = np.searchsorted(np.asarray(cuts), roots, side="right")
+    total = 0.0
+    for c in inner:
+        crossing = (roots < c) & (ends >= c)
+        total += 2.0 ** min(len(np.unique(made_in[crossing])), 30)
+    return len(inner) ** 2 * total
 
 
 def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> list[int]:

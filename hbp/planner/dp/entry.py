@@ -24,12 +24,15 @@ from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.finish import finish_plan, kept_bytes
 from hbp.planner.dp.least_peak import (
     absorb_inputs,
+    known_least_over,
     known_least_peak,
     least_peak_cached,
     least_peak_floor,
     least_peak_over,
+    reach_cuts,
     top_level,
     union_of,
+    union_pays,
 )
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
@@ -296,22 +299,23 @@ def _below_whole_graph(
         others = False  # no cut set goes below the lower bound
     if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
         least, segments = least_peak_over(info, choices, nested)
+        reach = reach_cuts(info, choices, nested)  # NOTE [ The union where it pays ]
+        over = "union of cut choices" if union_pays(info, choices) else "another cut choice"
         if least <= budget:  # NOTE [ A budget only other cuts reach ] in hbp.planner.cuts
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
             slot = 0 if exact_slots(info, budget, mem_slots) else -(-budget // mem_slots)
             for slack in (0,) if not slot else BAND_SLACK:
                 tables = plan_within(
-                    graph, info, union_of(choices), budget, slack * slot, naive, meta, mem_slots,
-                    nested, pins,
-                )  # fmt: skip
+                    graph, info, reach, budget, slack * slot, naive, meta, mem_slots, nested, pins
+                )
                 if tables is not None:
                     break
             if tables is not None and (
                 tables.predicted_recompute_flops <= plan.predicted_recompute_flops
             ):
                 least_rec = plan.predicted_recompute_flops  # the least-peak plan's
-                meta = dict(tables.meta, solved_by="dp (union of cut choices)")
+                meta = dict(tables.meta, solved_by=f"dp ({over})")
                 plan = dataclasses.replace(tables, meta=dict(meta, least_peak_recompute=least_rec))
             candidate = staged_candidate(graph, info, budget, pins) if stages else None
             if _takes(candidate, plan, False):  # as above the band: the staged plan, if less
@@ -320,8 +324,9 @@ def _below_whole_graph(
             plan.meta["solve_time_s"] = time.perf_counter() - t0
             return plan
         if least < err.minimum:
+            where = "the union of" if over.startswith("union") else "the best of"
             err = BudgetError(
-                budget, least, f"{err.detail}, least over the union of {len(choices)} cut choices"
+                budget, least, f"{err.detail}, least over {where} {len(choices)} cut choices"
             )
     if not stages:
         raise err from None
@@ -463,7 +468,7 @@ def _known_least_peaks(info: GraphInfo, choices: list[list[int]], nested: bool) 
     in hbp.planner.cuts), in that order; none for graphs with generator states."""
     if info.rng_state_bytes:
         return []
-    known = (known_least_peak(info, cuts, nested) for cuts in (choices[0], union_of(choices)))
+    known = (known_least_peak(info, choices[0], nested), known_least_over(info, choices, nested))
     return [k for k in known if k is not None]
 
 

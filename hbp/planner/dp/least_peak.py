@@ -13,6 +13,7 @@ import numpy as np
 from hbp.analysis.frontier import lower_bound
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
+from hbp.planner.cuts import dp_work
 from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.peak import PeakSolver
 from hbp.planner.dp.recursion import planning, simplify
@@ -22,11 +23,13 @@ __all__ = [
     "absorb_inputs",
     "forget_least_peaks",
     "info_fingerprint",
+    "known_least_over",
     "known_least_peak",
     "least_peak_cached",
     "least_peak_floor",
     "least_peak_over",
     "least_peak_plan",
+    "reach_cuts",
     "top_level",
     "union_of",
 ]
@@ -74,7 +77,7 @@ def least_peak_over(
     if len(choices) > 1:
         first = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
         if first is None or first > lower_bound(info):  # no set goes below the lower bound
-            cuts = union_of(choices)
+            cuts = reach_cuts(info, choices, nested)
     peak, segments = least_peak_cached(info, cuts, nested)
     return peak, top_level(info, segments)
 
@@ -82,6 +85,67 @@ def least_peak_over(
 def union_of(choices: list[list[int]]) -> list[int]:
     """The cuts of every set of `choices`, in order."""
     return sorted(set().union(*choices))
+
+
+def reach_cuts(info: GraphInfo, choices: list[list[int]], nested: bool) -> list[int]:
+    """The cuts the least peak over the cut choices is taken over: their union where it pays
+    (`union_pays`), else the set of `choices` whose least peak is the least (the first of
+    equals; a set whose floor is at least the least found before it is not searched: NOTE
+    [ A floor under the least peak ]). Remembered."""
+    if len(choices) == 1 or union_pays(info, choices):
+        return union_of(choices)
+    known = _remembered(info)
+    key = ("reach", tuple(map(tuple, choices)), nested)
+    if key not in known:
+        best, reach = None, choices[0]
+        for cuts in choices:
+            if best is not None and least_peak_floor(info, cuts, nested) >= best:
+                continue  # it reaches no less than `best`, and comes after it
+            peak = least_peak_cached(info, cuts, nested)[0]
+            if best is None or peak < best:
+                best, reach = peak, cuts
+        known[key] = reach
+    return known[key]
+
+
+def union_pays(info: GraphInfo, choices: list[list[int]]) -> bool:
+    """Whether the DP over the union of `choices` is estimated to cost at most `UNION_WORK`
+    times the DPs over each set (`dp_work`; NOTE [ The union where it pays ]). Kept on `info`
+    (a private field: not in its fingerprint)."""
+    known = info.__dict__.setdefault("_union_pays", {})
+    key = tuple(map(tuple, choices))
+    if key not in known:
+        each = sum(dp_work(info, cuts) for cuts in choices)
+        known[key] = dp_work(info, union_of(choices)) <= UNION_WORK * each
+    return known[key]
+
+
+def known_least_over(info: GraphInfo, choices: list[list[int]], nested: bool) -> int | None:
+    """The least peak over the cut choices (`least_peak_over`'s, over `reach_cuts`) where
+    it is remembered, else None."""
+    if len(choices) == 1 or union_pays(info, choices):
+        return known_least_peak(info, union_of(choices), nested)
+    known = _LEAST_PEAKS.get(id(info))
+    reach = None if known is None else known.get(("reach", tuple(map(tuple, choices)), nested))
+    return None if reach is None else known_least_peak(info, reach, nested)
+
+
+#: The union of the cut choices is searched where its DP's estimated work is at most this many
+#: times the sets' together (NOTE [ The union where it pays ]).
+UNION_WORK = 2.0
+
+# NOTE [ The union where it pays ]
+# One least-peak DP over the union of the cut choices usually costs about what the DPs over
+# each set cost together (the sets share most of their cuts), and its plan space holds
+# theirs. Where many groups cross the cuts and were made in different intervals (a U-Net's
+# skip connections, kept from every level of the encoder until the decoder's), every cut the
+# union adds to the encoder splits those groups' makers further, and the held sets a cut
+# sees multiply with the intervals the groups crossing it are made in. `dp_work` charges a
+# cut 2^k held sets for k such intervals (an overestimate, used only to compare one cut set
+# with another), and the union is searched only where that estimate is within `UNION_WORK`
+# times the sets' together; else the least peak is the least of the sets' least peaks, and
+# a budget only other cuts reach is planned over the set that reaches the least (docs/planner.md
+# has the graphs and times).
 
 
 def least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
@@ -174,7 +238,8 @@ def known_least_peak(info: GraphInfo, cuts: list[int], nested: bool) -> int | No
 REMEMBERED_GRAPHS = 8
 
 #: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`least_peak_cached`) and
-#: {("floor", cuts, nested): floor} (`least_peak_floor`), the dict of `_BY_FINGERPRINT` for
+#: {("floor", cuts, nested): floor} (`least_peak_floor`) and {("reach", choices, nested): cuts}
+#: (`reach_cuts`), the dict of `_BY_FINGERPRINT` for
 #: that GraphInfo's structure.
 _LEAST_PEAKS: dict[int, dict] = {}
 #: info_fingerprint -> the same dicts, the most recently used last.

@@ -1,0 +1,86 @@
+"""The least peak over other cut choices where their union does not pay (NOTE [ The union
+where it pays ] in hbp.planner.dp.least_peak): each set is searched alone, the least of them
+is the minimum, and a budget only another set reaches is planned over that set."""
+
+import pytest
+import torch
+
+from hbp.analysis import simulate
+from hbp.analysis.liveness import GraphInfo
+from hbp.errors import BudgetError
+from hbp.graph import synthetic
+from hbp.graph.torch.capture import capture
+from hbp.integrations.torch.loss import WithLoss
+from hbp.planner import min_feasible_peak, optimal_plan, plan, validate_plan
+from hbp.planner.cuts import cut_choices, dp_work
+from hbp.planner.dp import least_peak, peak, solver
+from hbp.planner.dp.least_peak import forget_least_peaks, union_of, union_pays
+from hbp.workloads import build
+
+
+@pytest.fixture(autouse=True)
+def without_pins(monkeypatch):
+    monkeypatch.setattr(solver, "PIN_VALUES", False)
+
+
+def test_a_unets_union_is_not_searched_and_its_least_peak_is_the_best_sets():
+    """A DDPM U-Net's structure (four levels, two blocks each, skip connections): the cuts the
+    union adds in the encoder split the skips' makers, and its DP had 21x the states of the
+    largest set's. The least peak is taken over each set alone, and no DP runs over the
+    union."""
+    wl = build("unet", "tiny", seed=0, channel_mult=(1, 2, 2, 2), num_res_blocks=2)
+    batch = wl.make_batch(0)
+    root = WithLoss(wl.model, lambda out: wl.loss_fn(out, batch), len(batch.args))
+    with torch.enable_grad():
+        graph = capture(root, tuple(batch.args), dict(batch.kwargs)).graph
+    info = GraphInfo.of(graph)
+    choices = cut_choices(info)
+    assert len(choices) == 3
+    union = union_of(choices)
+    assert dp_work(info, union) > 2 * sum(dp_work(info, cuts) for cuts in choices)
+    assert not union_pays(info, choices)
+
+    searched = []  # the cut count of every least-peak DP
+    real = peak.PeakSolver
+
+    class Recording(real):
+        def __init__(self, model, nested=True):
+            searched.append(len(model.cuts))
+            super().__init__(model, nested)
+
+    forget_least_peaks()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(least_peak, "PeakSolver", Recording)
+    try:
+        least, segments = min_feasible_peak(graph, info=info, staged="never")
+    finally:
+        mp.undo()
+    assert len(union) not in searched
+    each = [least_peak.least_peak_cached(info, cuts, True)[0] for cuts in choices]
+    assert least == min(each) < each[0]  # another set reaches less than the first
+    assert simulate(graph, segments).peak_bytes == least
+
+
+def test_where_the_union_does_not_pay_the_best_set_plans_a_budget_only_it_reaches(
+    monkeypatch,
+):
+    """The random DAG whose first cut set reaches 95 bytes and the third (here a superset of
+    the others, as the union) 55: with the union ruled out, the minimum, a budget between the
+    two and the error below the minimum all come from the best set."""
+    monkeypatch.setattr(least_peak, "UNION_WORK", 0.0)
+    forget_least_peaks()
+    graph = synthetic.random_dag(40, seed=0)
+    info = GraphInfo.of(graph)
+    choices = cut_choices(info, 1, max_cuts=6)
+    assert not union_pays(info, choices)
+    assert min_feasible_peak(graph, max_cuts=6)[0] == 55
+    p = optimal_plan(graph, 60, max_cuts=6, staged="never")
+    assert p.meta["solved_by"] == "dp (another cut choice)"
+    assert p.meta["whole_graph_minimum"] == 95
+    assert p.predicted_peak_bytes <= 60
+    validate_plan(graph, p)
+    least = plan(graph, "min", max_cuts=6)
+    assert least.predicted_peak_bytes == 55
+    with pytest.raises(BudgetError, match="least over the best of 3 cut choices") as err:
+        optimal_plan(graph, 54, max_cuts=6, staged="never")
+    assert err.value.minimum == 55
