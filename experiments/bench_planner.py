@@ -17,7 +17,8 @@ planner's minimum to naive (min, +1/4, +1/2, +3/4), planner recompute / MILP opt
 outputs/bench/planner.md.
 
 Real graphs (`--only real`, `--layers 2 8 32 64`, `--gpt2` adds GPT-2 124M's shape, the
-"medium" profile of `hbp.workloads.gpt2`): a transformers `LlamaForCausalLM` from a config
+"medium" profile of `hbp.workloads.gpt2`, `--unet` the DDPM U-Net of `hbp.workloads.unet` at
+"medium"): a transformers `LlamaForCausalLM` from a config
 (hidden 128, 4 heads, intermediate 344, vocab 2048, 2 x 128 tokens, random weights),
 captured and calibrated as `HCModule` does on its first step, then planned at 0.5, 0.3 and
 "min", each plan cold (the planner's remembered least peaks forgotten before it). Beside
@@ -133,12 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("depth", "dags", "real"), help="one part")
     parser.add_argument("--layers", type=int, nargs="*", default=[2, 8, 32, 64])
     parser.add_argument("--gpt2", action="store_true", help="also GPT-2 124M (medium profile)")
+    parser.add_argument("--unet", action="store_true", help="also the DDPM U-Net (medium profile)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.only == "real":
         from bench_planner_real import real_graphs  # beside this script
 
-        lines = real_graphs(args.layers, args.gpt2)
+        lines = real_graphs(args.layers, args.gpt2, args.unet)
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "planner_real.md").write_text("\n".join(lines) + "\n")
         print(f"wrote {OUT / 'planner_real.md'}")

@@ -30,6 +30,19 @@ def gpt2_medium():
     return wl.model, tuple(batch.args), dict(batch.kwargs), lambda out: wl.loss_fn(out, batch)
 
 
+def unet_medium():
+    """The DDPM CIFAR-10 U-Net (`hbp.workloads.unet`, profile medium: skip connections from
+    every level of the encoder to the decoder)."""
+    from hbp.workloads import build
+
+    wl = build("unet", "medium", seed=0)
+    batch = wl.make_batch(0)
+    return wl.model, tuple(batch.args), dict(batch.kwargs), lambda out: wl.loss_fn(out, batch)
+
+
+MAKERS = {"GPT-2": "gpt2_medium()", "U-Net": "unet_medium()"}
+
+
 def plan_any(graph, budget):
     """`plan(graph, budget)`: every budget form HCModule takes ("50%act" resolved inside
     `plan`, as HCModule has it resolved: the least peak plus half of what checkpointing can
@@ -82,7 +95,7 @@ def first_step_in_a_fresh_process(name: str) -> float:
     code = (
         "import sys, torch; sys.path.insert(0, 'experiments'); torch.set_num_threads(1); "
         "import bench_planner_real as b; "
-        f"m = b.gpt2_medium() if {name!r}.startswith('GPT-2') else b.llama({_layers(name)}); "
+        f"m = b.{_maker(name)}; "
         "print(b.hcmodule_first_step(*m))"
     )
     root = Path(__file__).resolve().parents[1]
@@ -92,8 +105,12 @@ def first_step_in_a_fresh_process(name: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _layers(name: str) -> int:
-    return int(name.split(",")[1].split()[0]) if "," in name else 0
+def _maker(name: str) -> str:
+    """The call in this module that builds the row `name`'s model."""
+    for prefix, call in MAKERS.items():
+        if name.startswith(prefix):
+            return call
+    return f"llama({int(name.split(',')[1].split()[0])})"
 
 
 def forget_least_peaks() -> None:
@@ -138,7 +155,7 @@ def row(name: str, model, args, kwargs, loss_fn) -> str:
     return line
 
 
-def real_graphs(layers: list[int], gpt2: bool) -> list[str]:
+def real_graphs(layers: list[int], gpt2: bool, unet: bool = False) -> list[str]:
     lines = [
         "## Planner on captured models: CPU s (wall s), one thread",
         "",
@@ -152,6 +169,8 @@ def real_graphs(layers: list[int], gpt2: bool) -> list[str]:
         lines.append(row(f"Llama, {n} layers", *llama(n)))
     if gpt2:
         lines.append(row("GPT-2 124M (medium: 8 x 1024 tokens)", *gpt2_medium()))
+    if unet:
+        lines.append(row("U-Net, DDPM CIFAR-10 (medium: 16 x 32 x 32)", *unet_medium()))
     lines += [
         "",
         'First step overhead = capture + calibration + naive simulation + plan("50%act"), the '
