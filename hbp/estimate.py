@@ -68,7 +68,8 @@ class Estimate:
     step_flops: forward + backward FLOPs of the plain step.
     flops_per_s: the throughput the step times assume.
     frontier: one `FrontierPoint` per budget, largest budget first; budgets below the
-        minimum are left out.
+        minimum are left out of it.
+    below_minimum: those budgets (as given), with their bytes: no plan fits them.
     nodes, granularity: the captured graph's size and level ("op" or "module").
     capture_time_s, estimate_time_s: capture (with scratch calibration) and the whole call.
     """
@@ -78,6 +79,7 @@ class Estimate:
     step_flops: float
     flops_per_s: float
     frontier: list[FrontierPoint] = field(default_factory=list)
+    below_minimum: list[tuple[object, int]] = field(default_factory=list)
     nodes: int = 0
     granularity: str = "op"
     capture_time_s: float = 0.0
@@ -105,6 +107,10 @@ class Estimate:
                 f"  {str(p.budget):>10} {p.budget_bytes / MIB:9.2f} "
                 f"{p.predicted_peak_bytes / MIB:14.2f} "
                 f"{p.recompute_flops / self.step_flops:9.1%} {p.step_time_s * 1e3:8.1f}"
+            )
+        for budget, nbytes in self.below_minimum:
+            lines.append(
+                f"  {str(budget):>10} {nbytes / MIB:9.2f}   does not fit (below the least)"
             )
         return "\n".join(lines)
 
@@ -190,6 +196,9 @@ def estimate(
         if point is not None:
             point.step_time_s = (step_flops + point.recompute_flops) / rate
             result.frontier.append(point)
+        else:
+            nbytes = Budget.parse(budget).resolve(naive.peak_bytes, lambda: minimum)
+            result.below_minimum.append((budget, minimum if nbytes == "min" else int(nbytes)))
     result.frontier.sort(key=lambda p: -p.budget_bytes)
     result.estimate_time_s = time.perf_counter() - start
     return result

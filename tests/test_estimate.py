@@ -62,6 +62,14 @@ def test_estimate_agrees_with_measured_steps_within_3_percent():
     assert "least reachable" in str(est)
 
 
+def test_a_budget_below_the_least_is_listed_as_not_fitting():
+    model, x, y = setup()
+    est = hbp.estimate(model, x, loss_fn=F.cross_entropy, targets=y, budgets=["1KiB", 0.9])
+    assert [p.budget for p in est.frontier] == [0.9]
+    assert est.below_minimum == [("1KiB", 1024)] and not est.fits("1KiB")
+    assert "1KiB" in str(est) and "does not fit" in str(est)
+
+
 def test_estimate_without_loss_and_module_state_kept():
     model, x, _ = setup()
     state = {k: v.clone() for k, v in model.state_dict().items()}

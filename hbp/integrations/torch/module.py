@@ -98,7 +98,9 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
             when backward ends which it keeps, and plan again from the next step if it keeps
             more (one warning; NOTE [ Outputs the caller lets go ]). True: count every output
             until backward ends. False: outputs backward starts from too are let go once
-            backward has started.
+            backward has started; the memory of a loss computed outside the module (its
+            backward's temporaries, about the outputs' size for mse_loss) is then not counted
+            (pass it as `loss_fn` to have it planned).
         plan_cache: a directory (or `hbp.planner.cache.PlanCache`) where plans are kept by
             the captured graph's structure, the budget and the options: a restarted job or
             another run of a sweep reads its plan there instead of planning again.

@@ -309,8 +309,12 @@ class Planning:
         return BudgetError(
             err.budget,
             err.minimum,
-            "counting the outputs backward starts from as kept until backward ends; it fits if "
-            "the caller lets go of them once backward has started: pass keeps_outputs=False",
+            "counting the outputs backward starts from as kept until backward ends (they stand "
+            "for the memory of a loss computed outside the module, which the plan does not see); "
+            "it fits with keeps_outputs=False, which counts none of that memory (the backward of "
+            "mse_loss or cross_entropy holds temporaries about the outputs' size, which a step "
+            "then measures above the budget); a loss passed as loss_fn= is planned with its own "
+            "memory",
         )
 
     # NOTE [ Plans kept on disk ]
