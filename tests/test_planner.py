@@ -26,7 +26,8 @@ from hbp.planner import (
     validate_plan,
 )
 from hbp.planner.cuts import cut_choices
-from hbp.planner.dp import solver
+from hbp.planner.dp import least_peak, solver
+from hbp.planner.dp.least_peak import forget_least_peaks, union_pays
 from hbp.planner.plan import Plan, Segment
 from hbp.units import MIB
 from tests.helpers.oracles import least_recompute, plan_outcomes
@@ -290,19 +291,28 @@ def test_infeasible_budget_reports_minimum_in_mib():
     validate_plan(graph, plan(graph, minimum, max_cuts=24))
 
 
-def test_least_peak_is_over_other_cut_choices():
+@pytest.mark.parametrize("union", [True, False], ids=["union", "each set"])
+def test_least_peak_is_over_other_cut_choices(union, monkeypatch):
     # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts: the cuts chosen for 6
-    # reach 95 bytes at least, the union of those for 6, 9 (1.5x) and 12 (2x) 55.
+    # reach 95 bytes at least, the union of those for 6, 9 (1.5x) and 12 (2x) 55. With the
+    # union ruled out (NOTE [ The union where it pays ]) the sets alone reach it too.
+    if not union:
+        monkeypatch.setattr(least_peak, "UNION_WORK", 0.0)
+    forget_least_peaks()
+    over, where = (
+        ("union of cut choices", "the union of") if union else ("another cut choice", "the best of")
+    )
     graph = synthetic.random_dag(40, seed=0)
     info = GraphInfo.of(graph)
     choices = cut_choices(info, 1, max_cuts=6)
     assert [len(c) for c in choices] == [8, 11, 14]
+    assert union_pays(info, choices) == union
     assert min_feasible_peak(graph, max_cuts=10**6)[0] <= 55  # all cuts: a superset
     peak, segments = min_feasible_peak(graph, max_cuts=6)
     assert peak == 55
     assert simulate(graph, segments).peak_bytes == 55
     p = optimal_plan(graph, 60, max_cuts=6)
-    assert p.meta["solved_by"] == "dp (union of cut choices)"
+    assert p.meta["solved_by"] == f"dp ({over})"
     assert p.meta["whole_graph_minimum"] == 95
     assert p.predicted_peak_bytes <= 60
     validate_plan(graph, p)
@@ -312,7 +322,7 @@ def test_least_peak_is_over_other_cut_choices():
     assert least.predicted_peak_bytes == 55
     assert least.predicted_recompute_flops < simulate(graph, segments).recompute_flops
     assert p.predicted_recompute_flops <= least.predicted_recompute_flops
-    with pytest.raises(BudgetError, match="least over the union of 3 cut choices") as err:
+    with pytest.raises(BudgetError, match=f"least over {where} 3 cut choices") as err:
         optimal_plan(graph, 54, max_cuts=6)
     assert err.value.minimum == 55
 

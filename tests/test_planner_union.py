@@ -1,17 +1,16 @@
 """The least peak over other cut choices where their union does not pay (NOTE [ The union
-where it pays ] in hbp.planner.dp.least_peak): each set is searched alone, the least of them
-is the minimum, and a budget only another set reaches is planned over that set."""
+where it pays ] in hbp.planner.dp.least_peak): each set is searched alone and the least of
+them is the minimum (tests/test_planner.py plans a budget only another set reaches, with the
+union ruled out)."""
 
 import pytest
 import torch
 
 from hbp.analysis import simulate
 from hbp.analysis.liveness import GraphInfo
-from hbp.errors import BudgetError
-from hbp.graph import synthetic
 from hbp.graph.torch.capture import capture
 from hbp.integrations.torch.loss import WithLoss
-from hbp.planner import min_feasible_peak, optimal_plan, plan, validate_plan
+from hbp.planner import min_feasible_peak
 from hbp.planner.cuts import cut_choices, dp_work
 from hbp.planner.dp import least_peak, peak, solver
 from hbp.planner.dp.least_peak import forget_least_peaks, union_of, union_pays
@@ -59,28 +58,3 @@ def test_a_unets_union_is_not_searched_and_its_least_peak_is_the_best_sets():
     each = [least_peak.least_peak_cached(info, cuts, True)[0] for cuts in choices]
     assert least == min(each) < each[0]  # another set reaches less than the first
     assert simulate(graph, segments).peak_bytes == least
-
-
-def test_where_the_union_does_not_pay_the_best_set_plans_a_budget_only_it_reaches(
-    monkeypatch,
-):
-    """The random DAG whose first cut set reaches 95 bytes and the third (here a superset of
-    the others, as the union) 55: with the union ruled out, the minimum, a budget between the
-    two and the error below the minimum all come from the best set."""
-    monkeypatch.setattr(least_peak, "UNION_WORK", 0.0)
-    forget_least_peaks()
-    graph = synthetic.random_dag(40, seed=0)
-    info = GraphInfo.of(graph)
-    choices = cut_choices(info, 1, max_cuts=6)
-    assert not union_pays(info, choices)
-    assert min_feasible_peak(graph, max_cuts=6)[0] == 55
-    p = optimal_plan(graph, 60, max_cuts=6, staged="never")
-    assert p.meta["solved_by"] == "dp (another cut choice)"
-    assert p.meta["whole_graph_minimum"] == 95
-    assert p.predicted_peak_bytes <= 60
-    validate_plan(graph, p)
-    least = plan(graph, "min", max_cuts=6)
-    assert least.predicted_peak_bytes == 55
-    with pytest.raises(BudgetError, match="least over the best of 3 cut choices") as err:
-        optimal_plan(graph, 54, max_cuts=6, staged="never")
-    assert err.value.minimum == 55
