@@ -239,8 +239,7 @@ REMEMBERED_GRAPHS = 8
 
 #: id(GraphInfo) -> {(cuts, nested): (least peak, its segments)} (`least_peak_cached`) and
 #: {("floor", cuts, nested): floor} (`least_peak_floor`) and {("reach", choices, nested): cuts}
-#: (`reach_cuts`), the dict of `_BY_FINGERPRINT` for
-#: that GraphInfo's structure.
+#: (`reach_cuts`), the dict of `_BY_FINGERPRINT` for that GraphInfo's structure.
 _LEAST_PEAKS: dict[int, dict] = {}
 #: info_fingerprint -> the same dicts, the most recently used last.
 _BY_FINGERPRINT: dict[str, dict] = {}
