@@ -30,6 +30,7 @@ GPU (tests/test_gpu_check.py), so that a lent GPU's minutes go to measuring.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -62,9 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, help="checks run at once (default: 1 on CUDA, clean timings; 2 on CPU)"
     )
+    parser.add_argument(
+        "--digest", action="store_true", help="print the sources' digest (`source_digest`)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # run one check (internal)
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.digest:
+        print(source_digest())
+        return 0
     if args.worker:
         return _worker(args.worker, "cpu" if args.cpu else "cuda", args.rows)
     return _run(args)
@@ -107,6 +114,7 @@ def preflight(cpu: bool) -> tuple[int, dict]:
         "transformers": transformers.__version__,
         "python": sys.version.split()[0],
         "git_sha": _git_sha(),
+        "source_digest": source_digest(),
         "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
     }
     if cpu:
@@ -296,6 +304,17 @@ def _pinned_torch() -> str | None:
     text = (ROOT / "Makefile").read_text()
     start = text.find("'torch==")
     return text[start + 8 : text.find("'", start + 1)] if start >= 0 else None
+
+
+def source_digest() -> str:
+    """The first 12 hex digits of a SHA-256 over the library's and the experiments' Python
+    sources (paths and contents): the code a run measured, where the lent copy's git HEAD is
+    stale. `python experiments/gpu_check.py --digest` prints it for the checkout at hand."""
+    digest = hashlib.sha256()
+    for path in sorted([*ROOT.glob("hbp/**/*.py"), *ROOT.glob("experiments/**/*.py")]):
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _git_sha() -> str | None:

@@ -97,7 +97,8 @@ def markdown(document: dict) -> str:
         "",
         f"Device: {env.get('device_name', '?')} ({document.get('device')}), torch "
         f"{env.get('torch')} (pinned: {env.get('torch_pinned')}), CUDA {env.get('cuda')}, transformers {env.get('transformers')}, "
-        f"hbp at {env.get('git_sha') or '?'}; {document.get('wall_s', 0):.0f} s.",
+        f"hbp at {env.get('git_sha') or '?'} (sources {env.get('source_digest') or '?'}); "
+        f"{document.get('wall_s', 0):.0f} s.",
         "Tolerances (grad diff, relative to each parameter's largest gradient): "
         + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items())
         + f"; peaks may exceed their budget by {BUDGET_SLACK}x.",
