@@ -47,19 +47,22 @@ def _crossing_groups(info: GraphInfo) -> tuple[list[int], list[int]]:
     return roots, [int(lu[r]) for r in roots]
 
 
-def dp_work(info: GraphInfo, cuts: list[int]) -> float:
-    """The DP's estimated work over `cuts`: the inner cuts squared times the held sets summed
-    over them, where a cut's held sets are 2^k for the k intervals between `cuts` that the
-    storage groups crossing it are made in (NOTE [ The union where it pays ] in
-    hbp.planner.dp.least_peak)."""
+def dp_work(info: GraphInfo, cut_sets: list[list[int]]) -> list[float]:
+    """The DP's estimated work over each of `cut_sets`: the inner cuts squared times the held
+    sets summed over them, where a cut's held sets are 2^k for the k intervals between the
+    set's cuts that the storage groups crossing it are made in (NOTE [ The union where it
+    pays ] in hbp.planner.dp.least_peak)."""
     roots, ends = (np.asarray(a, dtype=np.int64) for a in _crossing_groups(info))
-    inner = cuts[1:-1]
-    made_in = np.searchsorted(np.asarray(cuts), roots, side="right")
-    total = 0.0
-    for c in inner:
-        crossing = (roots < c) & (ends >= c)
-        total += 2.0 ** min(len(np.unique(made_in[crossing])), 30)
-    return len(inner) ** 2 * total
+    out = []
+    for cuts in cut_sets:
+        bounds = np.asarray(cuts, dtype=np.int64)
+        inner = bounds[1:-1, None]
+        crossing_at, group = np.nonzero((roots < inner) & (ends >= inner))
+        made_in = np.zeros((len(inner), len(bounds) + 1), dtype=bool)
+        made_in[crossing_at, np.searchsorted(bounds, roots[group], side="right")] = True
+        held_sets = 2.0 ** np.minimum(made_in.sum(axis=1), 30)
+        out.append(len(inner) ** 2 * float(held_sets.sum()))
+    return out
 
 
 def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> list[int]:

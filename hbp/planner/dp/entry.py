@@ -300,7 +300,8 @@ def _below_whole_graph(
     if others:  # NOTE [ Least peak over other cut choices ] in hbp.planner.cuts
         least, segments = least_peak_over(info, choices, nested)
         reach = reach_cuts(info, choices, nested)  # NOTE [ The union where it pays ]
-        over = "union of cut choices" if union_pays(info, choices) else "another cut choice"
+        union = union_pays(info, choices)
+        over = "union of cut choices" if union else "another cut choice"
         if least <= budget:  # NOTE [ A budget only other cuts reach ] in hbp.planner.cuts
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
@@ -324,7 +325,7 @@ def _below_whole_graph(
             plan.meta["solve_time_s"] = time.perf_counter() - t0
             return plan
         if least < err.minimum:
-            where = "the union of" if over.startswith("union") else "the best of"
+            where = "the union of" if union else "the best of"
             err = BudgetError(
                 budget, least, f"{err.detail}, least over {where} {len(choices)} cut choices"
             )

@@ -95,7 +95,7 @@ def reach_cuts(info: GraphInfo, choices: list[list[int]], nested: bool) -> list[
     if len(choices) == 1 or union_pays(info, choices):
         return union_of(choices)
     known = _remembered(info)
-    key = ("reach", tuple(map(tuple, choices)), nested)
+    key = _reach_key(choices, nested)
     if key not in known:
         best, reach = None, choices[0]
         for cuts in choices:
@@ -115,8 +115,8 @@ def union_pays(info: GraphInfo, choices: list[list[int]]) -> bool:
     known = info.__dict__.setdefault("_union_pays", {})
     key = tuple(map(tuple, choices))
     if key not in known:
-        each = sum(dp_work(info, cuts) for cuts in choices)
-        known[key] = dp_work(info, union_of(choices)) <= UNION_WORK * each
+        *each, union = dp_work(info, [*choices, union_of(choices)])
+        known[key] = union <= UNION_WORK * sum(each)
     return known[key]
 
 
@@ -126,8 +126,13 @@ def known_least_over(info: GraphInfo, choices: list[list[int]], nested: bool) ->
     if len(choices) == 1 or union_pays(info, choices):
         return known_least_peak(info, union_of(choices), nested)
     known = _LEAST_PEAKS.get(id(info))
-    reach = None if known is None else known.get(("reach", tuple(map(tuple, choices)), nested))
+    reach = None if known is None else known.get(_reach_key(choices, nested))
     return None if reach is None else known_least_peak(info, reach, nested)
+
+
+def _reach_key(choices: list[list[int]], nested: bool) -> tuple:
+    """`reach_cuts`' key in the dict of remembered least peaks."""
+    return ("reach", tuple(map(tuple, choices)), nested)
 
 
 #: The union of the cut choices is searched where its DP's estimated work is at most this many
