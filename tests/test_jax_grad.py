@@ -354,5 +354,5 @@ def test_every_budget_form_plans_and_the_default_never_raises():
             if budget is None
             else (hj.height_compressed_grad(loss, budget=budget))
         )
-        assert jnp.allclose(grad(w, x), expected, rtol=1e-5, atol=1e-6), budget
+        assert_trees_close(grad(w, x), expected)  # to the gradient's scale (summation order)
         assert grad.plan is not None

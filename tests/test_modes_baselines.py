@@ -230,16 +230,21 @@ def test_compile_budget_lowers_the_allocator_peak_on_gpt2_small():
     assert peaks[0.1] < peaks[1.0]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "resnet"])
-def test_small_profiles_inductor_budget_matches_naive(name):
-    want_grads, want_buffers = naive_reference(name, {})
-    workload = build(name, {})
+def test_inductor_budget_matches_naive(name):
+    """Inductor's kernels (compiled at the tiny sizes: their code, not their sizes, is what
+    differs from aot_eager) give naive's gradients and statistics."""
+    want_grads, want_buffers = naive_reference(name)
+    exact_grads = float64_grads(name)
+    workload = build(name)
     batch = workload.make_batch(0)
     mode = CompileBudgetMode(0.1, backend="inductor")
     model = mode.apply(workload, batch)
     assert mode.describe()["compile_time_s"] > 0
-    assert_grads_match(train_step(workload, model, batch), want_grads)
+    # fused kernels sum in another order: as close to the exact gradients as eager is
+    eager_error = max(relative_errors(want_grads, exact_grads))
+    compiled_error = max(relative_errors(train_step(workload, model, batch), exact_grads))
+    assert compiled_error <= 2 * eager_error
     for got, want in zip(workload.model.buffers(), want_buffers, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="Inductor allocates"):
