@@ -27,6 +27,7 @@ from hbp.planner import (
 )
 from hbp.planner.cuts import cut_choices
 from hbp.planner.dp import least_peak, solver
+from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.least_peak import forget_least_peaks, union_pays
 from hbp.planner.plan import Plan, Segment
 from hbp.units import MIB
@@ -358,6 +359,28 @@ def test_a_band_plan_over_its_budget_is_read_lower_from_the_same_tables(monkeypa
     assert p.predicted_peak_bytes <= p.budget_bytes == 22866
     assert p.predicted_recompute_flops == 252
     assert built == [entry, slots]  # the first cut set's tables, then the union's once
+
+
+def test_the_bands_slacks_are_read_from_one_solve(monkeypatch):
+    """Where the tables a slot above the least peak find no plan, the slack a few slots above
+    is read from the same solve, not solved again (NOTE [ One solve for the band's
+    slacks ]); where neither finds one, the least-peak plan is taken."""
+    from hbp.planner.dp import slots
+
+    solves = []  # the slot counts of each band solve
+    real = slots.Solver
+    monkeypatch.setattr(
+        slots, "Solver", lambda m, n, *a, **k: solves.append(n) or real(m, n, *a, **k)
+    )
+    p = plan(synthetic.random_dag(30, seed=0, max_bytes=5000), "min", max_cuts=6)
+    assert p.meta["solved_by"] == "min-peak (other cuts)"
+    (top,) = solves  # one solve; BAND_SLACK (1, 4): a slot above the least peak and 3 more
+    assert 256 < top <= 256 + 3
+    # its values at m slots do not depend on the slots above m
+    info = GraphInfo.of(synthetic.random_dag(30, seed=4, max_bytes=5000))
+    model = CostModel(info, cut_choices(info, 1, max_cuts=6)[0])
+    low, high = (solver.Solver(model, n, 150.0).top(0, frozenset())[0] for n in (256, 259))
+    assert (low == high[:257]).all() and low[0] == solver.INF > low[-1]
 
 
 def test_a_budget_only_other_cuts_reach_takes_a_staged_plan_that_recomputes_less():

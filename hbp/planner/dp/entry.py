@@ -306,12 +306,10 @@ def _below_whole_graph(
             meta = dict(meta, solved_by="min-peak (other cuts)", whole_graph_minimum=err.minimum)
             plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
             slot = 0 if exact_slots(info, budget, mem_slots) else -(-budget // mem_slots)
-            for slack in (0,) if not slot else BAND_SLACK:
-                tables = plan_within(
-                    graph, info, reach, budget, slack * slot, naive, meta, mem_slots, nested, pins
-                )
-                if tables is not None:
-                    break
+            slacks = tuple(s * slot for s in BAND_SLACK) if slot else (0,)
+            tables = plan_within(
+                graph, info, reach, budget, slacks, naive, meta, mem_slots, nested, pins
+            )
             if tables is not None and (
                 tables.predicted_recompute_flops <= plan.predicted_recompute_flops
             ):
@@ -417,8 +415,9 @@ def _replanned(graph, info, plan, cuts, mem_slots, nested, naive, pins) -> Plan:
 
 
 # NOTE [ A budget only other cuts reach ] in hbp.planner.cuts: where slots round, the union's
-# tables are solved this many slots above the budget and read down to it, the second where the
-# first finds no plan that fits
+# tables are read down to the budget from this many slots above it, the second where the
+# first finds no plan that fits (one solve: NOTE [ One solve for the band's slacks ] in
+# hbp.planner.dp.slots)
 BAND_SLACK = (1, 4)
 # "auto": graphs from STAGED_MIN_NODES nodes on, where the candidate cuts thin out, are also
 # planned in stages and the staged plan is taken when it recomputes less; "always": taken

@@ -60,27 +60,48 @@ def slot_size(info: GraphInfo, budget: int, mem_slots: int) -> tuple[int, float]
 
 
 def plan_within(
-    graph, info: GraphInfo, cuts: list[int], budget: int, slack: int, naive, meta: dict,
-    mem_slots: int, nested: bool, pins: bool | None,
+    graph, info: GraphInfo, cuts: list[int], budget: int, slacks: tuple[int, ...], naive,
+    meta: dict, mem_slots: int, nested: bool, pins: bool | None,
 ) -> Plan | None:  # fmt: skip
-    """The recompute tables over `cuts` solved once at `budget + slack`: the plan at the
-    most slots that simulates within `budget`, read down from the top slot count (NOTE [ One
-    solve read at lower slot counts ]), or None where none of those fits."""
+    """The recompute tables over `cuts` solved once, on the slots of `budget + slacks[0]`
+    and as many more as the largest slack needs: for each slack in turn, the plan at the most
+    slots within `budget + slack` that simulates within `budget`, read down from there (NOTE
+    [ One solve read at lower slot counts ], NOTE [ One solve for the band's slacks ]), or
+    None where none of those fits."""
     model = CostModel(info, cuts)
     with planning(len(cuts)):
-        slots, slot_bytes = slot_size(info, budget + slack, mem_slots)
-        solver = Solver(model, slots, slot_bytes, nested, pins=pins, pin_charge=PinCharge.PASS)
+        slots, slot_bytes = slot_size(info, budget + slacks[0], mem_slots)
+        tops = [slots] + [int((budget + s) // slot_bytes) for s in slacks[1:]]
+        solver = Solver(model, max(tops), slot_bytes, nested, pins=pins, pin_charge=PinCharge.PASS)
         values = solver.top(0, frozenset())[0]
-        meta = dict(meta, candidate_cuts=len(cuts) - 2, mem_slots=slots, slot_bytes=slot_bytes)
-        for k in range(slots, max(slots - LOWER_READS, -1), -1):
-            if values[k] >= INF:
-                return None  # the tables are non-increasing in slots: none fits below
-            segments = top_level(info, solver.top_plan(k))
-            plan = finish_plan(graph, segments, budget, info=info, naive=naive, meta=meta)
-            if plan.predicted_peak_bytes <= budget:
-                plan.meta.update(solved_by="dp", read_at_slots=k)
-                return plan
+        meta = dict(meta, candidate_cuts=len(cuts) - 2, slot_bytes=slot_bytes)
+        read = set()
+        for top in tops:
+            for k in range(top, max(top - LOWER_READS, -1), -1):
+                if values[k] >= INF:
+                    break  # the tables are non-increasing in slots: none fits below
+                if k in read:
+                    continue
+                read.add(k)
+                segments = top_level(info, solver.top_plan(k))
+                plan = finish_plan(
+                    graph, segments, budget, info=info, naive=naive, meta=dict(meta, mem_slots=top)
+                )
+                if plan.predicted_peak_bytes <= budget:
+                    plan.meta.update(solved_by="dp", read_at_slots=k)
+                    return plan
     return None
+
+
+# NOTE [ One solve for the band's slacks ]
+# Where the tables at a slot above the budget find no plan that fits, they were solved again
+# a few slots above (`BAND_SLACK` in hbp.planner.dp.entry), a second full solve; on a U-Net
+# and a T5 both found none, and each cost seconds. The tables hold every slot count up to
+# their top (NOTE [ One solve read at lower slot counts ]), and their values at m slots do not
+# depend on how many slots there are above m, so one solve on the first slack's slot size,
+# with the slots the largest slack adds, answers every slack: each is read down from its own
+# top, a slot count read once. The first slack's plans are those of a solve of its own; a
+# later slack's are on the first's slot size (within a slot of its own solve's).
 
 
 def at_the_least_peak(graph, info, cuts, plan, how, naive, mem_slots, nested, pins):
@@ -95,7 +116,9 @@ def at_the_least_peak(graph, info, cuts, plan, how, naive, mem_slots, nested, pi
         return plan, how
     if exact_slots(info, budget, mem_slots):  # no rounding: the tables' answer was exact
         return plan, how
-    read = plan_within(graph, info, cuts, budget, slot, naive, plan.meta, mem_slots, nested, pins)
+    read = plan_within(
+        graph, info, cuts, budget, (slot,), naive, plan.meta, mem_slots, nested, pins
+    )
     if read is None or read.predicted_recompute_flops >= plan.predicted_recompute_flops:
         return plan, how
     return dataclasses.replace(read, meta=dict(read.meta, solved_by="dp (a slot above)")), "dp"
