@@ -76,6 +76,8 @@ def test_disable_restores_the_forward_and_enable_replaces_the_budget():
     assert hbp.engine_of(model).budget == "min"
     assert hbp.disable(model) is model
     assert "forward" not in model.__dict__ and hbp.engine_of(model) is None
+    hc = hbp.HCModule(model)
+    assert hbp.engine_of(hc) is hc  # a wrapper is its own engine
     assert model.forward == forward
     hbp.disable(model)  # idempotent
 

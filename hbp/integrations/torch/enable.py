@@ -182,5 +182,7 @@ def is_enabled(model: nn.Module) -> bool:
 
 def engine_of(model: nn.Module) -> HCModule | None:
     """The HCModule that runs an enabled model's training steps (`.plan`, `.summary()`,
-    `.measured_peak_bytes`), or None."""
+    `.measured_peak_bytes`): an HCModule itself, the engine `enable` attached, or None."""
+    if isinstance(model, HCModule):
+        return model
     return model.__dict__.get(ENGINE_ATTR)
