@@ -10,7 +10,7 @@ import hbp
 from hbp import Budget, BudgetError, ConfigError
 from hbp.allocator import allocator_peak
 from hbp.planner.budget import FIT_MARGIN, BudgetKind, available_bytes
-from tests.models.real import llama
+from tests.models.real import llama, pegasus
 
 NAIVE, LEAST = 1000, 400
 
@@ -103,3 +103,19 @@ def test_min_is_what_the_allocator_measures_and_bytes_between_the_two_minima_pla
     assert not any(s.recompute for s in plain.plan.segments) and not plain.plan.schedule
     with pytest.raises(BudgetError, match="smallest feasible budget"):
         hbp.HCModule(model, budget=least // 2).prepare(**kwargs)
+
+
+def test_min_and_a_budget_errors_minimum_agree_where_checkpoints_keep_generator_states():
+    """With dropout a least peak is its plan's simulated peak (NOTE [ Simulated least peaks ]
+    in hbp.planner.dp.least_peak): "min", `least_peak` and a BudgetError's minimum are one
+    number, and a budget of it plans."""
+    model, args, kwargs = pegasus()
+    model.train()
+    hc = hbp.HCModule(model, budget="min")
+    hc(*args, **kwargs).loss.backward()
+    graph = hc.captured.graph
+    least = hbp.planner.least_peak(graph)
+    assert hc.plan.budget_bytes == least >= hc.plan.predicted_peak_bytes
+    with pytest.raises(BudgetError) as err:
+        hbp.planner.plan(graph, least - 1)
+    assert err.value.minimum == least

@@ -95,6 +95,21 @@ def t5():
     return t.T5ForConditionalGeneration(config), (), {"input_ids": _tokens(), "labels": _tokens()}
 
 
+def pegasus():
+    """Pegasus, encoder-decoder with dropout everywhere: its checkpoints keep generator
+    states."""
+    t = quiet_transformers()
+    config = t.PegasusConfig(
+        vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=128, dropout=0.1, attention_dropout=0.1,
+        activation_dropout=0.1, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    ids, labels = torch.randint(2, 512, (4, 64)), torch.randint(2, 512, (4, 48))
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return t.PegasusForConditionalGeneration(config), (), kwargs
+
+
 def vit():
     t = quiet_transformers()
     config = t.ViTConfig(
