@@ -91,9 +91,9 @@ def least_peak_over(
 # (`least_peak_plan`): the DP does not see every state a checkpoint keeps, so a plan space
 # that holds another (the union of the cut choices holds the first set) can pick a plan whose
 # states simulate higher than the other space's plan. A BudgetError's minimum is taken over
-# the first set first (the whole-graph DP's own); "min" took the union's alone, so on a
-# Pegasus with dropout it named 2,354,312 B while a BudgetError named 2,346,248 and a budget
-# of 2,346,248 planned. The least over the first set and the others' is the one both name.
+# the first set first (the whole-graph DP's own); "min" took the union's alone, and named a
+# budget above one that a BudgetError named and that planned (a Pegasus with dropout,
+# docs/real-models.md). The least over the first set and the others' is the one both name.
 
 
 def union_of(choices: list[list[int]]) -> list[int]:
