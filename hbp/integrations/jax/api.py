@@ -17,7 +17,7 @@ from hbp.integrations.jax.recording import run_compiled
 from hbp.integrations.jax.remat import RUNNERS, jit
 from hbp.integrations.jax.segments import read_value
 from hbp.planner.plan import Plan
-from hbp.runtime.heap import return_freed_heap
+from hbp.runtime.heap import heap_returned_after
 
 
 @jax.tree_util.register_pytree_node_class
@@ -291,8 +291,8 @@ class HeightCompressedGrad(Planned):
                 fn = compiled.program_fns[executor] = (
                     jit(grad) if executor == "remat" else jax.jit(grad)
                 )
-                fn.lower(*args).compile()  # (cached for the call below)
-                return_freed_heap()  # NOTE [ Planning's freed heap ]
+                with heap_returned_after():  # NOTE [ Planning's freed heap ]
+                    fn.lower(*args).compile()  # (cached for the call below)
             out = run_compiled(f"one program ({executor})", fn, *args)
         return out if self.has_aux else (out, None)
 

@@ -12,7 +12,7 @@ from hbp.integrations.jax.pieces import PiecesExecutor
 from hbp.integrations.jax.segments import SegmentInfo, check_segments, resolve_segments
 from hbp.planner.budget import Budget
 from hbp.planner.plan import Plan
-from hbp.runtime.heap import return_freed_heap
+from hbp.runtime.heap import heap_returned_after
 
 STRATEGIES = ("auto", "fenced", "pieces", "remat")
 # What "auto" runs when called with concrete arrays (under tracing it runs "fenced").
@@ -96,9 +96,9 @@ class Planned:
             check(captured.program)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._make_plan(captured)
+            with heap_returned_after():  # NOTE [ Planning's freed heap ]
+                plan = self._make_plan(captured)
             self._plans[key] = plan
-            return_freed_heap()
         check_segments(plan.segments, 0, len(captured.graph))
         compiled = Compiled(
             captured,

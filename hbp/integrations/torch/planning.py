@@ -23,7 +23,7 @@ from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
 from hbp.runtime.executors import make_executor
 from hbp.runtime.executors.module_calls import per_call_plan
-from hbp.runtime.heap import return_freed_heap
+from hbp.runtime.heap import heap_returned_after
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
@@ -132,17 +132,22 @@ class Planning:
             and not foreign_profiler_running()
         ):
             compiled = None  # NOTE [ Captured under a profiler ]
-        if compiled is None:
-            compiled = self._compiled[key] = self._compile(args, kwargs, root, compiled_segments)
-            if len(self._compiled) == MANY_SIGNATURES + 1:
-                self._warn_once(
-                    "signatures",
-                    f"HCModule has planned for {len(self._compiled)} different input signatures: "
-                    "every new shape/dtype/requires_grad pattern is captured and planned again. "
-                    "Pad or bucket inputs to a few shapes.",
+        if compiled is not None and compiled.planned_for == self._plan_options():
+            self._current = compiled
+            return compiled
+        with heap_returned_after():  # NOTE [ Planning's freed heap ]
+            if compiled is None:
+                compiled = self._compiled[key] = self._compile(
+                    args, kwargs, root, compiled_segments
                 )
-        self._current = compiled  # `hc.captured` shows the capture, a BudgetError or not
-        if compiled.planned_for != self._plan_options():
+                if len(self._compiled) == MANY_SIGNATURES + 1:
+                    self._warn_once(
+                        "signatures",
+                        f"HCModule has planned for {len(self._compiled)} different input "
+                        "signatures: every new shape/dtype/requires_grad pattern is captured "
+                        "and planned again. Pad or bucket inputs to a few shapes.",
+                    )
+            self._current = compiled  # `hc.captured` shows the capture, a BudgetError or not
             # its first plan, or NOTE [ Options changed after the first step ]
             measured = self._stop_probe() if compiled.plan is not None else None
             if measured is not None:  # the last step, run by the plan made for the old options
@@ -265,7 +270,6 @@ class Planning:
         if cached is None:
             self._cache_plan(captured, pins, plan)
         compiled.plan_time_s = time.perf_counter() - start
-        return_freed_heap()  # NOTE [ Planning's freed heap ]
         self._use_plan(compiled, plan)
         self._warn_about(captured, compiled.executor)
         compiled.budget_bytes = plan.budget_bytes
