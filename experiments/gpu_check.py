@@ -8,7 +8,7 @@ Checks (experiments/gpu_checks/sizes.py; each in its own process, under its own 
   pytest_gpu      the tests marked `gpu` (`pytest -m gpu` over the files that have them)
   gpt2_small, unet, llama, gpt2_medium
                   naive, uniform checkpointing, the library's own checkpointing, hbp at 0.5,
-                  0.3 and "min": allocator peak (max_memory_allocated above the level before
+                  0.3, "min" and at the checkpointing's measured peak: allocator peak (max_memory_allocated above the level before
                   the step), reserved peak, predicted peak, recompute FLOPs, median step time,
                   gradient difference against plain autograd; and the kernel workspace hbp
                   measured at capture (convolution and attention kernels must be measured)

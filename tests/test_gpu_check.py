@@ -116,7 +116,8 @@ def test_a_check_fails_on_its_own_error_and_on_unmeasured_kernel_workspace(tmp_p
 def test_cpu_run_measures_and_writes_json_and_table(tmp_path):
     """Three checks on CPU (tiny shapes; the full --cpu run takes minutes on a shared machine):
     GPT-2 under every variant with gradients equal to plain autograd's, hbp's peak within its
-    budget and every kernel's workspace measured; the chunked loss against the plain one; DDP
+    budget (at the uniform checkpointing's peak with less recompute) and every kernel's
+    workspace measured; the chunked loss against the plain one; DDP
     skipped with a line saying why."""
     done = _run("--cpu", "--only", "gpt2_small", "chunked_ce", "ddp", "--out", str(tmp_path))
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
@@ -125,7 +126,9 @@ def test_cpu_run_measures_and_writes_json_and_table(tmp_path):
     checks = document["checks"]
     assert list(checks) == ["gpt2_small", "chunked_ce", "ddp"]
     rows = {r["variant"]: r for r in checks["gpt2_small"]["rows"]}
-    assert list(rows) == ["naive", "checkpoint", "library", "hbp@0.5", "hbp@0.3", "hbp@min"]
+    assert list(rows) == [
+        "naive", "checkpoint", "library", "hbp@0.5", "hbp@0.3", "hbp@min", "hbp@baseline",
+    ]  # fmt: skip
     naive = rows["naive"]
     assert naive["status"] == "ok" and naive["peak_bytes"] > 0 and naive["flops"] > 0
     assert rows["library"]["status"] == "n/a"  # hbp's own GPT-2 has no library checkpointing
@@ -138,6 +141,12 @@ def test_cpu_run_measures_and_writes_json_and_table(tmp_path):
     assert hc["budget_bytes"] == int(0.5 * naive["peak_bytes"])
     assert 0 < hc["predicted_peak_bytes"] and hc["peak_bytes"] <= 1.05 * hc["budget_bytes"]
     assert rows["hbp@0.3"]["status"] in ("ok", "infeasible")
+    # held to the uniform checkpointing's measured peak, hbp recomputes less than it
+    at_baseline, checkpoint = rows["hbp@baseline"], rows["checkpoint"]
+    assert at_baseline["status"] == "ok" and at_baseline["grad_diff"] == 0
+    assert at_baseline["budget_bytes"] == checkpoint["peak_bytes"]
+    assert at_baseline["peak_bytes"] <= at_baseline["budget_bytes"]
+    assert at_baseline["recompute_flops"] < checkpoint["recompute_flops"]
     workspace = hc["workspace"]
     assert workspace["unmeasured"] == []
     assert workspace["ops"]["scaled_dot_product_attention"]["measured"] >= 1

@@ -7,6 +7,8 @@ each budget, as `hc.budget = ...` does), measured (step.py) and compared with pl
     library      the library's own checkpointing (transformers' gradient_checkpointing_enable)
     hbp@0.5, hbp@0.3, hbp@min
                  hbp.HCModule(model, budget=...): predicted peak and recompute from `hc.plan`
+    hbp@baseline hbp.HCModule with a budget in bytes of the checkpoint or library row's
+                 measured peak: hbp's recompute where the checkpointing users have holds
 
 A variant that does not apply to the model (uniform checkpointing of a transformers model,
 whose layers are not a chain; library checkpointing of hbp's own models) is an "n/a" row, a
@@ -35,7 +37,11 @@ from hbp.workloads import build
 from .sizes import BUDGETS, ModelSpec
 from .step import grad_diff, measure, release
 
-VARIANTS = ("naive", "checkpoint", "library", *(f"hbp@{b}" for b in BUDGETS))
+#: The hbp variant whose budget is the measured peak of the checkpointing the model has
+#: (uniform or the library's): the two rows compare recompute at one peak.
+AT_BASELINE = "hbp@baseline"
+VARIANTS = ("naive", "checkpoint", "library", *(f"hbp@{b}" for b in BUDGETS), AT_BASELINE)
+BASELINES = ("checkpoint", "library")
 #: Ops whose kernels allocate workspace: each must have been measured at capture.
 WORKSPACE_OPS = re.compile(r"conv|attention|sdpa", re.IGNORECASE)
 
@@ -56,25 +62,29 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
         return workload.loss_fn(module(*batch.args, **batch.kwargs), batch)
 
     reference = None
+    baseline_peak = None  # the checkpointing row's measured peak (AT_BASELINE's budget)
     hc = None  # the hbp variants share one HCModule: captured once, planned at each budget
     for variant in VARIANTS:
         row = {"model": spec.describe(), "variant": variant, "dtype": "float32"}
         start = time.perf_counter()
         try:
+            budget = _budget_of(variant, baseline_peak)
             if hc is not None and variant.startswith("hbp@"):
                 module, model = hc, hc.module  # no optimizer step: the weights are the master's
-                hc.budget = _budget_of(variant)
+                hc.budget = budget
             else:
                 model = copy.deepcopy(master).to(device)
-                module = _wrap(variant, model, workload, batch)
+                module = _wrap(variant, model, workload, batch, budget)
                 hc = module if isinstance(module, hbp.HCModule) else None
             params = list(model.parameters())  # in the plain model's order, before any wrap
             workspace = variant == f"hbp@{BUDGETS[0]}"
             with _workspace_recorder() if workspace else contextlib.nullcontext() as calls:
                 measured = measure(_step(loss_of, module), params, device, timed_steps=timed_steps)
             row.update(measured.fields())
+            if variant in BASELINES:
+                baseline_peak = measured.peak_bytes
             if isinstance(module, hbp.HCModule):
-                row.update(plan_fields(module, variant, reference))
+                row.update(plan_fields(module, budget, reference))
                 if workspace:
                     row["workspace"] = workspace_report(module, calls)
             if reference is None:
@@ -102,23 +112,25 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
         record(row)
 
 
-def plan_fields(hc: hbp.HCModule, variant: str, reference: dict | None) -> dict:
-    """What hbp predicted (`hc.plan`) and the budget the measured peak is held to: a fraction
-    of the naive step's measured peak (the same process, the same batch); "min" has none."""
+def plan_fields(hc: hbp.HCModule, budget: float | int | str, reference: dict | None) -> dict:
+    """What hbp predicted (`hc.plan`) and the budget the measured peak is held to: bytes as
+    given, a fraction of the naive step's measured peak (the same process, the same batch);
+    "min" has none."""
     plan = hc.plan
-    budget = variant.split("@", 1)[1]
     fields = {
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_recompute_flops": plan.predicted_recompute_flops,
         "plan_budget_bytes": plan.budget_bytes,
         "budget_bytes": None,
     }
-    if budget != "min" and reference is not None and reference.get("peak_bytes"):
-        fields["budget_bytes"] = int(float(budget) * reference["peak_bytes"])
+    if isinstance(budget, int):
+        fields["budget_bytes"] = budget
+    elif isinstance(budget, float) and reference is not None and reference.get("peak_bytes"):
+        fields["budget_bytes"] = int(budget * reference["peak_bytes"])
     return fields
 
 
-def _wrap(variant: str, model: torch.nn.Module, workload, batch) -> torch.nn.Module:
+def _wrap(variant: str, model: torch.nn.Module, workload, batch, budget) -> torch.nn.Module:
     if variant == "naive":
         return model
     if variant == "checkpoint":
@@ -131,10 +143,18 @@ def _wrap(variant: str, model: torch.nn.Module, workload, batch) -> torch.nn.Mod
             raise NotApplicable("hbp's own model: no library checkpointing; see 'checkpoint'")
         enable_library_checkpointing(model)
         return model
-    return hbp.HCModule(model, budget=_budget_of(variant))
+    return hbp.HCModule(model, budget=budget)
 
 
-def _budget_of(variant: str) -> float | str:
+def _budget_of(variant: str, baseline_peak: int | None) -> float | int | str | None:
+    """An hbp variant's budget (None for the others): "min", a fraction, or for AT_BASELINE
+    the checkpointing row's measured peak in bytes (n/a where no such row ran)."""
+    if not variant.startswith("hbp@"):
+        return None
+    if variant == AT_BASELINE:
+        if not baseline_peak:
+            raise NotApplicable("no checkpointing row measured a peak to hold hbp to")
+        return int(baseline_peak)
     budget = variant.split("@", 1)[1]
     return "min" if budget == "min" else float(budget)
 
