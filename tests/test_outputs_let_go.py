@@ -122,7 +122,8 @@ def test_a_caller_that_keeps_the_outputs_is_counted_from_the_next_step():
     _drop(hc, *batch)
     low = hc.plan.predicted_peak_bytes
     _keep(hc, *batch)
-    with pytest.warns(UserWarning, match="the caller keeps head alive until backward ends"):
+    # named where the caller holds it, with its graph name
+    with pytest.warns(UserWarning, match=r"the caller keeps output\.logits \(head\) alive until"):
         _keep(hc, *batch)
     assert hc.captured.graph.held_outputs is None or len(hc.captured.graph.held_outputs) == 2
     kept = _measured(hc, _keep, *batch)
@@ -266,3 +267,30 @@ def test_budget_error_says_when_letting_go_of_the_outputs_fits_and_plans_once_wh
     with pytest.raises(hbp.BudgetError) as err:
         hbp.HCModule(model, budget=let_go.predicted_peak_bytes // 4).prepare(ids)
     assert "keeps_outputs" not in str(err.value) and len(plans) == 1
+
+
+def test_a_warning_names_each_output_where_the_caller_finds_it():
+    """Graph outputs are named as code reaches them in what the module returned: dataclass
+    and dict fields, tuple items and a plain object's attributes (transformers' key/value
+    cache), with a hint where that cache is among them; an output found nowhere keeps its
+    graph name."""
+    from hbp.integrations.torch.outputs import _cache_hint, _described, output_paths
+
+    class Layer:
+        def __init__(self, keys, values):
+            self.keys, self.values, self._private = keys, values, keys
+
+    k, v, logits, lost = (torch.zeros(1) for _ in range(4))
+    output = {"logits": logits, "cache": type("Cache", (), {})()}
+    output["cache"].layers = [Layer(k, v)]
+    returned = [(n, weakref.ref(t)) for n, t in (("head", logits), ("cat", k), ("cat_1", v))]
+    returned.append(("view", weakref.ref(lost)))
+    paths = output_paths(LMOutput(torch.zeros(()), (output, 3)), returned)
+    assert paths == {
+        "head": ".logits[0].logits",
+        "cat": ".logits[0].cache.layers[0].keys",
+        "cat_1": ".logits[0].cache.layers[0].values",
+    }
+    assert _described(["head", "view"], paths) == "output.logits[0].logits (head), view"
+    assert "use_cache=False" in _cache_hint(["cat"], paths)
+    assert _cache_hint(["head"], paths) == ""

@@ -3,7 +3,10 @@ ends, seen when backward ends (NOTE [ Outputs the caller lets go ])."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -42,6 +45,63 @@ def grad_leaves(executor, output) -> list[torch.Tensor]:
     return [t for t in tensors if t.requires_grad]
 
 
+def output_paths(output, returned) -> dict[str, str]:
+    """Graph output name -> where the caller finds that tensor in `output`, written as code
+    would reach it (`.logits`, `.past_key_values.layers[0].keys`, `[1]`): the names a
+    warning can give the caller. Containers, dataclasses and plain objects' attributes are
+    searched a few levels deep; an output found nowhere keeps its graph name only."""
+    wanted = {id(t): name for name, t in ((n, ref()) for n, ref in returned) if t is not None}
+    found: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def walk(x, path: str, depth: int) -> None:
+        if len(found) == len(wanted):
+            return
+        if isinstance(x, torch.Tensor):
+            name = wanted.get(id(x))
+            if name is not None:
+                found.setdefault(name, path or "the output")
+            return
+        if depth == 0 or id(x) in seen or isinstance(x, (str, bytes, int, float, torch.nn.Module)):
+            return
+        seen.add(id(x))
+        if isinstance(x, Mapping):  # transformers' ModelOutput too: `.logits`
+            for key, value in x.items():
+                walk(
+                    value,
+                    f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]",
+                    depth - 1,
+                )
+        elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            for i, value in enumerate(x):
+                walk(value, f"{path}[{i}]", depth - 1)
+        elif dataclasses.is_dataclass(x) or hasattr(x, "_fields") or hasattr(x, "__dict__"):
+            attrs = x._asdict() if hasattr(x, "_fields") else vars(x)
+            for key, value in attrs.items():
+                if not key.startswith("_"):
+                    walk(value, f"{path}.{key}", depth - 1)
+
+    walk(output, "", 6)
+    return found
+
+
+def _described(names, paths: dict[str, str] | None) -> str:
+    """`output.logits (lm_head), ...`: where the caller holds each graph output, with its name."""
+    paths = paths or {}
+    return ", ".join(f"output{paths[n]} ({n})" if n in paths else n for n in names)
+
+
+def _cache_hint(names, paths: dict[str, str] | None) -> str:
+    """A hint where a transformers output's key/value cache is among `names`."""
+    if any(
+        part in {"cache", "past_key_values"}
+        for n in names
+        for part in re.split(r"[.\[]", (paths or {}).get(n, ""))
+    ):
+        return " (transformers: use_cache=False while training drops the key/value cache)"
+    return ""
+
+
 class WatchedOutputs:
     """Output watching (a mixin of `HCModule`)."""
 
@@ -58,6 +118,8 @@ class WatchedOutputs:
             return  # nothing to let go
         leaves = grad_leaves(executor, output)
         refs, queued = list(returned), []
+        if compiled.output_paths is None:
+            compiled.output_paths = output_paths(output, refs)
 
         def backward_ended() -> None:
             compiled.outputs_seen = {name for name, ref in refs if ref() is not None}
@@ -89,9 +151,11 @@ class WatchedOutputs:
         previous, graph.held_outputs = graph.held_outputs, [o for o in graph.outputs if o in kept]
         if previous is not None:
             warnings.warn(
-                f"HCModule: the caller keeps {', '.join(more)} alive until backward ends; the "
-                "last step counted them as let go and may have been above the budget by their "
-                "size. Planned again with them; keeps_outputs=True counts them from the start.",
+                f"HCModule: the caller keeps {_described(more, compiled.output_paths)} alive "
+                "until backward ends; the last step counted them as let go and may have been "
+                "above the budget by their size. Planned again with them; keeps_outputs=True "
+                "counts them from the start; letting them go before backward saves their "
+                f"bytes{_cache_hint(more, compiled.output_paths)}.",
                 UserWarning,
                 stacklevel=5,
             )
@@ -103,9 +167,11 @@ class WatchedOutputs:
             self._replan(compiled, "min")
             compiled.settled = True  # the loop cannot do better than the least plan
             warnings.warn(
-                f"HCModule: with {', '.join(more)} kept by the caller until backward ends, no "
+                f"HCModule: with {_described(more, compiled.output_paths)} kept by the caller "
+                "until backward ends, no "
                 f"plan fits {err.budget / MIB:.2f} MiB (the least is {err.minimum / MIB:.2f} "
-                "MiB): planned for the least. Let them go before backward, or raise the budget.",
+                "MiB): planned for the least. Let them go before backward, or raise the budget"
+                f"{_cache_hint(more, compiled.output_paths)}.",
                 UserWarning,
                 stacklevel=5,
             )

@@ -53,6 +53,7 @@ class Compiled:
     segments_compiled: Any = None  # the executor with compiled segments, made on first use
     outputs_watched: bool = False  # a step showed which outputs the caller keeps
     outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
+    output_paths: dict[str, str] | None = None  # graph output -> where the caller finds it
     scratch_measured: bool = True  # False: captured under a running profiler (no workspace)
     pins: bool = True  # plans may pin values (False: its segments run compiled)
     device: Any = None  # where the step runs
