@@ -46,11 +46,12 @@ def test_the_blocks_cycles_are_collected_and_older_objects_are_not_walked(no_aut
 def test_a_callers_freeze_is_kept(no_automatic_gc):
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        assert gc.get_freeze_count() > 0
         with heap_returned_after():
             inside = _garbage_cycle()
         assert inside() is None
-        assert gc.get_freeze_count() == frozen
+        # still frozen (the count itself drops as frozen objects die by reference counting)
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
 
