@@ -113,18 +113,18 @@ def test_a_pin_its_childs_pass_never_reaches_is_planned_again():
     `optimal_plan` takes the plan made with the pin charged through the backward instead."""
     from hbp.planner.dp import entry
 
-    graph = synthetic.random_dag(5, seed=356, alias_prob=0.0)
+    graph = synthetic.random_dag(5, seed=15, alias_prob=0.0)
     info = GraphInfo.of(graph)
     cuts = candidate_cuts(info, 1, 64)
     by_charge = {}
     for charge in solver.PinCharge:
-        solved = entry._solve(info, cuts, 18, 256, True, None, charge)
+        solved = entry._solve(info, cuts, 25, 256, True, None, charge)
         sim = simulate(graph, solved.segments, info=info)
         by_charge[charge] = (solved.recompute, sim.recompute_flops, sim.peak_bytes)
     promised, recomputes, _ = by_charge[solver.PinCharge.PASS]
     assert promised < recomputes  # the pin goes unanswered
-    plan = optimal_plan(graph, 18)
-    assert plan.predicted_peak_bytes <= 18
+    plan = optimal_plan(graph, 25)
+    assert plan.predicted_peak_bytes <= 25
     assert plan.predicted_recompute_flops == by_charge[solver.PinCharge.BACKWARD][1] < recomputes
     assert "charged through the backward" in plan.meta["solved_by"]
 
@@ -152,41 +152,3 @@ def test_small_cost_models_offer_every_node_as_a_pin(monkeypatch):
     monkeypatch.setattr(cost_model, "EVERY_PIN_MAX_CUTS", 0)  # the two candidates only
     two = optimal_plan(graph, budget)
     assert two.predicted_recompute_flops > optimum + 1
-
-
-def test_a_pin_that_saves_nothing_is_not_taken():
-    """GPT-2 small (hbp's workload) at 0.5: a plan that pins its LM head and one without pins
-    recompute the same FLOPs within the same peak; the planner returns the one without (NOTE
-    [ A pin only where it saves ]: on a GPU a pinned segment's ops run under a Python dispatch
-    mode). Where a pin does save (0.7), it is still taken."""
-    from hbp.workloads import build
-
-    torch.manual_seed(0)
-    workload = build("gpt2", "small", seed=0)
-    batch = workload.make_batch(0)
-
-    class Step(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = workload.model
-
-        def forward(self, *args):
-            return workload.loss_fn(self.model(*args, **batch.kwargs), batch)
-
-    hc = hbp.HCModule(Step(), budget=1.0, calibrate=False)
-    hc(*batch.args).backward()
-    graph = hc.captured.graph
-
-    def pins(segments) -> int:
-        return sum(len(s.pinned) + pins(s.children) for s in segments)
-
-    plan, unpinned = hbp.planner.plan(graph, 0.5), hbp.planner.plan(graph, 0.5, pins=False)
-    assert plan.predicted_recompute_flops == unpinned.predicted_recompute_flops
-    assert plan.predicted_peak_bytes <= plan.budget_bytes
-    assert pins(plan.segments) == 0
-    saving = hbp.planner.plan(graph, 0.7)
-    assert pins(saving.segments) > 0
-    assert (
-        saving.predicted_recompute_flops
-        < hbp.planner.plan(graph, 0.7, pins=False).predicted_recompute_flops
-    )

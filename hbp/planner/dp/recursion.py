@@ -32,7 +32,7 @@ from hbp.planner.dp.modes import (
 from hbp.planner.dp.profile import ChildArrays, ChildProfile
 from hbp.planner.plan import Segment
 
-__all__ = ["Choice", "LazyRows", "Option", "Recursion", "planning", "simplify", "unpinned_if_tied"]
+__all__ = ["Choice", "Option", "Recursion", "planning", "simplify"]
 
 
 class Option(NamedTuple):
@@ -57,42 +57,6 @@ class Choice(NamedTuple):
     pinned: tuple[int, ...] = ()  # nodes a recomputed child pins (NOTE [ Pinned values ] in
     # hbp.analysis.simulate; `Solver._pin_rows`)
     pin_slots: int = 0  # slots of the pins the child's backward gets back (`PinCharge.PASS`)
-
-
-# NOTE [ A pin only where it saves ]
-# Where the rebuild's choice pins a value and an unpinned row reaches the same least
-# recompute (GPT-2 small at 0.5 pins its LM head or recomputes elsewhere, same FLOPs and
-# peak), it takes the unpinned one; the tables' values are unchanged. A pinned segment runs
-# its forward and recompute under selective checkpointing's Python dispatch mode, op by
-# op: host time the FLOP objective does not see (docs/results.md "CUDA"). Top-level ties
-# otherwise go to the least bytes kept, what a stage hands on: a whole-graph solve hands
-# nothing on, so the unpinned row may keep more; a stage's solver (`hands_off`) may not.
-
-
-def unpinned_if_tied(reaching) -> tuple[Choice, int]:
-    """The first (choice, kept slots) of `reaching(False)`, the rows in the tables' own order;
-    where it pins, the first of `reaching(True)` (unpinned rows at the same value) instead, if
-    any (NOTE [ A pin only where it saves ])."""
-    first = next(reaching(False), None)
-    if first is None:
-        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
-    if first[0].pinned:
-        return next(reaching(True), first)
-    return first
-
-
-class LazyRows:
-    """(option, its rows) in order, each option's rows made on first use and kept: the
-    rebuild's two passes (`unpinned_if_tied`) read them twice."""
-
-    def __init__(self, options, rows_of):
-        self.options, self.rows_of, self.made = list(options), rows_of, {}
-
-    def __iter__(self):
-        for j, option in enumerate(self.options):
-            if j not in self.made:
-                self.made[j] = self.rows_of(option)
-            yield option, self.made[j]
 
 
 class Recursion:

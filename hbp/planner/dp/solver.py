@@ -25,7 +25,7 @@ import numpy as np
 from hbp.planner.dp.cost_model import CostModel
 from hbp.planner.dp.modes import FULL, INF, NOT_RUN, PLAIN, REC, UNTIL_SAVE, RestSaves
 from hbp.planner.dp.profile import ChildArrays, ChildProfile
-from hbp.planner.dp.recursion import Choice, LazyRows, Option, Recursion, unpinned_if_tied
+from hbp.planner.dp.recursion import Choice, Option, Recursion
 
 __all__ = ["NESTED_PINS", "PIN_VALUES", "PinCharge", "SlotArrays", "Solver"]
 
@@ -130,7 +130,6 @@ class Solver(Recursion):
         nested_pins: bool | None = None,
     ):
         super().__init__(model, nested, end)
-        self.hands_off = end is not None  # a stage's (NOTE [ A pin only where it saves ])
         # recomputed children may pin a node (`_pin_rows`)
         self.pins = PIN_VALUES if pins is None else pins
         if nested_pins is None:
@@ -538,56 +537,39 @@ class Solver(Recursion):
         if top:
             return self._choose_top(e, H, slots, row)
         target = self.tail(d, e, H, flag)[slots]
-        tolerance = 1e-9 * max(1.0, abs(target))
-        options = LazyRows(
-            self.options(d, e, H, flag, False), lambda o: list(self._option_rows(d, e, o))
-        )
-
-        def reaching(unpinned: bool):
-            for option, option_rows in options:
-                best_value, best = INF, None
-                for i, H2, lo, value, pins, kept, back in option_rows:
-                    if pins and unpinned:
-                        continue
-                    v = value[slots - lo] if slots >= lo else INF
-                    if v < best_value or best is None:
-                        best_value, best = v, (i, H2, pins, kept, back)
-                if best is not None and best_value <= target + tolerance:
-                    i, H2, pins, kept, back = best
-                    f = int(option.arrays.f[i])
-                    yield Choice(f, option.mode, option.extent, H2, option.rest, pins, back), kept
-
-        return unpinned_if_tied(reaching)
+        for option in self.options(d, e, H, flag, False):
+            best_value, best = INF, None
+            for i, H2, lo, value, pins, kept, back in self._option_rows(d, e, option):
+                v = value[slots - lo] if slots >= lo else INF
+                if v < best_value or best is None:
+                    best_value, best = v, (i, H2, pins, kept, back)
+            if best is not None and best_value <= target + 1e-9 * max(1.0, abs(target)):
+                i, H2, pins, kept, back = best
+                p = option.arrays
+                f = int(p.f[i])
+                choice = Choice(f, option.mode, option.extent, H2, option.rest, pins, back)
+                return choice, kept
+        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
     def _choose_top(self, e, H, slots, row) -> tuple[Choice, int]:
         target = self.top(e, H)[row, slots]
         target_kept = self._top_kept[e, H][row, slots]
-        tolerance = 1e-9 * max(1.0, abs(target))
-        options = LazyRows(
-            self.options(self.model.n, e, H, None, True), lambda o: self._top_rows(e, o)
-        )
-
-        def reaching(unpinned: bool):
-            # the least kept bytes bind a stage's plan (NOTE [ A pin only where it saves ])
-            any_kept = unpinned and not self.hands_off
-            for option, rows in options:
-                if rows is None:
-                    continue
-                cost, kept = rows.cost, rows.kept
-                fits = (cost[:, row, slots] <= target + tolerance) & (
-                    any_kept | (kept[:, row, slots] <= target_kept)
+        for option in self.options(self.model.n, e, H, None, True):
+            rows = self._top_rows(e, option)
+            if rows is None:
+                continue
+            cost, kept = rows.cost, rows.kept
+            fits = (cost[:, row, slots] <= target + 1e-9 * max(1.0, abs(target))) & (
+                kept[:, row, slots] <= target_kept
+            )
+            for k in np.flatnonzero(fits).tolist():
+                p, i = option.arrays, rows.idx[k]
+                f, pins, back = int(p.f[i]), rows.pinned[k], rows.pin_slots[k]
+                choice = Choice(
+                    f, option.mode, option.extent, rows.states[k], option.rest, pins, back
                 )
-                for k in np.flatnonzero(fits).tolist():
-                    if rows.pinned[k] and unpinned:
-                        continue
-                    f = int(option.arrays.f[rows.idx[k]])
-                    pins, back = rows.pinned[k], rows.pin_slots[k]
-                    choice = Choice(
-                        f, option.mode, option.extent, rows.states[k], option.rest, pins, back
-                    )
-                    yield choice, int(rows.kept_slots[k])
-
-        return unpinned_if_tied(reaching)
+                return choice, int(rows.kept_slots[k])
+        raise RuntimeError("DP reconstruction failed")  # pragma: no cover
 
     def _nested_level(self, e, f, slots) -> tuple[RestSaves, int] | None:
         slots -= self._fork_slots(e, f)
