@@ -292,5 +292,11 @@ def test_a_warning_names_each_output_where_the_caller_finds_it():
         "cat_1": ".logits[0].cache.layers[0].values",
     }
     assert _described(["head", "view"], paths) == "output.logits[0].logits (head), view"
+
+    @dataclasses.dataclass(slots=True)
+    class Slotted:  # no __dict__: its fields are read as a dataclass's
+        keys: torch.Tensor
+
+    assert output_paths((Slotted(k),), returned[1:2]) == {"cat": "[0].keys"}
     assert "use_cache=False" in _cache_hint(["cat"], paths)
     assert _cache_hint(["head"], paths) == ""

@@ -60,7 +60,7 @@ def output_paths(output, returned) -> dict[str, str]:
         if isinstance(x, torch.Tensor):
             name = wanted.get(id(x))
             if name is not None:
-                found.setdefault(name, path or "the output")
+                found.setdefault(name, path)
             return
         if depth == 0 or id(x) in seen or isinstance(x, (str, bytes, int, float, torch.nn.Module)):
             return
@@ -75,8 +75,13 @@ def output_paths(output, returned) -> dict[str, str]:
         elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
             for i, value in enumerate(x):
                 walk(value, f"{path}[{i}]", depth - 1)
-        elif dataclasses.is_dataclass(x) or hasattr(x, "_fields") or hasattr(x, "__dict__"):
-            attrs = x._asdict() if hasattr(x, "_fields") else vars(x)
+        else:
+            if hasattr(x, "_fields"):  # a named tuple
+                attrs = x._asdict()
+            elif dataclasses.is_dataclass(x):  # with __slots__ too
+                attrs = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+            else:
+                attrs = getattr(x, "__dict__", {})
             for key, value in attrs.items():
                 if not key.startswith("_"):
                     walk(value, f"{path}.{key}", depth - 1)
