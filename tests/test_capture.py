@@ -383,3 +383,63 @@ def test_a_decorated_forward_with_data_dependent_control_flow_says_why():
     with pytest.warns(CaptureWarning, match="symbolic_trace: TraceError: .*control flow"):
         c = capture(Branching(), (torch.randn(B, D),))
     assert c.granularity == MODULE
+
+
+def _same_step_as_eager(model: nn.Module, *args) -> None:
+    """HCModule at "min" gives the eager output and parameter gradients, bit for bit."""
+    import hbp
+
+    expected = model(*args)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    got = hbp.HCModule(model, budget="min")(*args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    got.sum().backward()
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+
+
+def test_hasattr_on_a_traced_tensor_is_answered_as_eager_answers_it():
+    """NOTE [ Attributes a tensor does not have ]: transformers' `is_tracing` asks
+    `hasattr(x, "jax")`; a proxy said yes and the trace then failed, so every transformers
+    model fell to the export tracer. A computed tensor's missing attribute raises, as eager's
+    does; an input's Python attribute is the real input's."""
+
+    class Probing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
+
+        def forward(self, x):
+            h = self.a(x)
+            if hasattr(h, "jax"):  # a computed tensor has no such attribute
+                h = h.jax()
+            return self.b(torch.relu(h)) * getattr(h, "scale", 2.0)
+
+    torch.manual_seed(0)
+    model, x = Probing(), torch.randn(B, D)
+    c = capture(model, (x,))
+    assert c.granularity == OP and c.tracer == "fx"
+    _same_step_as_eager(model, x)
+
+
+def test_a_module_made_in_the_forward_is_traced_through():
+    """`loss_fct = CrossEntropyLoss()` inside forward (BERT's heads): fx has no path for a
+    module that is not the root's submodule; its forward is traced as the caller's ops."""
+
+    class WithItsOwnLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(D, H), nn.Linear(H, 4)
+
+        def forward(self, x, labels):
+            logits = self.b(torch.relu(self.a(x)))
+            return nn.CrossEntropyLoss()(logits, labels)
+
+    torch.manual_seed(0)
+    model, x, labels = WithItsOwnLoss(), torch.randn(B, D), torch.randint(0, 4, (B,))
+    c = capture(model, (x, labels))
+    assert c.granularity == OP and c.tracer == "fx"
+    assert "cross_entropy" in [n.op for n in c.graph.nodes]
+    _same_step_as_eager(model, x, labels)

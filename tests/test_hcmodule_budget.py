@@ -121,9 +121,10 @@ def test_a_byte_budget_above_the_naive_peak_just_runs_plainly():
 
 
 def test_no_attention_mask_passed_runs_without_one_as_eager_does():
-    """transformers' attention masks under export: with no `attention_mask` passed, eager
-    SDPA runs without a mask while a traced forward used to build the full mask, which SDPA
-    saves as a float tensor per layer (ALBERT at budget 1.0: 3.6% above the plain step)."""
+    """transformers' attention masks under a trace (fx's or export's): with no
+    `attention_mask` passed, eager SDPA runs without a mask while a traced forward used to
+    build the full mask, which SDPA saves as a float tensor per layer (ALBERT at budget 1.0:
+    3.6% above the plain step)."""
     pytest.importorskip("transformers")
     model = albert_mlm()
     ids = torch.randint(0, 256, (4, 96))
@@ -139,7 +140,6 @@ def test_no_attention_mask_passed_runs_without_one_as_eager_does():
     _, peak = allocator_peak(lambda: masked_lm_step(model, hc, ids, labels))
     got = masked_lm_step(model, hc, ids, labels)
 
-    assert hc.captured.tracer == "export"
     masks = [n for n in hc.captured.graph.nodes if n.op.startswith("scaled_dot_product")]
     assert masks and all(len(n.inputs) == 3 for n in masks)  # q, k, v: no mask
     assert got.keys() == expected.keys()

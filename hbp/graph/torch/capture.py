@@ -11,9 +11,10 @@ sequence, one file each:
    `hbp.errors.CaptureWarning` that says why;
 5. with `calibrate=True`, measure each op's kernel workspace with the allocator on real
    tensors (`calibrate`).
-Shared pieces: what an attempt must put back (`state`), fake values (`fake`), output containers
-(`outputs`), grad/autocast modes (`modes`), FLOP formulas (`flops`), running-statistics norms
-(`running_stats`), the result type (`captured`).
+Shared pieces: what an attempt must put back (`state`), fake values (`fake`), the tracer's
+proxies that carry them (`proxy`), output containers (`outputs`), grad/autocast modes
+(`modes`), FLOP formulas (`flops`), running-statistics norms (`running_stats`), the result
+type (`captured`).
 
 Capturing leaves no trace on the module, whatever fails: every attempt runs between a snapshot
 of the model's Python state and torch's global state (`state.ModelState`: attributes,

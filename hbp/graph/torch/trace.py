@@ -28,12 +28,10 @@ op-level capture fails and hbp falls back to module level, which runs the forwar
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import functools
 import inspect
 import math
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,16 +42,11 @@ from torch import nn
 from torch.fx._symbolic_trace import HAS_VARSTUFF
 from torch.utils._pytree import tree_map
 
-from hbp.graph.torch.breaks import (
-    DATA_DEPENDENT,
-    REAL_RESULTS,
-    guard,
-    other_branch_raises,
-    record_real_results,
-)
+from hbp.graph.torch.breaks import DATA_DEPENDENT, REAL_RESULTS, record_real_results
 from hbp.graph.torch.fake import MISSING, Faker, MadeOutputs, fetch_attr, run_fx_node
 from hbp.graph.torch.modes import MODES, ambient_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
+from hbp.graph.torch.proxy import ValueProxy
 from hbp.graph.torch.state import ForwardSideEffect, ModuleState
 
 # Tensor factories recorded as graph nodes even with concrete arguments (see module docstring).
@@ -71,109 +64,6 @@ _TRACED_TORCH_NN = (
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
 )
-
-
-_CONCRETE_TYPES = (bool, int, float, str, torch.Size, torch.dtype, torch.device, torch.layout)
-
-
-class _ValueProxy(fx.Proxy):
-    """An fx Proxy that knows its node's fake value: shape queries return concrete values."""
-
-    def _value(self) -> Any:
-        return self.tracer.values.get(self.node, MISSING)
-
-    def _tensor(self) -> torch.Tensor | None:
-        v = self._value()
-        return v if isinstance(v, torch.Tensor) else None
-
-    def _symbolic(self, method: str, *args):
-        return self.tracer.create_proxy("call_method", method, (self, *args), {})
-
-    def size(self, dim=None):
-        t = self._tensor()
-        if t is None:
-            return self._symbolic("size") if dim is None else self._symbolic("size", dim)
-        return t.size() if dim is None else t.size(dim)
-
-    def dim(self):
-        t = self._tensor()
-        return self._symbolic("dim") if t is None else t.dim()
-
-    def numel(self):
-        t = self._tensor()
-        return self._symbolic("numel") if t is None else t.numel()
-
-    @property
-    def shape(self):
-        t = self._tensor()
-        return fx.proxy.Attribute(self, "shape") if t is None else t.shape
-
-    @property
-    def ndim(self):
-        t = self._tensor()
-        return fx.proxy.Attribute(self, "ndim") if t is None else t.ndim
-
-    @property
-    def dtype(self):
-        t = self._tensor()
-        return fx.proxy.Attribute(self, "dtype") if t is None else t.dtype
-
-    @property
-    def device(self):
-        t = self._tensor()
-        return fx.proxy.Attribute(self, "device") if t is None else t.device
-
-    @property
-    def is_cuda(self):
-        t = self._tensor()
-        return fx.proxy.Attribute(self, "is_cuda") if t is None else t.is_cuda
-
-    def __len__(self):
-        v = self._value()
-        if v is MISSING or not hasattr(v, "__len__"):
-            return super().__len__()
-        return len(v)
-
-    def __iter__(self):
-        v = self._value()
-        if isinstance(v, (tuple, list)):
-            return iter([self[i] for i in range(len(v))])
-        if isinstance(v, torch.Tensor) and v.dim() > 0:  # `q, k, v = qkv`: eager unbinds dim 0
-            parts = self._symbolic("unbind", 0)
-            return iter([parts[i] for i in range(v.shape[0])])
-        return super().__iter__()
-
-    def keys(self):
-        v = self._value()
-        return v.keys() if isinstance(v, dict) else super().keys()
-
-    def __bool__(self):
-        v = self._value()
-        if isinstance(v, (bool, int, float)):  # a specialised Python value, not a tensor
-            return bool(v)
-        frame = sys._getframe(1)  # NOTE [ Data-dependent ops ]: a real run if a side raises
-        if isinstance(v, torch.Tensor) and v.numel() == 1 and other_branch_raises(frame, None):
-            taken = bool(self.tracer.real(self.node))
-            if other_branch_raises(frame, taken):
-                self.tracer.create_proxy("call_function", guard, (self, taken), {})
-                return taken
-        return super().__bool__()
-
-    def __getattr__(self, k: str):
-        # Tensor methods stay lazy (`x.view(...)` becomes one call_method node). Plain
-        # attributes specialise: Python values (`x.requires_grad`, `x.is_leaf`) are returned
-        # as they are, tensors (`x.T`, `x.mT`) become getattr nodes that carry their value.
-        if k.startswith("__") or callable(getattr(torch.Tensor, k, None)):
-            return super().__getattr__(k)
-        v = self._value()
-        if isinstance(v, torch.Tensor):
-            try:
-                attr = getattr(v, k)
-            except Exception:  # noqa: BLE001
-                attr = MISSING
-            if attr is None or isinstance(attr, _CONCRETE_TYPES):
-                return attr
-        return self.tracer.create_proxy("call_function", builtins.getattr, (self, k), {})
 
 
 # NOTE [ Decorated forwards ]
@@ -228,7 +118,7 @@ class _Tracer(fx.Tracer):
         return flat_output, args
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _ValueProxy(node, self)
+        return ValueProxy(node, self)
 
     def _root_args(self, root_fn, is_module, concrete_args):
         """fx's placeholders for `root_fn`, and the function the trace calls with them; for
@@ -266,9 +156,19 @@ class _Tracer(fx.Tracer):
     # fx patches nn.Module.__call__ / __getattr__ while tracing; computing a value runs real
     # module code on fake tensors, which must not be traced.
     def call_module(self, m, forward, args, kwargs):
-        if self.computing:
+        if self.computing or self._made_in_forward(m):
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def _made_in_forward(self, m: nn.Module) -> bool:
+        """Whether `m` is a module without parameters that the forward made as it ran
+        (`loss_fct = CrossEntropyLoss()`; not one of the root's submodules, so fx has no
+        path for it): its forward is traced through, its ops recorded as the caller's."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return next(m.parameters(), None) is None
+        return False
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if self.computing:
@@ -286,6 +186,17 @@ class _Tracer(fx.Tracer):
         else:
             self.values[node] = self._compute(node)
         return proxy
+
+    def may_have_attribute(self, node: fx.Node, name: str) -> bool:
+        """Whether the real value of `node`, a tensor whose fake value has no attribute
+        `name`, may have it (NOTE [ Attributes a tensor does not have ])."""
+        if node.op == "placeholder":
+            real = self.real_inputs.get(self._input_key(node.target), MISSING)
+        elif node.op == "get_attr":
+            real = fetch_attr(self.root, node.target)
+        else:
+            return False
+        return not isinstance(real, torch.Tensor) or hasattr(real, name)
 
     def _input_key(self, target: str) -> str:
         return target if target in self.inputs else target.rsplit("_", 1)[0]
