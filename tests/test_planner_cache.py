@@ -2,6 +2,7 @@
 plans and BudgetErrors are read back from a PlanCache, saved plans load for their graph only,
 and a budget below the lower bound gets the same BudgetError as the long way."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -107,3 +108,41 @@ def test_budget_below_the_lower_bound_raises_the_minimum_of_the_long_way(monkeyp
         plan(graph, budget)
     assert fast.value.minimum == slow.value.minimum
     assert fast.value.minimum == dp_package.min_feasible_peak(graph)[0]
+
+
+@pytest.mark.parametrize("budget", ["min", "50%act"])
+def test_a_plan_call_makes_one_cost_model_per_cut_set_and_plans_as_with_one_per_solve(
+    budget, monkeypatch
+):
+    """NOTE [ One cost model per cut set in a plan call ]: "min" and "N%act" run the
+    least-peak DP and the recompute tables over the same cuts; they share one cost model,
+    dropped when the call returns, and the plan is the one of a model per solve."""
+    from hbp.planner import stages as stages_module
+    from hbp.planner.dp import cost_model as cost_model_module
+
+    graph = synthetic.random_dag(40, seed=3)
+    made: list[tuple] = []
+    original = cost_model_module.CostModel.__init__
+
+    def counted(self, info, cuts, bounds=None):
+        made.append((tuple(cuts), tuple(bounds or ())))
+        original(self, info, cuts, bounds)
+
+    monkeypatch.setattr(cost_model_module.CostModel, "__init__", counted)
+    forget_least_peaks()
+    shared = plan(graph, budget, schedules=False)
+    assert made and len(made) == len(set(made)), made
+    assert "_cost_models" not in GraphInfo.of(graph).__dict__
+
+    made.clear()
+    monkeypatch.setattr(stages_module, "cost_models_shared", _one_model_per_solve)
+    forget_least_peaks()
+    apart = plan(graph, budget, schedules=False)
+    assert len(made) > len(set(made))  # the same cuts' model made again for another solve
+    assert apart.segments == shared.segments
+    assert apart.predicted_recompute_flops == shared.predicted_recompute_flops
+
+
+@contextlib.contextmanager
+def _one_model_per_solve(info):
+    yield

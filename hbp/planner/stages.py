@@ -42,7 +42,7 @@ import numpy as np
 from hbp.analysis.liveness import GraphInfo
 from hbp.planner.cuts import _frontier, window_cuts
 from hbp.planner.dp import solver as solver_module
-from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.cost_model import CostModel, cost_models_shared
 from hbp.planner.dp.modes import INF
 from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.solver import Solver
@@ -214,7 +214,8 @@ def stage_tables_kept(info: GraphInfo) -> Iterator[None]:
     depth = info.__dict__.get("_stage_tables_depth", 0)
     info.__dict__["_stage_tables_depth"] = depth + 1
     try:
-        yield
+        with cost_models_shared(info):  # NOTE [ One cost model per cut set in a plan call ]
+            yield
     finally:
         info.__dict__["_stage_tables_depth"] = depth
         if depth == 0:  # the outermost drops them

@@ -32,7 +32,9 @@ Stages: `CostModel(info, cuts, bounds)` confines every level to one stage betwee
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +43,14 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.positional import positional_bytes
 from hbp.planner.dp.modes import INF, PLAIN, REC, ChildMode
 
-__all__ = ["EVERY_PIN_MAX_CUTS", "EVERY_PIN_MAX_NODES", "CostModel", "Interval"]
+__all__ = [
+    "EVERY_PIN_MAX_CUTS",
+    "EVERY_PIN_MAX_NODES",
+    "CostModel",
+    "Interval",
+    "cost_model",
+    "cost_models_shared",
+]
 
 #: On cost models of at most EVERY_PIN_MAX_CUTS cuts, a recomputed child whose pass runs at most
 #: EVERY_PIN_MAX_NODES nodes may pin any of them, not only the two best by FLOPs and by FLOPs
@@ -450,3 +459,44 @@ def _prefix(pos: np.ndarray, size: np.ndarray, n: int) -> np.ndarray:
     ok = pos < n
     np.add.at(acc, pos[ok] + 1, size[ok])
     return np.cumsum(acc)[: n + 1]
+
+
+# NOTE [ One cost model per cut set in a plan call ]
+# A plan call solves several tables over the same cuts: "min" runs the least-peak DP, the
+# recompute tables at the least peak and, where slots round, again a slot above; "N%act" the
+# least-peak DP and the tables at the resolved budget; a plan with pins may solve twice more.
+# Each made its own `CostModel`, and each model computed again what depends only on the graph
+# and the cuts: the children's profiles and their arrays at every level end, the intervals,
+# the held sets (a fifth to a third of a small graph's planning time). Inside
+# `cost_models_shared(info)` (the planner's entry points hold it for their call) one model per
+# cut set serves every solve; the caches that depend on a solver's slots are keyed by them
+# (`SlotArrays.key`). On exit the models are dropped: kept on the GraphInfo they would hold
+# their caches for as long as the graph lives.
+
+
+@contextlib.contextmanager
+def cost_models_shared(info: GraphInfo) -> Iterator[None]:
+    """Inside, `cost_model(info, cuts)` gives one model per cut set (NOTE [ One cost model
+    per cut set in a plan call ]); the outermost exit drops them."""
+    depth = info.__dict__.get("_cost_models_depth", 0)
+    info.__dict__["_cost_models_depth"] = depth + 1
+    try:
+        yield
+    finally:
+        info.__dict__["_cost_models_depth"] = depth
+        if depth == 0:
+            info.__dict__.pop("_cost_models", None)
+            info.__dict__.pop("_cost_models_depth", None)
+
+
+def cost_model(info: GraphInfo, cuts: list[int]) -> CostModel:
+    """The cost model of the whole graph over `cuts`: inside `cost_models_shared(info)` the
+    one made for the same cuts before, else a new one."""
+    if not info.__dict__.get("_cost_models_depth"):
+        return CostModel(info, cuts)
+    models = info.__dict__.setdefault("_cost_models", {})
+    key = tuple(int(c) for c in cuts)
+    model = models.get(key)
+    if model is None:
+        model = models[key] = CostModel(info, cuts)
+    return model

@@ -20,7 +20,7 @@ from hbp.analysis.simulate import Simulation, simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
 from hbp.planner.cuts import candidate_cuts, cut_choices
-from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.cost_model import cost_model
 from hbp.planner.dp.finish import finish_plan, kept_bytes
 from hbp.planner.dp.least_peak import (
     absorb_inputs,
@@ -86,7 +86,7 @@ def _solve(
         if tables_only:
             return None
         raise BudgetError(budget_bytes, known, _plans_over(info, cuts, nested))
-    model = CostModel(info, cuts)
+    model = cost_model(info, cuts)
     with planning(len(cuts)):
         slots, slot_bytes = slot_size(info, budget_bytes, mem_slots)
         solver = Solver(

@@ -14,7 +14,7 @@ from hbp.analysis.frontier import lower_bound
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.planner.cuts import dp_work
-from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.cost_model import CostModel, cost_model
 from hbp.planner.dp.peak import PeakSolver
 from hbp.planner.dp.recursion import planning, simplify
 from hbp.planner.plan import Segment
@@ -174,7 +174,7 @@ def least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
     known = _remembered(info)
     key = (tuple(cuts), nested)
     if key not in known:
-        model = CostModel(info, cuts)
+        model = cost_model(info, cuts)
         with planning(len(model.cuts)):
             known[key] = least_peak_plan(info, model, nested)
     peak, segments = known[key]
@@ -191,7 +191,7 @@ def least_peak_floor(info: GraphInfo, cuts: list[int], nested: bool) -> int:
     known = _remembered(info)
     key = ("floor", tuple(cuts), nested)
     if key not in known:
-        model = CostModel(info, cuts)
+        model = cost_model(info, cuts)
         with planning(len(model.cuts)):
             solver = PeakSolver(model, nested)
             pairs = zip(model.cuts[:-1], model.cuts[1:])

@@ -8,7 +8,7 @@ import math
 from functools import reduce
 
 from hbp.analysis.liveness import GraphInfo
-from hbp.planner.dp.cost_model import CostModel
+from hbp.planner.dp.cost_model import cost_model
 from hbp.planner.dp.finish import finish_plan
 from hbp.planner.dp.least_peak import known_least_peak, top_level
 from hbp.planner.dp.modes import INF
@@ -68,7 +68,7 @@ def plan_within(
     slots within `budget + slack` that simulates within `budget`, read down from there (NOTE
     [ One solve read at lower slot counts ], NOTE [ One solve for the band's slacks ]), or
     None where none of those fits."""
-    model = CostModel(info, cuts)
+    model = cost_model(info, cuts)
     with planning(len(cuts)):
         slots, slot_bytes = slot_size(info, budget + slacks[0], mem_slots)
         tops = [slots] + [int((budget + s) // slot_bytes) for s in slacks[1:]]
