@@ -214,8 +214,8 @@ def _buffer_note(r) -> str:
 def table(rows) -> str:
     lines = [
         "| model | naive MiB (est.) | budget | budget MiB | measured MiB | meas/budget "
-        "| pred/meas | est. pred MiB | recompute | max grad err | first step s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pred/meas | est. pred MiB | recompute | max grad err | first step s | captured by |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         est = row["estimate_naive_mib"]
@@ -231,6 +231,11 @@ def table(rows) -> str:
                 f"| {r['measured_mib']:.2f} | {r['measured_over_budget']:.3f} "
                 f"| {r['predicted_over_measured']:.3f} | {'-' if ep is None else f'{ep:.2f}'} "
                 f"| {r['recompute']:.3f} | {r['grad_error']:.1e}{_buffer_note(r)} "
-                f"| {r['first_step_s']:.1f} |"
+                f"| {r['first_step_s']:.1f} | {_captured_by(r)} |"
             )
     return "\n".join(lines)
+
+
+def _captured_by(r: dict) -> str:
+    """The tracer that captured the model ("fx", "export"), or "module" after the fallback."""
+    return r.get("tracer") if r.get("granularity") == "op" else r.get("granularity", "-")

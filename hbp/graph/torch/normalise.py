@@ -76,6 +76,7 @@ def out_of_place(
     by_name: dict[str, Node],
     earlier: list[fx.Node],
     order: dict[fx.Node, int],
+    values: dict[fx.Node, Any],
 ) -> bool:
     """Make the in-place op `node` out of place where that cannot change any value the
     program reads; return whether it did (the fx graph changed, `node` must run again).
@@ -86,8 +87,8 @@ def out_of_place(
     as soon as nothing reads it (in-place activations after BatchNorm: right away). Only done
     when the op mutates one value, that value is not (a view of) a graph input, and no other
     view of its storage made before the op (`earlier`: the nodes profiled so far, with their
-    IR nodes in `by_name`) is read after it; later readers of the mutated value are
-    redirected to the op's result."""
+    IR nodes in `by_name`, their fake values in `values`) is read after it; later readers of
+    the mutated value are redirected to the op's result."""
     mutated = profile.mutated_inputs
     if len(mutated) != 1 or ir_node.alias_of != mutated[0]:
         return False
@@ -101,9 +102,12 @@ def out_of_place(
     if value.op == "placeholder" or by_name[root(value.name)].is_input:
         return False
     base = root(value.name)
+    mutated = _storages(values.get(value))
     for other in earlier:
         if other is value or root(other.name) != base:
             continue
+        if mutated and mutated.isdisjoint(_storages(values.get(other), mutated)):
+            continue  # NOTE [ Elements of one op's tuple ]
         if any(order[user] > order[node] for user in other.users):
             return False  # another view of the storage is read afterwards: it must see the change
     if not _make_out_of_place(node, gm):
@@ -112,6 +116,25 @@ def out_of_place(
         if user is not node and order[user] > order[node]:
             user.replace_input_with(value, node)
     return True
+
+
+def _storages(value: Any, unknown: set[int] | None = None) -> set[int]:
+    """The storages of `value`'s tensors; `unknown` where one cannot be told."""
+    keys = {storage_key(t) for t in tensor_leaves(value)}
+    return set(unknown or ()) if None in keys else keys
+
+
+# NOTE [ Elements of one op's tuple ]
+# The IR makes the elements of an op's tuple (`topk`'s values and indices, `var_mean`'s two
+# results) aliases of the op's node, which owns their bytes, so two elements share a root as
+# two views of one tensor do. Two views of one storage must keep an in-place op on one of
+# them in place (the other must see the change); two elements of a tuple are separate
+# storages and need not. Mixtral's and Qwen2-MoE's routers divide the top-k weights in place
+# (`routing_weights /= routing_weights.sum(...)`) and read the top-k indices after: the
+# division stayed in place, and a recomputed segment starting between the two could not
+# clone the weights exactly (the executor refused the "min" plan at its first step). The fake
+# values tell the storages apart: where the mutated value's storages and the other's are
+# disjoint, the other is no view of it.
 
 
 # ATen norms that update running statistics in place without saying so in their schema (they

@@ -94,7 +94,9 @@ def profile_graph(
                 node, gm, faker, values, owners, persistent_keys, cache
             )
             if not mutates_persistent(node, profiles[node.name], values, persistent_keys) and (
-                out_of_place(node, ir_node, profiles[node.name], gm, by_name, fx_nodes, order)
+                out_of_place(
+                    node, ir_node, profiles[node.name], gm, by_name, fx_nodes, order, values
+                )
             ):
                 changed = True
                 for key in [k for k, owner in owners.items() if owner == node.name]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -455,6 +456,7 @@ def trace_module(
             tracer.inlining_checkpoints(),
             tracer.recording_buffer_assignments(),
             tracer.recording_autograd_functions(),
+            _fake_failures_quiet(),
         ):
             graph = tracer.trace(module, concrete_args=concrete or None)
         gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
@@ -483,6 +485,21 @@ def trace_module(
             target = node.target.lstrip("*")
             input_names.append(target if target in arguments else target.rsplit("_", 1)[0])
     return gm, input_names, tracer
+
+
+@contextlib.contextmanager
+def _fake_failures_quiet() -> Iterator[None]:
+    """Within: an op whose fake (meta) kernel fails does not log its traceback. Fake tensors log
+    one at ERROR level for each such op (`aten._grouped_mm` on float32 in MoE models, several
+    lines per layer); the tracer catches the error itself, keeps the node symbolic, and the
+    capture says why in its CaptureWarning if no tracer succeeds."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _cloned(x: Any) -> Any:
