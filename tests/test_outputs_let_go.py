@@ -300,3 +300,32 @@ def test_a_warning_names_each_output_where_the_caller_finds_it():
     assert output_paths((Slotted(k),), returned[1:2]) == {"cat": "[0].keys"}
     assert "use_cache=False" in _cache_hint(["cat"], paths)
     assert _cache_hint(["head"], paths) == ""
+
+
+def test_measured_peak_is_the_least_plans_own_once_kept_outputs_leave_no_other():
+    """A caller keeping a transformers GPT-2's outputs (key/value cache, logits) at 0.4: the
+    first step is measured over the budget, no plan fits with the outputs kept, and the plan
+    for the least is taken. `measured_peak_bytes` then held the first step's peak for good
+    (the loop had stopped); the least plan's next step is measured once, as the allocator
+    measures it."""
+    torch.manual_seed(0)
+    model, args, kwargs = gpt2()
+    hc = hbp.HCModule(model, budget=0.4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            out = hc(*args, **kwargs)
+            out.loss.backward()
+            del out
+    assert any("planned for the least" in str(w.message) for w in caught)
+
+    def step():
+        out = hc(*args, **kwargs)
+        out.loss.backward()
+        return out
+
+    model.zero_grad(set_to_none=True)
+    _, peak = allocator_peak(step)
+    assert hc.measured_peak_bytes == peak
+    assert peak <= hc.plan.predicted_peak_bytes * 1.001

@@ -201,7 +201,11 @@ class ClosedLoop:
         compiled.measured_peak_bytes = self._measured_peak_bytes = peak
         compiled.measurements += 1
         excess = peak - compiled.budget_bytes
-        if excess <= TOLERANCE * compiled.budget_bytes or compiled.measurements > MAX_REPLANS:
+        if (
+            excess <= TOLERANCE * compiled.budget_bytes
+            or compiled.measurements > MAX_REPLANS
+            or compiled.last_measurement
+        ):
             compiled.settled = True
             return
         unseen = peak - compiled.plan.predicted_peak_bytes

@@ -170,7 +170,9 @@ class WatchedOutputs:
             self._replan(compiled, self._target(compiled.captured, naive, compiled.device))
         except BudgetError as err:
             self._replan(compiled, "min")
-            compiled.settled = True  # the loop cannot do better than the least plan
+            # the loop cannot do better than the least plan; its next step is measured so
+            # that `measured_peak_bytes` is this plan's, not the step before it
+            compiled.settled, compiled.last_measurement = False, True
             warnings.warn(
                 f"HCModule: with {_described(more, compiled.output_paths)} kept by the caller "
                 "until backward ends, no "

@@ -37,7 +37,9 @@ class Compiled:
     lowered when the closed loop plans again); `planned_for`: the options the plan was made
     for; `measured_peak_bytes`: the allocator's peak of the last measured step (None
     before); `measurements`: steps measured so far; `settled`: a measured step met the
-    budget (or the loop gave up), so later steps are not measured."""
+    budget (or the loop gave up), so later steps are not measured; `last_measurement`: the
+    next measured step is recorded and ends the loop (a plan at the least, which no new plan
+    can improve on)."""
 
     captured: CapturedGraph
     plan: Plan
@@ -50,6 +52,7 @@ class Compiled:
     measured_peak_bytes: int | None = None
     measurements: int = 0
     settled: bool = False
+    last_measurement: bool = False  # the next measured step is the last: the plan is the least
     segments_compiled: Any = None  # the executor with compiled segments, made on first use
     outputs_watched: bool = False  # a step showed which outputs the caller keeps
     outputs_seen: set[str] | None = None  # outputs alive when the last backward ended
