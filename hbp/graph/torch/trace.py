@@ -205,11 +205,11 @@ class _Tracer(fx.Tracer):
         (NOTE [ Data-dependent ops ]) was traced into the graph (DeBERTa-v2's relative
         embeddings: its whole forward recorded a second time, under no_grad, before its
         labelled loss, and predicted 7-11% below the allocator)."""
-        self.computing = True
+        computing, self.computing = self.computing, True
         try:
             return fetch_attr(self.root, target)
         finally:
-            self.computing = False
+            self.computing = computing
 
     def _input_key(self, target: str) -> str:
         return target if target in self.inputs else target.rsplit("_", 1)[0]
