@@ -543,3 +543,28 @@ def test_a_real_run_before_a_data_dependent_op_is_not_traced_into_the_graph():
     assert [n.name for n in c.fx_nodes if n.meta.get(MODES)] == []
     assert sum(n.op == "relu" for n in c.graph.nodes) == 1
     _same_step_as_eager(model, x, labels)
+
+
+def test_an_input_tensors_python_attribute_sends_the_capture_to_module_level():
+    """NOTE [ Attributes a tensor does not have ]: a forward that reads a Python attribute the
+    caller set on an input tensor computed with its default under HCModule (export's fake
+    inputs lack it). No tracer can keep it right, so the capture falls back to module level,
+    says why, and the step is the eager one."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(D, H), nn.Linear(H, D)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))) * getattr(x, "scale", 1.0)
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(B, D)
+    x.scale = 3.0
+    with pytest.warns(CaptureWarning, match="Python attribute 'scale' of the input tensor 'x'"):
+        c = capture(model, (x,))
+    assert c.granularity == MODULE
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CaptureWarning)
+        _same_step_as_eager(model, x)

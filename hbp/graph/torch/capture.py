@@ -49,6 +49,7 @@ from hbp.graph.torch.fallback import buffers_restored, capture_modules
 from hbp.graph.torch.modes import MODES, ambient_modes, enter_modes, exit_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
 from hbp.graph.torch.profile import profile_graph
+from hbp.graph.torch.proxy import InputAttributeRead
 from hbp.graph.torch.state import ForwardSideEffect, ModelState, ModuleState, same_value
 from hbp.graph.torch.trace import trace_module
 
@@ -225,6 +226,8 @@ def _first_tracer(
         except Exception as err:  # noqa: BLE001 - any tracing failure means "try the next"
             failures.append(f"{name}: {_failure_reason(err)}")
             side_effects = side_effects or isinstance(err, ForwardSideEffect)
+            if isinstance(err, InputAttributeRead):  # no tracer can: module level
+                return None, side_effects  # (the model is put back by `finally`)
         finally:
             changed = state.restore()
         # Attributes: the tracer judged them (leaf modules may cache their own); hooks and

@@ -14,7 +14,16 @@ import torch.fx as fx
 from hbp.graph.torch.breaks import guard, other_branch_raises
 from hbp.graph.torch.fake import MISSING
 
-__all__ = ["ValueProxy"]
+__all__ = ["InputAttributeRead", "ValueProxy"]
+
+
+class InputAttributeRead(Exception):
+    """The forward reads a Python attribute of an input tensor (`getattr(x, "scale", 1.0)`,
+    `x.scale = 3.0` set by the caller). No tracer can capture that: fx's graph would hold the
+    attribute's value at capture, and export's fake inputs do not have it, so its graph took
+    the default, silently. The capture falls back to module level, which runs the forward
+    itself (NOTE [ Attributes a tensor does not have ])."""
+
 
 _CONCRETE_TYPES = (bool, int, float, str, torch.Size, torch.dtype, torch.device, torch.layout)
 
@@ -115,6 +124,11 @@ class ValueProxy(fx.Proxy):
             except AttributeError:
                 if not self.tracer.may_have_attribute(self.node, k):
                     raise  # NOTE [ Attributes a tensor does not have ]
+                if self.node.op == "placeholder":
+                    raise InputAttributeRead(
+                        f"forward reads the Python attribute {k!r} of the input tensor "
+                        f"{self.node.target!r}: a traced graph would keep the value it has now"
+                    ) from None
                 attr = MISSING
             except Exception:  # noqa: BLE001
                 attr = MISSING
@@ -132,4 +146,6 @@ class ValueProxy(fx.Proxy):
 # where the fake value speaks for the real one: computed values (their fake run made them
 # as the real run would). A placeholder's or a parameter's real tensor may carry Python
 # attributes its fake copy lacks (quantisation state, a library's hook data): there the
-# real value is asked.
+# real value is asked. Where an input tensor has the attribute, no op-level graph is made
+# (`InputAttributeRead`): fx would keep the value it has at capture, and export's fake inputs
+# lack it (the forward took its default, silently); module level runs the forward itself.
