@@ -329,3 +329,9 @@ def test_measured_peak_is_the_least_plans_own_once_kept_outputs_leave_no_other()
     _, peak = allocator_peak(step)
     assert hc.measured_peak_bytes == peak
     assert peak <= hc.plan.predicted_peak_bytes * 1.001
+
+    hc.budget = 1.0  # a new plan: its closed loop starts afresh, not at its last measurement
+    model.zero_grad(set_to_none=True)
+    step()
+    (compiled,) = hc._compiled.values()
+    assert not compiled.last_measurement

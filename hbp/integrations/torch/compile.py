@@ -101,4 +101,4 @@ class CompiledSegments:
                 UserWarning,
                 stacklevel=5,
             )
-        compiled.settled, compiled.measurements = False, 0
+        compiled.measure_again()

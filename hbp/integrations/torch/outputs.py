@@ -172,7 +172,7 @@ class WatchedOutputs:
             self._replan(compiled, "min")
             # the loop cannot do better than the least plan; its next step is measured so
             # that `measured_peak_bytes` is this plan's, not the step before it
-            compiled.settled, compiled.last_measurement = False, True
+            compiled.measure_again(last=True)
             warnings.warn(
                 f"HCModule: with {_described(more, compiled.output_paths)} kept by the caller "
                 "until backward ends, no "
@@ -187,5 +187,5 @@ class WatchedOutputs:
         # the new plan spends what the outputs held on less recompute: memory the plan does
         # not see (the caller's loss) may now cross the budget, so the closed loop measures
         # the next step again
-        compiled.settled, compiled.measurements = False, 0
+        compiled.measure_again()
         return True

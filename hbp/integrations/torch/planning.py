@@ -62,6 +62,11 @@ class Compiled:
     device: Any = None  # where the step runs
     planned_for: tuple = ()  # HCModule's `_plan_options()` when `plan` was made
 
+    def measure_again(self, last: bool = False) -> None:
+        """The closed loop measures the next step, that of a new plan; with `last`, that
+        step ends the loop (a plan at the least: no plan it could make does better)."""
+        self.settled, self.measurements, self.last_measurement = False, 0, last
+
 
 #: Libraries whose own forward hooks are part of their models (transformers collects
 #: hidden states and attentions with them): no warning is about them.
@@ -278,8 +283,8 @@ class Planning:
         self._warn_about(captured, compiled.executor)
         compiled.budget_bytes = plan.budget_bytes
         compiled.planned_for = self._plan_options()
-        compiled.measured_peak_bytes, compiled.measurements = None, 0
-        compiled.settled = False
+        compiled.measured_peak_bytes = None
+        compiled.measure_again()
         if self.verbose:
             print(plan_summary(compiled))
 
