@@ -211,16 +211,13 @@ def _stage_tables(
 def stage_tables_kept(info: GraphInfo) -> Iterator[None]:
     """Inside, staged plans of `info` share their tables; on exit they are dropped (NOTE
     [ Stage tables do not depend on the budget ])."""
-    depth = info.__dict__.get("_stage_tables_depth", 0)
-    info.__dict__["_stage_tables_depth"] = depth + 1
-    try:
-        with cost_models_shared(info):  # NOTE [ One cost model per cut set in a plan call ]
+    # one scope for both per-call caches: NOTE [ One cost model per cut set in a plan call ]
+    with cost_models_shared(info) as outermost:
+        try:
             yield
-    finally:
-        info.__dict__["_stage_tables_depth"] = depth
-        if depth == 0:  # the outermost drops them
-            info.__dict__.pop("_stage_tables", None)
-            info.__dict__.pop("_stage_tables_depth", None)
+        finally:
+            if outermost:  # the outermost drops them
+                info.__dict__.pop("_stage_tables", None)
 
 
 # NOTE [ Identical stages are solved once ]

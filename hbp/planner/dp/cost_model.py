@@ -475,13 +475,14 @@ def _prefix(pos: np.ndarray, size: np.ndarray, n: int) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def cost_models_shared(info: GraphInfo) -> Iterator[None]:
+def cost_models_shared(info: GraphInfo) -> Iterator[bool]:
     """Inside, `cost_model(info, cuts)` gives one model per cut set (NOTE [ One cost model
-    per cut set in a plan call ]); the outermost exit drops them."""
+    per cut set in a plan call ]); the outermost exit drops them. Yields whether this is the
+    outermost scope (a caller keeping other per-call caches drops them with it)."""
     depth = info.__dict__.get("_cost_models_depth", 0)
     info.__dict__["_cost_models_depth"] = depth + 1
     try:
-        yield
+        yield depth == 0
     finally:
         info.__dict__["_cost_models_depth"] = depth
         if depth == 0:
