@@ -106,7 +106,8 @@ def out_of_place(
     for other in earlier:
         if other is value or root(other.name) != base:
             continue
-        if mutated and mutated.isdisjoint(_storages(values.get(other), mutated)):
+        others = _storages(values.get(other))
+        if mutated and others is not None and mutated.isdisjoint(others):
             continue  # NOTE [ Elements of one op's tuple ]
         if any(order[user] > order[node] for user in other.users):
             return False  # another view of the storage is read afterwards: it must see the change
@@ -118,10 +119,10 @@ def out_of_place(
     return True
 
 
-def _storages(value: Any, unknown: set[int] | None = None) -> set[int]:
-    """The storages of `value`'s tensors; `unknown` where one cannot be told."""
+def _storages(value: Any) -> set[int] | None:
+    """The storages of `value`'s tensors; None where one cannot be told."""
     keys = {storage_key(t) for t in tensor_leaves(value)}
-    return set(unknown or ()) if None in keys else keys
+    return None if None in keys else keys
 
 
 # NOTE [ Elements of one op's tuple ]
