@@ -264,3 +264,30 @@ def test_budget_below_the_stages_reach_raises_without_the_recompute_tables(monke
     assert err.value.minimum == least
     plan = optimal_plan(graph, err.value.minimum)
     assert simulate(graph, plan.segments).peak_bytes <= err.value.minimum
+
+
+def test_a_bound_between_the_stages_two_least_budgets_is_searched_just_below(monkeypatch):
+    """Where the bound (the whole graph's floor) lies between the budget below which the stages
+    surely find nothing and the one at which they surely allocate, a staged plan is looked for
+    just below the bound (NOTE [ Just below the bound ]): found there, it is the least budget,
+    and the whole graph's least-peak DP does not run."""
+    from hbp.planner import min_feasible_peak
+    from hbp.planner.dp import staged_search
+    from hbp.planner.stages import least_staged_budget, stage_tables_kept
+
+    graph = synthetic.residual_net(8, same_layers=True)
+    info = GraphInfo.of(graph)
+    with stage_tables_kept(info):
+        below, least = least_staged_budget(info, nested=False)
+        bound = (below + least) // 2
+        found = staged_search.staged_below(graph, info, None, bound)
+        assert found is not None and below <= found[0] < bound
+        assert found[1][1].peak_bytes <= found[0]
+        assert staged_search.staged_minimum(graph, info, None, bound)[0] == found[0]
+    monkeypatch.setattr(entry, "_whole_graph_floor", lambda *a: bound)
+    ran = []
+    monkeypatch.setattr(entry, "least_peak_over", lambda *a: ran.append(a))
+    budget, segments = min_feasible_peak(graph)
+    assert ran == [] and budget == found[0]
+    assert simulate(graph, segments).peak_bytes <= budget
+    assert optimal_plan(graph, budget).predicted_peak_bytes <= budget

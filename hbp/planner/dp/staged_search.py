@@ -63,19 +63,30 @@ def staged_minimum(graph, info, pins, above: int, low: int = 0):
 
 
 def staged_below(graph, info, pins, above: int, low: int = 0):
-    """`staged_minimum`'s first step, which reads `above` only as a bound: (the least budget
-    a staged plan is found for, that candidate) where the cost model's least staged budget is
-    below `above` and a staged plan is found there, refined within the allocation's rounding;
-    else None. `staged_minimum` gives the same wherever this gives one, for any `above` at
-    least as large (NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak)."""
+    """`staged_minimum`'s first step: (the least budget a staged plan is found for, that
+    candidate) where a staged plan is found at the cost model's least staged budget or, where
+    that is not below `above`, just below `above` (NOTE [ Just below the bound ]), refined
+    within the allocation's rounding; else None. `staged_minimum` with the same `above` gives
+    the same wherever this gives one (NOTE [ A floor under the least peak ] in
+    hbp.planner.dp.least_peak)."""
     below, least = least_staged_budget(info, nested=False, pins=pins)
-    least = max(least, low + 1)
-    if least >= above:
+    start = min(max(least, low + 1), above - 1)
+    if start <= max(low, below - 1):
         return None
-    candidate = staged_candidate(graph, info, least, pins)
+    candidate = staged_candidate(graph, info, start, pins)
     if candidate is None:
         return None
-    return lowered(graph, info, pins, (least, candidate), max(low, below - 1), STAGED_REFINE_STEPS)
+    return lowered(graph, info, pins, (start, candidate), max(low, below - 1), STAGED_REFINE_STEPS)
+
+
+# NOTE [ Just below the bound ]
+# The cost model's least staged budget is one at which the stages surely allocate; the least
+# one they may allocate at (`below`) is up to a slot per stage lower (NOTE [ The least staged
+# budget ] in hbp.planner.stages). Where the bound `above` (the whole graph's floor) falls
+# between the two, a staged plan found just below the bound already reaches less than any
+# whole-graph plan, so the whole graph's least-peak DP, the larger part of the least budget's
+# time on deep graphs, is not needed; the bisection then runs between `below` and it. A
+# 32-layer Llama planned with pinned values (HCModule's plans) is such a graph.
 
 
 def lowered(graph, info, pins, best: tuple, low: int, steps: int) -> tuple:
