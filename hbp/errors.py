@@ -36,18 +36,29 @@ class BudgetError(HBPError, ValueError):
         self.budget = int(budget)
         self.minimum = int(minimum)
         self.detail = detail
+        budget_mib, minimum_mib = _mib_apart(self.budget, self.minimum)
         msg = (
-            f"no plan fits a budget of {_mib(self.budget)} MiB ({self.budget} bytes); "
-            f"the smallest feasible budget is {_mib(self.minimum)} MiB ({self.minimum} bytes)"
+            f"no plan fits a budget of {budget_mib} MiB ({self.budget} bytes); "
+            f"the smallest feasible budget is {minimum_mib} MiB ({self.minimum} bytes)"
         )
         if detail:
             msg += f": {detail}"
         super().__init__(msg)
 
 
-def _mib(nbytes: int) -> str:
-    """MiB with two decimals, or six below 0.01 MiB (small models: never "0.00")."""
-    return f"{nbytes / MIB:.2f}" if nbytes >= MIB / 100 else f"{nbytes / MIB:.6f}"
+def _mib(nbytes: int, decimals: int = 2) -> str:
+    """MiB with `decimals` decimals, or six below 0.01 MiB (small models: never "0.00")."""
+    return f"{nbytes / MIB:.{decimals}f}" if nbytes >= MIB / 100 else f"{nbytes / MIB:.6f}"
+
+
+def _mib_apart(a: int, b: int) -> tuple[str, str]:
+    """`a` and `b` in MiB with as many decimals (two to six) as tell them apart ("5.00 MiB"
+    under "5.00 MiB" reads as no difference)."""
+    for decimals in range(2, 7):
+        shown = _mib(a, decimals), _mib(b, decimals)
+        if shown[0] != shown[1] or a == b:
+            return shown
+    return shown
 
 
 class CaptureWarning(UserWarning):

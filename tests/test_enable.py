@@ -110,18 +110,36 @@ def test_enable_again_with_another_budget_plans_the_capture_again(count_captures
 
 
 def test_enable_on_a_submodule_and_hooks_run_once():
-    """`hbp.enable(model.model)`: the decoder alone, under the model's own head and loss."""
+    """`hbp.enable(model.model)`: the decoder alone, under the model's own head and loss. Its
+    own hooks run once per step, and no warning says otherwise."""
     torch.manual_seed(0)
     plain, _, kwargs = llama()
     model = copy.deepcopy(plain)
     calls = []
     model.model.register_forward_hook(lambda *args: calls.append(1))
+    model.model.register_forward_pre_hook(lambda *args: calls.append(0))
     hbp.enable(model.model, budget="min")
-    for step in range(2):
-        torch.testing.assert_close(_step(plain, kwargs, step), _step(model, kwargs, step))
-        _same_grads(plain, model, exact=False)
-    assert calls == [1, 1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            torch.testing.assert_close(_step(plain, kwargs, step), _step(model, kwargs, step))
+            _same_grads(plain, model, exact=False)
+    assert calls == [0, 1, 0, 1]
+    assert not [w for w in caught if "hooks" in str(w.message)], [str(w.message) for w in caught]
     assert hbp.engine_of(model.model).captured.granularity == "op"
+
+
+def test_an_hcmodule_says_the_wrapped_models_own_hooks_do_not_run():
+    """Unlike an enabled model, an HCModule runs its captured graph, not the wrapped model's
+    call: the model's own hooks do not run, and it says so once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    hc = hbp.HCModule(model, budget="min", calibrate=False)
+    with pytest.warns(UserWarning, match="hooks registered on the wrapped Sequential itself"):
+        hc(torch.randn(32, 16)).sum().backward()
+    assert calls == []
 
 
 def test_save_pretrained_from_pretrained_deepcopy_and_pickle(tmp_path):

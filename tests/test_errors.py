@@ -20,6 +20,12 @@ def test_budget_error_on_small_models_never_prints_zero_mib():
     assert "0.004768 MiB (5000 bytes)" in str(err) and str(err).endswith(": activations need more")
 
 
+def test_budget_error_shows_a_budget_and_a_minimum_that_differ_as_different():
+    err = BudgetError(5 * 2**20, 5 * 2**20 + 2568)
+    assert "budget of 5.000 MiB (5242880 bytes)" in str(err)
+    assert "smallest feasible budget is 5.002 MiB (5245448 bytes)" in str(err)
+
+
 def test_config_error_names_field_value_and_accepted_values():
     err = ConfigError("mode.budget", "abc", "a fraction in (0, 1]")
     assert str(err) == "mode.budget='abc' is not accepted: expected a fraction in (0, 1]"

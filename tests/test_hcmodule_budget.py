@@ -201,3 +201,35 @@ def test_conv_whose_gradient_comes_back_transposed_holds_the_budget(build):
     step(hc)
     _, peak = allocator_peak(lambda: step(hc))
     assert peak <= hc.plan.budget_bytes * 1.01, (peak, hc.plan.budget_bytes)
+
+
+def test_measured_peak_is_the_current_signatures_own():
+    """Each input signature is measured on its first step; `measured_peak_bytes` after a call
+    is that call's signature's measurement, not the one of whichever signature was measured
+    last (variable-length batches come back to earlier shapes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+    hc = hbp.HCModule(model)
+    measured = {}
+    for rows in (256, 1024, 256, 1024):
+        hc(torch.randn(rows, 32)).sum().backward()
+        measured.setdefault(rows, hc.measured_peak_bytes)
+        assert hc.measured_peak_bytes == measured[rows]
+        assert hc.measured_peak_bytes <= hc.plan.budget_bytes
+    assert measured[256] < measured[1024]
+
+
+def test_a_byte_budget_a_longer_batch_cannot_meet_names_its_inputs():
+    """A byte budget is the same for every input shape: the first step of a longer batch can
+    need more. Its BudgetError names that call's input shapes; shorter batches still train."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+    short, long = torch.randn(64, 32), torch.randn(4096, 32)
+    with pytest.raises(BudgetError) as least:
+        hbp.HCModule(copy.deepcopy(model), budget=1)(long).sum().backward()
+    hc = hbp.HCModule(model, budget=least.value.minimum - 1)
+    hc(short).sum().backward()
+    with pytest.raises(BudgetError, match=r"at this call's inputs \(args\[0\] 4096x32\)") as err:
+        hc(long).sum().backward()
+    assert err.value.minimum == least.value.minimum
+    hc(short).sum().backward()

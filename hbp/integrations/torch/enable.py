@@ -43,6 +43,8 @@ class _Engine(HCModule):
     """HCModule over a model whose own `forward` is an `EnabledForward`: the plain call is
     the original forward, train/eval flags are the model's."""
 
+    ROOT_HOOKS_RUN = True
+
     def __init__(self, model: nn.Module, previous_forward, budget, options: dict):
         super().__init__(model, budget, **options)
         self.previous_forward = previous_forward  # an instance forward set before, or None

@@ -108,8 +108,9 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     Attributes:
         plan: the plan of the most recent training call (None before the first).
         captured: its captured graph (`CapturedGraph`, `.graph` is hbp's IR).
-        measured_peak_bytes: the allocator's peak of the last measured step (above the level
-            before it, the caller's loss and backward included), or None.
+        measured_peak_bytes: the allocator's peak (above the level before the step, the
+            caller's loss and backward included) of the most recent call's input signature,
+            as last measured (each signature's first step is), or None.
     """
 
     def __init__(
@@ -206,8 +207,13 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
 
     @property
     def measured_peak_bytes(self) -> int | None:
-        """The allocator's peak of the last measured step, in bytes (None before one)."""
+        """The allocator's peak, in bytes, of the most recent call's input signature as its
+        plan last measured it; of the last measured step where that plan is not measured yet
+        (None before one)."""
         self._finish_probe()
+        current = self._current
+        if current is not None and current.measured_peak_bytes is not None:
+            return current.measured_peak_bytes
         return self._measured_peak_bytes
 
     @property

@@ -105,6 +105,11 @@ def plan_summary(compiled: Compiled) -> str:
 class Planning:
     """Capture, plan and executor per input signature (a mixin of `HCModule`)."""
 
+    #: Whether the wrapped module's own forward hooks run around each call: not for an
+    #: HCModule, which runs the captured graph; yes where the model is enabled in place
+    #: (`hbp.enable`: nn.Module's call runs them around the enabled forward).
+    ROOT_HOOKS_RUN = False
+
     def _plans_for(self, args, kwargs) -> bool:
         if not torch.is_grad_enabled():
             return False
@@ -161,8 +166,30 @@ class Planning:
             measured = self._stop_probe() if compiled.plan is not None else None
             if measured is not None:  # the last step, run by the plan made for the old options
                 self._measured_peak_bytes = measured[1]
-            self._plan_capture(compiled)  # a BudgetError keeps the capture for other options
+            try:
+                self._plan_capture(compiled)  # a BudgetError keeps the capture for other options
+            except BudgetError as err:
+                raise self._budget_error_at_these_inputs(err, args, kwargs) from err
         return compiled
+
+    def _budget_error_at_these_inputs(self, err: BudgetError, args, kwargs) -> BudgetError:
+        """`err`, naming this call's input shapes where other signatures were planned before
+        (variable-length batches: a longer one can need more than the budget gives)."""
+        others = len(self._compiled) - 1
+        if others < 1:
+            return err
+        named = [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
+        shapes = ", ".join(
+            f"{name} {'x'.join(map(str, value.shape))}"
+            for name, value in named
+            if isinstance(value, torch.Tensor)
+        )
+        where = (
+            f"at this call's inputs ({shapes}), a new input signature after {others} planned before"
+        )
+        return BudgetError(
+            err.budget, err.minimum, f"{err.detail}; {where}" if err.detail else where
+        )
 
     def _signature(self, args, kwargs) -> tuple:
         leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
@@ -413,7 +440,11 @@ class Planning:
                 "during backward",
             )
         root = self.module
-        if captured.granularity != MODULE and (root._forward_hooks or root._forward_pre_hooks):
+        if (
+            not self.ROOT_HOOKS_RUN
+            and captured.granularity != MODULE
+            and (root._forward_hooks or root._forward_pre_hooks)
+        ):
             self._warn_once(
                 "root-hooks",
                 f"forward hooks registered on the wrapped {type(root).__name__} itself do not "
