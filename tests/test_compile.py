@@ -101,6 +101,19 @@ def test_torch_compile_of_hcmodule_compiles_the_segments():
     assert hc.compiled.executor is not hc.compiled.segments_compiled  # eager one kept apart
 
 
+def test_torch_compile_of_an_enabled_model_compiles_the_segments(monkeypatch):
+    """`torch.compile(model)` of a model enabled in place (Trainer's `torch_compile=True`)
+    runs the plan with its segments compiled, as `torch.compile(hc)` does, not eagerly."""
+    compile_ = torch.compile  # the segments' compile on aot_eager (Inductor is slow on CPU)
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compile_(m, **{**AOT_EAGER, **kw}))
+    model, x, plain = reference(cnn)
+    hbp.enable(model, budget="min")
+    step(torch.compile(model, backend="aot_eager"), model, x)
+    engine = hbp.engine_of(model)
+    assert compiled_segments(engine) >= 2
+    assert_same_step(model, plain, rtol=1e-5, atol=1e-6)
+
+
 def test_a_compiled_loss_function_calling_hc_breaks_the_graph_there():
     model, x, plain = reference(mlp)
     hc = hbp.HCModule(model, budget=0.5, compile=AOT_EAGER)

@@ -141,10 +141,11 @@ class ClosedLoop:
             # the loop is on unless calibrate=False: say once why it is off here
             self._warn_once(
                 "compiled-region-cpu",
-                "HCModule: a torch.compile(hc) step on CPU cannot be measured by the "
-                "allocator (a profiler started inside the compiled caller's region corrupts "
-                "its results), so the closed loop is off there; HCModule(model, budget, "
-                "compile=True) compiles the same segments and keeps the loop.",
+                "HCModule: a torch.compile(hc) (or torch.compile of an enabled model) step "
+                "on CPU cannot be measured by the allocator (a profiler started inside the "
+                "compiled caller's region corrupts its results), so the closed loop is off "
+                "there; HCModule(model, budget, compile=True) (hbp.enable(model, budget, "
+                "compile=True)) compiles the same segments and keeps the loop.",
             )
             calibrate = False
         if compiled.settled or not (device.type == "cuda" or calibrate):

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hbp.errors import ConfigError
+from hbp.integrations.torch.compile import dynamo_callback_set
 from hbp.integrations.torch.module import DEFAULT_BUDGET, HCModule
 
 __all__ = ["EnabledForward", "disable", "enable", "engine_of", "is_enabled"]
@@ -60,11 +61,13 @@ class _Engine(HCModule):
         return self.original_forward(*args, **kwargs)
 
     @torch.compiler.disable(reason="hbp runs its plan outside Dynamo")
-    def enter(self, args, kwargs):
+    def enter(self, args, kwargs, compiled_segments: bool = False):
+        """The training call; `compiled_segments`: under torch.compile(model), which the plan
+        answers with each segment compiled (NOTE [ torch.compile of an HCModule ])."""
         self.training = self.module.training
         self.inside = True
         try:
-            return self._forward(*args, **kwargs)
+            return self._step(args, kwargs, compiled_segments=compiled_segments)
         finally:
             self.inside = False
 
@@ -106,7 +109,9 @@ class EnabledForward:
         engine = self.engine
         if engine.inside or not torch.is_grad_enabled():
             return engine.original_forward(*args, **kwargs)
-        return engine.enter(args, kwargs)
+        # asked here: inside `enter`, which Dynamo does not trace, torch.compile is not seen
+        compiling = torch.compiler.is_compiling() or dynamo_callback_set()
+        return engine.enter(args, kwargs, compiling)
 
 
 def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Module:
