@@ -210,6 +210,7 @@ class ClosedLoop:
             compiled.settled = True
             return
         unseen = peak - compiled.plan.predicted_peak_bytes
+        compiled.unseen_bytes = max(unseen, 0)  # NOTE [ Kept outputs after unseen memory ]
         target = min(compiled.budget_bytes - unseen, compiled.plan.budget_bytes - excess)
         message = (
             f"HCModule: the measured step peaked at {peak / MIB:.2f} MiB (allocator), "

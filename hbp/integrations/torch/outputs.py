@@ -166,8 +166,9 @@ class WatchedOutputs:
             )
         naive = simulate(graph).peak_bytes
         compiled.naive_peak_bytes = naive
+        budget = self._target(compiled.captured, naive, compiled.device)
         try:
-            self._replan(compiled, self._target(compiled.captured, naive, compiled.device))
+            self._replan(compiled, _less_what_stays_unseen(budget, compiled, graph, more))
         except BudgetError as err:
             self._replan(compiled, "min")
             # the loop cannot do better than the least plan; its next step is measured so
@@ -183,9 +184,29 @@ class WatchedOutputs:
                 stacklevel=5,
             )
             return True
-        compiled.budget_bytes = compiled.plan.budget_bytes
+        compiled.budget_bytes = budget if budget != "min" else compiled.plan.budget_bytes
         # the new plan spends what the outputs held on less recompute: memory the plan does
         # not see (the caller's loss) may now cross the budget, so the closed loop measures
         # the next step again
         compiled.measure_again()
         return True
+
+
+# NOTE [ Kept outputs after unseen memory ]
+# The closed loop learns from a measured step what its plan did not see (the measured peak
+# less the prediction: a loss computed outside the module, Accelerate's conversion of the
+# outputs to float32) and plans for the budget less that. When a later step shows outputs the
+# caller keeps, the capture is planned again with them counted; planned for the whole budget,
+# that plan would cross it again by what stays unseen, and the loop would need another
+# over-budget step to learn it a second time. So it is planned for the budget less what the
+# last measurement did not see, net of the newly kept outputs (held until backward ends, they
+# were in that measured peak and are now in the plan).
+
+
+def _less_what_stays_unseen(budget, compiled, graph, kept: list[str]):
+    """`budget` (bytes or "min") less what the closed loop's last measurement saw above its
+    plan, net of the outputs `kept` now counted (NOTE [ Kept outputs after unseen memory ])."""
+    if budget == "min" or not compiled.unseen_bytes:
+        return budget
+    counted = sum(graph.node(name).output_bytes for name in kept)
+    return int(budget) - max(compiled.unseen_bytes - counted, 0)

@@ -61,6 +61,7 @@ class Compiled:
     pins: bool = True  # plans may pin values (False: its segments run compiled)
     device: Any = None  # where the step runs
     planned_for: tuple = ()  # HCModule's `_plan_options()` when `plan` was made
+    unseen_bytes: int = 0  # what a measured step held above its plan's prediction (closed loop)
 
     def measure_again(self, last: bool = False) -> None:
         """The closed loop measures the next step, that of a new plan; with `last`, that
