@@ -233,3 +233,7 @@ def test_a_byte_budget_a_longer_batch_cannot_meet_names_its_inputs():
         hc(long).sum().backward()
     assert err.value.minimum == least.value.minimum
     hc(short).sum().backward()
+    hc.budget = 1000  # bytes, too few for the short batch too, which is not a new signature
+    with pytest.raises(BudgetError) as err:
+        hc(short).sum().backward()
+    assert "new input signature" not in str(err.value)

@@ -167,9 +167,12 @@ class Planning:
             measured = self._stop_probe() if compiled.plan is not None else None
             if measured is not None:  # the last step, run by the plan made for the old options
                 self._measured_peak_bytes = measured[1]
+            first = compiled.plan is None
             try:
                 self._plan_capture(compiled)  # a BudgetError keeps the capture for other options
             except BudgetError as err:
+                if not first:  # a new budget for a signature planned before
+                    raise
                 raise self._budget_error_at_these_inputs(err, args, kwargs) from err
         return compiled
 
