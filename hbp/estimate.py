@@ -291,24 +291,40 @@ def _matmul_flops_per_s(device: torch.device, n: int = 512, repeats: int = 3) ->
 
 USAGE = (
     "python -m hbp.estimate workload=NAME [profile=small] [budgets=0.8,0.5,min] "
-    "[block_size=1] [workload.FIELD=VALUE ...]"
+    "[block_size=1] [threads=N] [workload.FIELD=VALUE ...]"
 )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Estimate a registered workload's step (model and loss) and print the table."""
+    """Estimate a registered workload's step (model and loss) and print the table. Bad
+    arguments: one line on stderr and exit status 2, as `run.py`'s."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(f"usage: {USAGE}")
+        return 0
+    try:
+        return _main(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     from hbp.workloads import build
 
-    argv = sys.argv[1:] if argv is None else argv
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    known = {"workload", "profile", "budgets", "block_size"}
+    known = {"workload", "profile", "budgets", "block_size", "threads"}
     overrides = {
         k.split(".", 1)[1]: _value(v) for k, v in args.items() if k.startswith("workload.")
     }
     unknown = sorted(k for k in args if k not in known and not k.startswith("workload."))
+    unknown += [a for a in argv if "=" not in a]
     if unknown or "workload" not in args:
         raise ConfigError("argument", unknown or argv, USAGE)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    threads = _value(args.get("threads", str(max(1, torch.get_num_threads()))))
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError("threads", args.get("threads"), "an int >= 1")
+    torch.set_num_threads(threads)
     wl = build(args["workload"], args.get("profile", "small"), seed=0, **overrides)
     batch = wl.make_batch(0)
     budgets = None

@@ -86,8 +86,14 @@ def test_command_line_on_a_workload_config(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "workload=gpt2" in out and "least reachable" in out and "min" in out
-    with pytest.raises(ConfigError, match="workload=NAME"):
-        main(["budgets=0.5"])
+    for bad, field in (
+        (["budgets=0.5"], "workload=NAME"),
+        (["workload=gpt2", "threads=0"], "threads"),
+    ):
+        assert main(bad) == 2  # one line on stderr, as run.py's errors
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: ") and field in line
+    assert main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: ")
 
 
 def test_a_module_level_structure_is_planned_once_per_budget(monkeypatch):

@@ -103,3 +103,11 @@ def test_plots_without_timelines_or_graphs_are_skipped_with_a_reason(runs, tmp_p
     assert "no run with a timeline" in report.skipped["memory_timeline_gpt2.png"]
     assert "graph.json" in report.skipped["frontier_gpt2.png"]
     assert (tmp_path / "pareto.png").exists()
+
+
+def test_a_naive_run_measures_its_own_naive_reference(tmp_path):
+    """The naive reference is a plain step on a copy, measured as the run's own steps are:
+    a naive run is 1.000 of it, also where the parameters' gradients are most of the step
+    (profile tiny), which a reference step that also copied the gradients doubled."""
+    row = bench_run(tmp_path, "workload=gpt2", "mode=naive", "profile=tiny", "logger=none")
+    assert row["naive_peak_bytes"] == row["peak_bytes"] and row["peak_vs_naive"] == 1.0
