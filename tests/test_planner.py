@@ -411,6 +411,19 @@ def test_budget_error_says_when_parameter_gradients_are_most_of_the_minimum():
     assert "parameter gradients" not in str(err.value)
 
 
+def test_budget_error_names_the_op_whose_workspace_is_most_of_the_minimum():
+    """A kernel's workspace (a CPU depthwise convolution's backward: most of a ConvNeXt's
+    least peak) is held while the op runs, whatever is recomputed: the error names the op."""
+    graph = synthetic.uniform_chain(8, nbytes=MIB)
+    graph.nodes[5].backward_scratch_bytes = 16 * MIB
+    graph.nodes[5].module = "encoder.stages.3.dwconv"
+    minimum = min_feasible_peak(graph)[0]
+    assert minimum >= 16 * MIB
+    with pytest.raises(BudgetError, match=r"16\.00 MiB of it is the workspace of encoder") as err:
+        plan(graph, minimum - 1)
+    assert err.value.minimum == minimum and "backward kernel" in str(err.value)
+
+
 def test_plan_entry_point_options_and_errors():
     graph = synthetic.residual_net(2)
     p = plan(graph, "40MiB", planner="one_level", max_cuts=24)

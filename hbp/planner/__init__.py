@@ -142,7 +142,7 @@ def _plan(graph, info, budget, block_size, planner, pins, schedules, options: di
         scheduled = schedules and schedule_plan(graph, budget_bytes, None, info=info, naive=naive)
         if scheduled:
             return scheduled
-        raise _with_parameter_gradients(graph, err) from None
+        raise _with_workspace(graph, _with_parameter_gradients(graph, err)) from None
     if schedules:
         return schedule_plan(graph, budget_bytes, best, info=info, naive=naive) or best
     return best
@@ -204,5 +204,22 @@ def _with_parameter_gradients(graph: Graph, err: BudgetError) -> BudgetError:
         f"{err.detail}; {grads / 2**20:.2f} MiB of it are parameter gradients, which no "
         "checkpointing frees (they live until the optimizer step): below that, shard or "
         "offload them (FSDP), or freeze parameters"
+    )
+    return BudgetError(err.budget, err.minimum, detail.lstrip("; "))
+
+
+def _with_workspace(graph: Graph, err: BudgetError) -> BudgetError:
+    """`err`, naming the op whose kernel workspace is half of its minimum or more (a CPU
+    depthwise convolution's backward): the op holds it while it runs, whatever is recomputed
+    around it, so recompute cannot go below it."""
+    node = max(graph.nodes, key=lambda n: max(n.forward_scratch_bytes, n.backward_scratch_bytes))
+    scratch = max(node.forward_scratch_bytes, node.backward_scratch_bytes)
+    if scratch * 2 < err.minimum:
+        return err
+    where = "backward" if node.backward_scratch_bytes >= node.forward_scratch_bytes else "forward"
+    detail = (
+        f"{err.detail}; {scratch / 2**20:.2f} MiB of it is the workspace of "
+        f"{node.module or node.name} ({node.op})'s {where} kernel, held while it runs whatever "
+        "is recomputed: a smaller input or another kernel lowers it"
     )
     return BudgetError(err.budget, err.minimum, detail.lstrip("; "))
