@@ -43,6 +43,7 @@ def test_report_writes_parquet_table_and_plots(runs, capsys):
     assert main([str(runs)]) == 0
     out = capsys.readouterr().out
     assert "4 finished runs, 1 failed" in out
+    assert "failed: failed: mode.budget=0.01 is not accepted" in out  # its directory, its error
     assert "## synthetic_dag" in out and "## gpt2" in out
     results = pd.read_parquet(runs / "results.parquet")
     assert len(results) == 5 and (results["status"] == "error").sum() == 1

@@ -74,6 +74,7 @@ def hydra_main(cfg: DictConfig) -> dict | None:
             "workload": cfg.workload.name,
             "mode": cfg.mode.name,
             "profile": cfg.profile.name,
+            "mode_budget": cfg.mode.get("budget"),  # as a finished run's metrics name it
             "run_dir": str(run_dir),
         }
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(report.table)} finished runs, {failed} failed, under {args.root}\n")
     print(report.format())
     print()
+    if failed:
+        for _, row in report.runs[report.runs["status"] == "error"].iterrows():
+            message = str(row.get("error", "")).strip().splitlines() or [""]
+            print(f"failed: {Path(str(row.get('run_dir', ''))).name}: {message[0][:200]}")
+        print()
     for path in report.files:
         print(f"wrote {path}")
     for name, why in report.skipped.items():
