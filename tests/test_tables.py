@@ -48,6 +48,8 @@ def test_summary_has_one_naive_fixed_formats_and_no_range_for_one_sample():
         naive_line.startswith("naive: plain autograd") and "without the chunked loss" in naive_line
     )
     assert text.count("naive MiB") == 1
+    jax_line = format_summary([row(framework="jax")]).splitlines()[-1]  # no copy, no chunked loss
+    assert jax_line == "naive: the compiled jax.jit(jax.grad(loss)) of the same workload"
 
 
 def test_noisy_timings_are_flagged_and_kept_off_the_front():

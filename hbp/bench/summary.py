@@ -58,7 +58,9 @@ def format_summary(rows) -> str:
     rows = list(rows)
     table = summary_frame(rows)
     text = format_table(table).to_string(index=False)
-    if "naive MiB" in table:
+    if "naive MiB" in table and all(row.get("framework") == "jax" for row in rows):
+        text += "\nnaive: the compiled jax.jit(jax.grad(loss)) of the same workload"
+    elif "naive MiB" in table:
         lm_head = any(row.get("workload_chunked_loss") is not None for row in rows)
         model = NAIVE_MODEL + (NAIVE_WITHOUT_CHUNKED_LOSS if lm_head else "")
         text += f"\nnaive: {model}, measured on a copy"
