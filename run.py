@@ -64,6 +64,54 @@ def check_group_choices(args: list[str]) -> None:
                 sys.exit(2)
 
 
+def check_keys(args: list[str]) -> None:
+    """Reject `key=value` overrides of a key the composed config does not have (`stepz=3`,
+    `mode.budgt=0.5`): one line naming the key and, where it has a section, that section's
+    keys (Hydra's own message is six lines, exit code 1). The config is composed with the
+    groups chosen (a sweep's first option); anything this cannot compose or parse is left to
+    Hydra."""
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from omegaconf import OmegaConf
+
+        overrides = OverridesParser.create().parse_overrides(
+            [a for a in args if "=" in a and not a.startswith("-")]
+        )
+        groups, keys = [], []
+        for o in overrides:
+            if o.is_delete() or o.is_add() or o.is_force_add() or o.package is not None:
+                continue
+            if o.key_or_group in CHECKED_GROUPS:
+                first = next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else None
+                groups.append(f"{o.key_or_group}={first if first is not None else o.value()}")
+            elif not (
+                o.key_or_group.startswith("hydra")  # hydra.run.dir, hydra/launcher
+                or "/" in o.key_or_group
+                or (CONF_DIR / o.key_or_group).is_dir()  # a group, not a key
+            ):
+                keys.append(o.key_or_group)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", groups)
+    except Exception:
+        return
+    for key in keys:
+        if OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT:
+            continue
+        section, _, _ = key.rpartition(".")
+        where = OmegaConf.select(cfg, section, default=None) if section else cfg
+        known = ", ".join(sorted(str(k) for k in where)) if hasattr(where, "keys") else ""
+        sys.stderr.write(
+            f"error: {key} is not a key of this config"
+            + (f": {section or 'the top level'} has {known}" if known else "")
+            + " (+key=value adds one on purpose)\n"
+        )
+        sys.exit(2)
+
+
+_ABSENT = object()
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     from hbp.bench import hydra_main
@@ -80,6 +128,7 @@ def quiet_nonzero_rank(args: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     check_group_choices(sys.argv[1:])
+    check_keys(sys.argv[1:])
     sys.argv[1:] = quiet_nonzero_rank(sys.argv[1:])
     from hbp.bench.rundir import register_resolvers
 
