@@ -32,18 +32,22 @@ CHECKED_GROUPS = (
 )
 
 
-def check_group_choices(args: list[str]) -> None:
-    """Reject `group=option` overrides naming an option that conf/<group>/ does not have, with
-    the accepted options (Hydra's own message buries them under its config search path).
-    Anything this cannot parse is left to Hydra."""
+def parsed_overrides(args: list[str]) -> list | None:
+    """The `key=value` arguments as Hydra parses them; None where it cannot (Hydra then says
+    why itself)."""
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        overrides = OverridesParser.create().parse_overrides(
+        return OverridesParser.create().parse_overrides(
             [a for a in args if "=" in a and not a.startswith("-")]
         )
     except Exception:
-        return
+        return None
+
+
+def check_group_choices(overrides: list) -> None:
+    """Reject `group=option` overrides naming an option that conf/<group>/ does not have, with
+    the accepted options (Hydra's own message buries them under its config search path)."""
     for override in overrides:
         group = override.key_or_group
         if group not in CHECKED_GROUPS or override.is_delete() or override.package is not None:
@@ -64,21 +68,14 @@ def check_group_choices(args: list[str]) -> None:
                 sys.exit(2)
 
 
-def check_keys(args: list[str]) -> None:
+def check_keys(overrides: list) -> None:
     """Reject `key=value` overrides of a key the composed config does not have (`stepz=3`,
     `mode.budgt=0.5`): one line naming the key and, where it has a section, that section's
     keys (Hydra's own message is six lines, exit code 1). The config is composed with the
-    groups chosen (a sweep's first option); anything this cannot compose or parse is left to
-    Hydra."""
+    groups chosen (a sweep's first option), only where a key is to be checked; anything this
+    cannot compose is left to Hydra."""
+    groups, keys = [], []
     try:
-        from hydra import compose, initialize_config_dir
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-        from omegaconf import OmegaConf
-
-        overrides = OverridesParser.create().parse_overrides(
-            [a for a in args if "=" in a and not a.startswith("-")]
-        )
-        groups, keys = [], []
         for o in overrides:
             if o.is_delete() or o.is_add() or o.is_force_add() or o.package is not None:
                 continue
@@ -91,6 +88,11 @@ def check_keys(args: list[str]) -> None:
                 or (CONF_DIR / o.key_or_group).is_dir()  # a group, not a key
             ):
                 keys.append(o.key_or_group)
+        if not keys:
+            return
+        from hydra import compose, initialize_config_dir
+        from omegaconf import OmegaConf
+
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", groups)
     except Exception:
@@ -127,8 +129,10 @@ def quiet_nonzero_rank(args: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
-    check_keys(sys.argv[1:])
+    overrides = parsed_overrides(sys.argv[1:])
+    if overrides is not None:
+        check_group_choices(overrides)
+        check_keys(overrides)
     sys.argv[1:] = quiet_nonzero_rank(sys.argv[1:])
     from hbp.bench.rundir import register_resolvers
 

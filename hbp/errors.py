@@ -45,6 +45,10 @@ class BudgetError(HBPError, ValueError):
             msg += f": {detail}"
         super().__init__(msg)
 
+    def with_detail(self, more: str) -> BudgetError:
+        """This error with `more` said after its detail (same budget and minimum)."""
+        return BudgetError(self.budget, self.minimum, f"{self.detail}; {more}".lstrip("; "))
+
 
 def _mib(nbytes: int, decimals: int = 2) -> str:
     """MiB with `decimals` decimals, or six below 0.01 MiB (small models: never "0.00")."""

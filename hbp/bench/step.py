@@ -60,13 +60,19 @@ def max_relative_grad_error(grads, ref_grads) -> float:
     return worst
 
 
-def _step_gradients(module, workload, batch, params, seed):
-    """One step of `module` from `seed`: (parameter gradients, cloned; loss)."""
+def _step(module, workload, batch, params, seed) -> torch.Tensor:
+    """One step of `module` from `seed`, its gradients left in `.grad`; its loss."""
     for p in params:
         p.grad = None
     torch.manual_seed(seed)
     loss = workload.step_loss(module, batch)
     loss.backward()
+    return loss
+
+
+def _step_gradients(module, workload, batch, params, seed):
+    """One step of `module` from `seed`: (parameter gradients, cloned; loss)."""
+    loss = _step(module, workload, batch, params, seed)
     grads = [p.grad.detach().clone() if p.grad is not None else None for p in params]
     return grads, float(loss.detach())
 
@@ -173,10 +179,7 @@ def reference_checks(cfg, workload, module, batch, params, device, flops) -> dic
     if result["naive_flops"] is None and cfg.count_naive_flops:
 
         def naive_step():  # as the run's steps are measured: no copy of the gradients
-            for p in ref_params:
-                p.grad = None
-            torch.manual_seed(cfg.seed)
-            reference.step_loss(reference.model, batch).backward()
+            _step(reference.model, reference, batch, ref_params, cfg.seed)
 
         _, result["naive_peak_bytes"] = step_peak(naive_step, device)  # the allocator's
         with TotalFlopCounterMode() as counter:

@@ -23,6 +23,7 @@ from hbp.planner.schedules import schedule_plan
 from hbp.planner.stages import stage_tables_kept
 from hbp.planner.tree import validate_plan
 from hbp.planner.uniform import uniform_plan
+from hbp.units import MIB
 
 PLANNERS = ("optimal", "one_level", "uniform")
 
@@ -200,12 +201,11 @@ def _with_parameter_gradients(graph: Graph, err: BudgetError) -> BudgetError:
     grads = sum(node.param_grad_bytes for node in graph.nodes)
     if grads * 2 < err.minimum:
         return err
-    detail = (
-        f"{err.detail}; {grads / 2**20:.2f} MiB of it are parameter gradients, which no "
-        "checkpointing frees (they live until the optimizer step): below that, shard or "
-        "offload them (FSDP), or freeze parameters"
+    return err.with_detail(
+        f"{grads / MIB:.2f} MiB of it are parameter gradients, which no checkpointing frees "
+        "(they live until the optimizer step): below that, shard or offload them (FSDP), or "
+        "freeze parameters"
     )
-    return BudgetError(err.budget, err.minimum, detail.lstrip("; "))
 
 
 def _with_workspace(graph: Graph, err: BudgetError) -> BudgetError:
@@ -217,9 +217,8 @@ def _with_workspace(graph: Graph, err: BudgetError) -> BudgetError:
     if scratch * 2 < err.minimum:
         return err
     where = "backward" if node.backward_scratch_bytes >= node.forward_scratch_bytes else "forward"
-    detail = (
-        f"{err.detail}; {scratch / 2**20:.2f} MiB of it is the workspace of "
-        f"{node.module or node.name} ({node.op})'s {where} kernel, held while it runs whatever "
-        "is recomputed: a smaller input or another kernel lowers it"
+    return err.with_detail(
+        f"{scratch / MIB:.2f} MiB of it is the workspace of {node.module or node.name} "
+        f"({node.op})'s {where} kernel, held while it runs whatever is recomputed: a smaller "
+        "input or another kernel lowers it"
     )
-    return BudgetError(err.budget, err.minimum, detail.lstrip("; "))

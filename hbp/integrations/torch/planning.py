@@ -188,11 +188,8 @@ class Planning:
             for name, value in named
             if isinstance(value, torch.Tensor)
         )
-        where = (
+        return err.with_detail(
             f"at this call's inputs ({shapes}), a new input signature after {others} planned before"
-        )
-        return BudgetError(
-            err.budget, err.minimum, f"{err.detail}; {where}" if err.detail else where
         )
 
     def _signature(self, args, kwargs) -> tuple:
