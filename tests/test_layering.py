@@ -23,6 +23,7 @@ HBP = ROOT / "hbp"
 # and the bench on top.
 LAYERS: dict[str, int] = {
     "units": 0,
+    "files": 0,
     "errors": 1,
     "allocator": 1,
     "graph": 2,

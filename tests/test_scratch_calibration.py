@@ -15,6 +15,7 @@ from hbp.allocator import allocator_peak
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
 from hbp.graph.torch.capture import capture
+from hbp.graph.torch.scratch_store import ScratchStore
 from tests.models.toy import HFStyleLM
 
 
@@ -220,6 +221,52 @@ def test_capture_with_calibrate_is_capture_then_calibration():
         inside = capture(module, (x, y), calibrate=True)  # profilers do not nest
     assert not inside.scratch_measured
     assert scratch_fields(inside) == uncalibrated
+
+
+def test_workspaces_kept_on_disk_are_read_back_by_another_run_not_measured(tmp_path, monkeypatch):
+    """A restarted job with `plan_cache=`: its capture reads each op's workspace from the
+    cache's `scratch` folder (the process's own measurements forgotten) and measures none."""
+    module, (x, y) = models()["upsampler"]  # its layout passes measure gradients' layouts too
+    calibrate.clear_cache()
+    first = hbp.HCModule(module, 0.8, plan_cache=tmp_path)
+    first_plan = first.prepare(x, y)
+    kept = list((tmp_path / "scratch").rglob("*.json"))
+    assert len(kept) >= 8  # the convolutions, the linear, GroupNorm, interpolate, silu, loss
+    fields = scratch_fields(first.captured)
+    assert any(f != (0, 0) for f in fields)
+
+    calibrate.clear_cache()
+    measured = []
+    monkeypatch.setattr(calibrate, "measure_op", lambda *a: measured.append(a) or None)
+    again = hbp.HCModule(module, 0.8, plan_cache=tmp_path)
+    plan = again.prepare(x, y)
+    assert measured == []
+    assert scratch_fields(again.captured) == fields
+    assert (
+        plan.meta.get("from_cache") and plan.predicted_peak_bytes == first_plan.predicted_peak_bytes
+    )
+
+    # measured with other CPU threads (oneDNN sizes its buffers by them): not read back
+    calibrate.clear_cache()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        capture(module, (x, y), calibrate=True, scratch_store=ScratchStore(tmp_path / "scratch"))
+    finally:
+        torch.set_num_threads(threads)
+    assert measured
+
+
+def test_an_op_named_by_its_address_is_not_kept_on_disk(tmp_path):
+    """A function of `__main__` or a closure is another object in another process."""
+    store = ScratchStore(tmp_path)
+    cpu = torch.device("cpu")
+    store.put((("call_function", "<function <lambda> at 0x7f00>"), None, ()), cpu, (1, 2, ()))
+    store.put((("call_function", "__main__.loss"), None, ()), cpu, (1, 2, ()))
+    assert not list(tmp_path.rglob("*.json"))
+    key = (("call_function", "torch.nn.functional.silu"), None, (("T", (2,), (1,)),))
+    store.put(key, cpu, (64, 128, ((1,),)))
+    assert store.get(key, cpu) == (64, 128, ((1,),))
 
 
 def test_a_first_step_inside_a_profiler_is_planned_again_outside_it():

@@ -18,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 
 from hbp.errors import BudgetError, ConfigError
+from hbp.files import write_atomic
 from hbp.graph.ir import Graph, Node
 from hbp.planner.plan import Plan
 
@@ -129,14 +129,14 @@ class PlanCache:
             }
         else:
             entry = {"plan": result.to_dict()}
-        _write_atomic(self.path(graph, budget, options), json.dumps(entry, default=str))
+        write_atomic(self.path(graph, budget, options), json.dumps(entry, default=str))
 
 
 def save_plan(plan: Plan, path: str | os.PathLike, graph: Graph) -> Path:
     """Write `plan` to `path` (JSON) with the fingerprint of the graph it was made for."""
     path = Path(path).expanduser()
     entry = {"format": PLAN_FORMAT, "fingerprint": graph_fingerprint(graph), "plan": plan.to_dict()}
-    _write_atomic(path, json.dumps(entry, indent=1, default=str))
+    write_atomic(path, json.dumps(entry, indent=1, default=str))
     return path
 
 
@@ -170,15 +170,3 @@ def _named_for(graph: Graph, plan: Plan) -> Plan:
     if "cuts" in plan.meta:
         plan.meta["cuts"] = [info.names[s.start] for s in plan.segments[1:]]
     return plan
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

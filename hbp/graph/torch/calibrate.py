@@ -22,7 +22,8 @@ its hyper-parameters), the shapes, dtypes, strides and `requires_grad` of its te
 the values of the others and the layout of its output gradient (a slice of a `torch.cat`'s
 gradient, the output's own layout, or the strides its users' backwards hand it: NOTE [ The
 layout of an output's gradient ]): measured once per process (`_CACHE`), so a model of
-repeated blocks costs one measurement per distinct layer.
+repeated blocks costs one measurement per distinct layer, and once in all where a
+`ScratchStore` keeps the measurements on disk (`calibrate_scratch(..., store=)`).
 
 Values are produced by running the graph on the real inputs (once, and once more per step of
 a gradient layout's way back where one differs) under `no_grad` (each value dropped after its
@@ -54,6 +55,7 @@ from hbp.graph.torch.fallback import buffers_restored
 from hbp.graph.torch.measure_op import Strides, fetch_attr, measure_op, run_node
 from hbp.graph.torch.modes import MODES
 from hbp.graph.torch.op_profile import PROFILED_LIKE
+from hbp.graph.torch.scratch_store import ScratchStore
 
 __all__ = ["calibrate_scratch", "clear_cache"]
 
@@ -66,7 +68,10 @@ MAX_LAYOUT_PASSES = 8
 
 
 def calibrate_scratch(
-    captured: CapturedGraph, args: tuple = (), kwargs: dict | None = None
+    captured: CapturedGraph,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    store: ScratchStore | None = None,
 ) -> int | None:
     """Raise the scratch fields of `captured.graph`'s nodes to what the allocator measures.
 
@@ -74,6 +79,8 @@ def calibrate_scratch(
         captured: an op-level capture (`hbp.graph.torch.capture.capture`); a module-level one
             is left as it is.
         args, kwargs: the call the capture was made for (`module(*args, **kwargs)`).
+        store: where measurements are also read from and written to, across processes
+            (`hbp.graph.torch.scratch_store`); None: this process's only.
 
     Returns:
         The number of nodes whose scratch fields were raised; None when nothing could be
@@ -86,7 +93,7 @@ def calibrate_scratch(
     if _on_cpu(arguments, gm) and foreign_profiler_running():  # profilers cannot nest
         return None
     with _disable_current_modes(), _state_kept(gm), torch.no_grad():
-        layouts, run = _Layouts(), _Pass(captured)
+        layouts, run = _Layouts(), _Pass(captured, store)
         raised = _calibrate_pass(run, arguments, layouts)
         for _ in range(MAX_LAYOUT_PASSES):  # NOTE [ The layout of an output's gradient ]
             pending = layouts.take_pending()
@@ -127,8 +134,8 @@ class _Pass:
     """What the passes over one graph share: its fx nodes by name, each node's `_NodeFacts`
     (NOTE [ Layout passes run only what they measure ])."""
 
-    def __init__(self, captured: CapturedGraph):
-        self.captured = captured
+    def __init__(self, captured: CapturedGraph, store: ScratchStore | None = None):
+        self.captured, self.store = captured, store
         self.by_name = {n.name: n for n in captured.gm.graph.nodes}
         self.facts: dict[fx.Node, _NodeFacts] = {}
 
@@ -165,11 +172,13 @@ def _calibrate_pass(
         facts = run.facts[node]
         for strides in seeds:
             key = (facts.signature, cat_dim, strides)
-            if key not in _CACHE:
+            if key not in _CACHE and not _stored(run, key, args, kwargs):
                 measured = measure_op(gm, node, args, kwargs, cat_dim, strides)
                 if measured is None:
                     continue
                 _CACHE[key] = measured
+                if run.store is not None:  # measured: it has a tensor argument
+                    run.store.put(key, _device(args, kwargs), measured)
             forward, backward, grad_strides = _CACHE[key]
             if view is None:
                 raised += _raise_fields(captured, ir_node, forward, backward, only is None)
@@ -177,6 +186,23 @@ def _calibrate_pass(
                 raised += _raise_fields(captured, view, 0, backward)
             _record_layouts(run, facts, grad_strides, layouts)
     return raised
+
+
+def _stored(run: _Pass, key: tuple, args, kwargs) -> bool:
+    """Whether `run.store` has a measurement for `key` (then in `_CACHE` too)."""
+    device = None if run.store is None or args is None else _device(args, kwargs)
+    if device is None:
+        return False
+    measured = run.store.get(key, device)
+    if measured is not None:
+        _CACHE[key] = measured
+    return measured is not None
+
+
+def _device(args, kwargs) -> torch.device | None:
+    """The device of an op's first tensor argument (`measure_op` runs on it), or None."""
+    leaves = tree_leaves((args, kwargs))
+    return next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
 
 
 def _node_facts(gm: fx.GraphModule, node: fx.Node, values: _Values, args, kwargs) -> _NodeFacts:
@@ -440,9 +466,22 @@ def _signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
         params = tuple(describe(p) for p in module.parameters())
         op = ("module", type(module).__qualname__, repr(module), module.training, params)
     else:
-        op = (node.op, str(node.target))
+        op = (node.op, _op_name(node.target))
     leaves = tuple(describe(v) for v in tree_leaves((args, kwargs)))
     return (op, node.meta.get(MODES), leaves)
+
+
+def _op_name(target: Any) -> str:
+    """`target` named as it is in any process where that can be said: a library function by
+    its module and qualified name, not by the address in its `str` (a function of `__main__`
+    or a closure keeps the address: NOTE [ What a workspace depends on ])."""
+    name = str(target)
+    if " at 0x" not in name:
+        return name
+    module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<" in qualname:
+        return name
+    return f"{module}.{qualname}"
 
 
 def _cat_dim(node: fx.Node) -> int | None:

@@ -50,6 +50,7 @@ from hbp.graph.torch.modes import MODES, ambient_modes, enter_modes, exit_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
 from hbp.graph.torch.profile import profile_graph
 from hbp.graph.torch.proxy import InputAttributeRead
+from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.graph.torch.state import ForwardSideEffect, ModelState, ModuleState, same_value
 from hbp.graph.torch.trace import trace_module
 
@@ -68,7 +69,12 @@ __all__ = [
 
 
 def capture(
-    module: nn.Module, args: tuple = (), kwargs: dict | None = None, *, calibrate: bool = False
+    module: nn.Module,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    calibrate: bool = False,
+    scratch_store: ScratchStore | None = None,
 ) -> CapturedGraph:
     """Capture `module(*args, **kwargs)` (training step: grad enabled, current train/eval
     flags) into hbp's IR. Falls back to module-level cut points, with a `CaptureWarning`,
@@ -79,7 +85,8 @@ def capture(
 
     `calibrate=True` also measures each op's kernel workspace with the allocator, on real
     tensors (the scratch calibration stage, `hbp.graph.torch.calibrate`), into the nodes'
-    scratch fields; `CapturedGraph.scratch_measured` says whether it could."""
+    scratch fields; `CapturedGraph.scratch_measured` says whether it could. `scratch_store`
+    (`hbp.graph.torch.scratch_store.ScratchStore`) keeps those measurements across processes."""
     start = time.perf_counter()
     kwargs = dict(kwargs or {})
     signature = inspect.signature(module.forward)
@@ -116,7 +123,9 @@ def capture(
     captured.capture_time_s = time.perf_counter() - start
     captured.graph.meta["capture_time_s"] = captured.capture_time_s
     if calibrate:
-        captured.scratch_measured = calibrate_scratch(captured, args, kwargs) is not None
+        captured.scratch_measured = (
+            calibrate_scratch(captured, args, kwargs, scratch_store) is not None
+        )
     return captured
 
 

@@ -102,8 +102,9 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
             backward's temporaries, about the outputs' size for mse_loss) is then not counted
             (pass it as `loss_fn` to have it planned).
         plan_cache: a directory (or `hbp.planner.cache.PlanCache`) where plans are kept by
-            the captured graph's structure, the budget and the options: a restarted job or
-            another run of a sweep reads its plan there instead of planning again.
+            the captured graph's structure, the budget and the options, and the ops' measured
+            workspaces (in its `scratch` folder) by op signature: a restarted job or another
+            run of a sweep reads them there instead of planning and measuring again.
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).

@@ -17,6 +17,7 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, capture
+from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.planner.budget import BudgetKind
 from hbp.planner.module_level import module_level_plan
@@ -236,7 +237,10 @@ class Planning:
                 f"a module whose parameters are initialised ({', '.join(lazy[:3])} are lazy): "
                 "call it once on a batch before wrapping it in HCModule",
             )
-        captured = capture(root, args, kwargs, calibrate=True)
+        store = (
+            None if self.plan_cache is None else ScratchStore(self.plan_cache.directory / "scratch")
+        )
+        captured = capture(root, args, kwargs, calibrate=True, scratch_store=store)
         scratch_measured = captured.scratch_measured
         graph = captured.graph
         if captured.granularity == MODULE and not captured.tracer:

@@ -1,0 +1,112 @@
+"""Measured kernel workspaces kept on disk, so that another process does not measure them again.
+
+The scratch calibration (`hbp.graph.torch.calibrate`) measures each distinct op signature once
+per process. On a CPU that is most of a large model's first step (an LM head's forward and
+backward on the real shapes); a restarted job or another run of a sweep measures the same ops
+on the same shapes again. A `ScratchStore` keeps each measurement under its op signature and
+the environment that decides it (NOTE [ What a workspace depends on ]):
+
+    store = ScratchStore("~/.cache/hbp/scratch")
+    captured = capture(model, args, kwargs, calibrate=True, scratch_store=store)
+
+`HCModule(..., plan_cache=dir)` keeps its measurements in `dir/scratch`. Entries are written
+atomically (one JSON file each), so jobs sharing a directory read whole entries or none; an
+unreadable entry is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from hbp.files import write_atomic
+
+__all__ = ["SCRATCH_FORMAT", "ScratchStore", "Measured"]
+
+#: Bumped whenever what a measurement means changes: entries of another format are not read.
+SCRATCH_FORMAT = 1
+
+#: (forward allocator peak, backward allocator peak, bytes; the strides of the gradient each
+#: tensor leaf of the op's arguments got, or None)
+Measured = tuple[int, int, tuple[tuple[int, ...] | None, ...]]
+
+# NOTE [ What a workspace depends on ]
+# A measurement is the allocator's peak of one op on tensors of given shapes, strides, dtypes
+# and devices (the op signature, `calibrate._signature`, with the gradient layout), and it
+# depends on the kernels chosen: the torch build, the device (a GPU's name and compute
+# capability), the CPU threads (oneDNN sizes its buffers by them), cuDNN's flags, the
+# deterministic-algorithms flag and the caching allocator's settings. All of these are in the
+# key. A signature that names an object by its address (a lambda, a function defined in
+# `__main__`, a repr without a stable form) means another object in another process: it is
+# measured in each process and never written.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|<lambda>|<locals>|__main__")
+
+
+class ScratchStore:
+    """Op workspace measurements on disk, one JSON file per (op signature, environment)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory).expanduser()
+
+    def get(self, key: tuple, device: torch.device) -> Measured | None:
+        """The measurement stored for `key` (calibration's op signature, gradient layout) on
+        `device`, or None."""
+        path = self._path(key, device)
+        if path is None:
+            return None
+        try:
+            forward, backward, strides = json.loads(path.read_text())["measured"]
+            return (
+                int(forward),
+                int(backward),
+                tuple(None if s is None else tuple(int(x) for x in s) for s in strides),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put(self, key: tuple, device: torch.device, measured: Measured) -> None:
+        path = self._path(key, device)
+        if path is not None:
+            write_atomic(path, json.dumps({"measured": measured}))
+
+    def _path(self, key: tuple, device: torch.device) -> Path | None:
+        text = repr(key)
+        if _ADDRESS.search(text):
+            return None  # NOTE [ What a workspace depends on ]
+        digest = hashlib.sha256(
+            json.dumps([SCRATCH_FORMAT, _environment(device), text]).encode()
+        ).hexdigest()
+        return self.directory / digest[:2] / f"{digest}.json"
+
+
+def _environment(device: torch.device) -> list:
+    """What, beside the op signature, decides a workspace on `device` (NOTE [ What a
+    workspace depends on ])."""
+    env = [
+        torch.__version__,
+        device.type,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled,
+    ]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env += [
+            torch.version.cuda,
+            props.name,
+            f"{props.major}.{props.minor}",
+            torch.backends.cudnn.version(),
+            torch.backends.cudnn.enabled,
+            torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic,
+            torch.backends.cuda.matmul.allow_tf32,
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            os.environ.get("PYTORCH_ALLOC_CONF", ""),
+        ]
+    else:
+        env += [torch.get_num_threads()]
+    return env
