@@ -67,3 +67,8 @@ def _mib_apart(a: int, b: int) -> tuple[str, str]:
 
 class CaptureWarning(UserWarning):
     """Op-level graph capture failed; hbp fell back to module-level cut points."""
+
+
+class CacheWarning(UserWarning):
+    """A plan or a measured workspace could not be written to the cache directory (`plan_cache=`);
+    the run goes on and plans or measures it again next time."""

@@ -23,8 +23,8 @@ HBP = ROOT / "hbp"
 # and the bench on top.
 LAYERS: dict[str, int] = {
     "units": 0,
-    "files": 0,
     "errors": 1,
+    "files": 1,
     "allocator": 1,
     "graph": 2,
     "ops": 2,

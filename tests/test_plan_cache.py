@@ -52,3 +52,28 @@ def test_save_plan_writes_a_plan_that_loads_for_its_graph(tmp_path):
     hc.save_plan(tmp_path / "plan.json")
     loaded = load_plan(tmp_path / "plan.json", hc.captured.graph)
     assert loaded.segments == hc.plan.segments
+
+
+def test_a_cache_that_cannot_be_written_warns_once_and_the_step_is_the_same(tmp_path):
+    """A file where the cache folder should be (as a read-only or full disk): the plan and the
+    workspaces are not kept, one `CacheWarning` says so, and the step trains as without a
+    cache."""
+    import warnings
+
+    import hbp.files
+
+    hbp.files._WARNED.clear()
+    blocked = tmp_path / "cache"
+    blocked.write_text("not a folder")
+    x = torch.randn(1024, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hc = hbp.HCModule(_model(), budget="50%act", plan_cache=blocked)
+        hc(x).square().mean().backward()
+    said = [w for w in caught if issubclass(w.category, hbp.CacheWarning)]
+    assert len(said) == 1 and str(blocked) in str(said[0].message)
+    plain = _model()
+    plain(x).square().mean().backward()
+    for p, q in zip(hc.module.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert blocked.read_text() == "not a folder"

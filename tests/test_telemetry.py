@@ -89,7 +89,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     def crash(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hbp.telemetry.tables.os.replace", crash)
+    monkeypatch.setattr("hbp.files.os.replace", crash)
     with pytest.raises(OSError, match="disk full"):
         write_metrics(tmp_path, {"a": 2})
     assert read_json(tmp_path / "metrics.json") == {"a": 1}

@@ -22,7 +22,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from hbp.errors import BudgetError, ConfigError
-from hbp.files import write_atomic
+from hbp.files import kept_or_warned, write_text
 from hbp.graph.ir import Graph, Node
 from hbp.planner.plan import Plan
 
@@ -129,14 +129,18 @@ class PlanCache:
             }
         else:
             entry = {"plan": result.to_dict()}
-        write_atomic(self.path(graph, budget, options), json.dumps(entry, default=str))
+        path = self.path(graph, budget, options)
+        kept_or_warned(
+            self.directory,
+            lambda: write_text(path, json.dumps(entry, default=str), make_parents=True),
+        )
 
 
 def save_plan(plan: Plan, path: str | os.PathLike, graph: Graph) -> Path:
     """Write `plan` to `path` (JSON) with the fingerprint of the graph it was made for."""
     path = Path(path).expanduser()
     entry = {"format": PLAN_FORMAT, "fingerprint": graph_fingerprint(graph), "plan": plan.to_dict()}
-    write_atomic(path, json.dumps(entry, indent=1, default=str))
+    write_text(path, json.dumps(entry, indent=1, default=str), make_parents=True)
     return path
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import traceback
 from collections.abc import Mapping
 from datetime import date, datetime
@@ -20,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from hbp.files import atomic_write, write_text
 
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.json"
@@ -51,36 +51,9 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: Path, write) -> Path:
-    """Call `write(tmp)` on a temporary path beside `path`, then rename it to `path`: readers
-    see the old file or the whole new one. The file's mode is 0o666 minus the umask (mkstemp
-    alone would leave it 0600)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_json(path: Path, obj: Any) -> Path:
     """Write `obj` (made `jsonable`) as indented JSON, atomically."""
     text = json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n"
-    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
-def write_text(path: Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hbp.files import write_atomic
+from hbp.files import kept_or_warned, write_text
 
 __all__ = ["SCRATCH_FORMAT", "ScratchStore", "Measured"]
 
@@ -72,7 +72,8 @@ class ScratchStore:
     def put(self, key: tuple, device: torch.device, measured: Measured) -> None:
         path = self._path(key, device)
         if path is not None:
-            write_atomic(path, json.dumps({"measured": measured}))
+            text = json.dumps({"measured": measured})
+            kept_or_warned(self.directory, lambda: write_text(path, text, make_parents=True))
 
     def _path(self, key: tuple, device: torch.device) -> Path | None:
         text = repr(key)
