@@ -19,35 +19,9 @@ import hbp
 from hbp.allocator import allocator_peak
 from hbp.errors import ConfigError
 from tests.models.real import gpt2
+from tests.models.toy import TinyLM, TinyLMOutput
 
 VOCAB, WIDTH, TOKENS = 2048, 64, 256
-
-
-@dataclasses.dataclass
-class LMOutput:
-    loss: torch.Tensor
-    logits: torch.Tensor
-
-
-class TinyLM(nn.Module):
-    """Embedding, three MLP blocks, a wide head; the loss computed inside, as transformers'
-    models do with labels: the logits (2 MiB) are the largest tensor of the step."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
-            for _ in range(3)
-        )
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids, labels):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = h + block(h)
-        logits = self.head(h)
-        return LMOutput(nn.functional.cross_entropy(logits, labels), logits)
 
 
 def _batch():
@@ -285,7 +259,7 @@ def test_a_warning_names_each_output_where_the_caller_finds_it():
     output["cache"].layers = [Layer(k, v)]
     returned = [(n, weakref.ref(t)) for n, t in (("head", logits), ("cat", k), ("cat_1", v))]
     returned.append(("view", weakref.ref(lost)))
-    paths = output_paths(LMOutput(torch.zeros(()), (output, 3)), returned)
+    paths = output_paths(TinyLMOutput(torch.zeros(()), (output, 3)), returned)
     assert paths == {
         "head": ".logits[0].logits",
         "cat": ".logits[0].cache.layers[0].keys",

@@ -99,23 +99,51 @@ class PlanCache:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory).expanduser()
 
-    def path(self, graph: Graph, budget, options: dict | None = None) -> Path:
-        return self.directory / f"{plan_key(graph_fingerprint(graph), budget, options or {})}.json"
+    def path(self, graph: Graph | str, budget, options: dict | None = None) -> Path:
+        """The entry's file; `graph` or its fingerprint."""
+        fingerprint = graph if isinstance(graph, str) else graph_fingerprint(graph)
+        return self.directory / f"{plan_key(fingerprint, budget, options or {})}.json"
 
     def get(self, graph: Graph, budget, options: dict | None = None) -> Plan | None:
         path = self.path(graph, budget, options)
         try:
             entry = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if "budget_error" in entry:
-            err = entry["budget_error"]
-            raise BudgetError(int(err["budget"]), int(err["minimum"]), err.get("detail", ""))
-        try:
-            plan = Plan.from_dict(entry["plan"])
-        except (KeyError, TypeError, ValueError):
+            if "budget_error" in entry:
+                err = entry["budget_error"]
+                budget_error = BudgetError(
+                    int(err["budget"]), int(err["minimum"]), str(err.get("detail", ""))
+                )
+            else:
+                budget_error, plan = None, Plan.from_dict(entry["plan"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # unreadable, or not an entry this module wrote: a miss
+        if budget_error is not None:
+            raise budget_error
+        if not _covers(plan.segments, 0, len(graph.nodes)):
             return None
         return _named_for(graph, plan)
+
+    def get_settled(
+        self, fingerprint: str, graph: Graph, budget, options: dict
+    ) -> tuple[Plan, dict] | None:
+        """The plan a step's measurements settled on for the capture of `fingerprint` (the
+        graph as it was planned first) and the state it was made in (`put_settled`), or
+        None."""
+        try:
+            entry = json.loads(self.path(fingerprint, budget, _settled(options)).read_text())
+            plan, state = Plan.from_dict(entry["plan"]), dict(entry["state"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if not _covers(plan.segments, 0, len(graph.nodes)):
+            return None
+        return _named_for(graph, plan), state
+
+    def put_settled(self, fingerprint: str, budget, options: dict, plan: Plan, state: dict) -> None:
+        """Keep `plan`, made after the first one from what steps measured (the closed loop,
+        the outputs the caller keeps), with `state`: what it was made from (JSON)."""
+        path = self.path(fingerprint, budget, _settled(options))
+        text = json.dumps({"plan": plan.to_dict(), "state": state}, default=str)
+        kept_or_warned(self.directory, lambda: write_text(path, text, make_parents=True))
 
     def put(self, graph: Graph, budget, result: Plan | BudgetError, options: dict | None = None):
         """Store `result` (a plan, or the BudgetError planning raised) for the key."""
@@ -162,6 +190,25 @@ def load_plan(path: str | os.PathLike, graph: Graph) -> Plan:
             "fingerprint differs",
         )
     return _named_for(graph, Plan.from_dict(entry["plan"]))
+
+
+def _settled(options: dict) -> dict:
+    return {**options, "settled": True}
+
+
+def _covers(segments, start: int, stop: int) -> bool:
+    """Whether `segments` (and each one's children, its own span) tile [start, stop) in
+    order: a plan an executor can run on a graph of that many nodes."""
+    at = start
+    for segment in segments:
+        if not (isinstance(segment.start, int) and isinstance(segment.stop, int)):
+            return False
+        if segment.start != at or segment.stop <= segment.start:
+            return False
+        if segment.children and not _covers(segment.children, segment.start, segment.stop):
+            return False
+        at = segment.stop
+    return at == stop
 
 
 def _named_for(graph: Graph, plan: Plan) -> Plan:

@@ -493,3 +493,30 @@ class CausalAttention(nn.Module):
             y = torch.einsum("bhtd,hg->bgtd", y, self.mix)
             x = x + out(y.transpose(1, 2).reshape(b, t, d))
         return x
+
+
+@dataclasses.dataclass
+class TinyLMOutput:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class TinyLM(nn.Module):
+    """Embedding, three MLP blocks, a wide head; the loss computed inside, as transformers'
+    models do with labels: the logits (2 MiB at 256 tokens) are the largest tensor of the step."""
+
+    def __init__(self, vocab: int = 2048, width: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(3)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        logits = self.head(h)
+        return TinyLMOutput(nn.functional.cross_entropy(logits, labels), logits)

@@ -120,8 +120,8 @@ def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Modu
     Args:
         model: any nn.Module (a whole model, or a submodule such as `model.model`).
         budget: any form of `hbp.Budget` (fraction, "N%act", bytes, size, "min", "fit").
-        options: HCModule's keyword options (planner, block_size, keeps_outputs,
-            calibrate, compile, loss_fn, plan_in_eval, verbose).
+        options: HCModule's keyword options (planner, block_size, plan_cache,
+            keeps_outputs, calibrate, compile, loss_fn, plan_in_eval, verbose).
 
     Returns:
         `model` itself, with `forward` replaced (NOTE [ Enabled in place ]).
@@ -142,10 +142,11 @@ def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Modu
 
 
 #: HCModule's options that change its plans only (NOTE [ Options changed after the first
-#: step ] in planning.py), with their defaults (HCModule's own).
+#: step ] in planning.py), or where they are kept (`plan_cache`), with their defaults
+#: (HCModule's own): enabled again with other values, the captures are kept.
 PLAN_OPTIONS = {
     name: inspect.signature(HCModule.__init__).parameters[name].default
-    for name in ("block_size", "planner")
+    for name in ("block_size", "planner", "plan_cache")
 }
 
 

@@ -5,6 +5,7 @@ place (enable.py). What happens at a call: NOTE [ A call of HCModule ] below."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -154,8 +155,6 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if keeps_outputs not in (None, True, False):
             raise ConfigError("keeps_outputs", keeps_outputs, "None, True or False")
         self.keeps_outputs = keeps_outputs
-        if plan_cache is not None and not isinstance(plan_cache, PlanCache):
-            plan_cache = PlanCache(plan_cache)
         self.plan_cache = plan_cache
         self._compiled: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
@@ -186,6 +185,22 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError("block_size", block_size, "an int >= 1")
         self._block_size = block_size
+
+    @property
+    def plan_cache(self) -> PlanCache | None:
+        """Where plans and measured workspaces are kept across runs (set: a directory, a
+        `PlanCache` or None; the captures and plans made are kept)."""
+        return self._plan_cache
+
+    @plan_cache.setter
+    def plan_cache(self, plan_cache) -> None:
+        if plan_cache is not None and not isinstance(plan_cache, PlanCache):
+            if not isinstance(plan_cache, (str, os.PathLike)) or not str(plan_cache):
+                raise ConfigError(
+                    "plan_cache", plan_cache, "a directory (a non-empty path), a PlanCache or None"
+                )
+            plan_cache = PlanCache(plan_cache)
+        self._plan_cache = plan_cache
 
     @property
     def planner(self) -> str:

@@ -185,6 +185,7 @@ class WatchedOutputs:
             )
             return True
         compiled.budget_bytes = budget if budget != "min" else compiled.plan.budget_bytes
+        self._keep_settled(compiled, compiled.plan)  # with the budget it is now measured against
         # the new plan spends what the outputs held on less recompute: memory the plan does
         # not see (the caller's loss) may now cross the budget, so the closed loop measures
         # the next step again

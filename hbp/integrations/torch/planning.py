@@ -20,6 +20,7 @@ from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, captur
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.planner.budget import BudgetKind
+from hbp.planner.cache import graph_fingerprint
 from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
 from hbp.runtime.executors import make_executor
@@ -63,6 +64,7 @@ class Compiled:
     device: Any = None  # where the step runs
     planned_for: tuple = ()  # HCModule's `_plan_options()` when `plan` was made
     unseen_bytes: int = 0  # what a measured step held above its plan's prediction (closed loop)
+    cache_fingerprint: str | None = None  # the graph's, as first planned (`plan_cache`)
 
     def measure_again(self, last: bool = False) -> None:
         """The closed loop measures the next step, that of a new plan; with `last`, that
@@ -279,7 +281,8 @@ class Planning:
         captured, naive, pins = compiled.captured, compiled.naive_peak_bytes, compiled.pins
         graph = captured.graph
         start = time.perf_counter()
-        cached = self._cached_plan(captured, pins)
+        settled = self._settled_plan(compiled)  # NOTE [ Plans the measurements settled on ]
+        cached = settled[0] if settled is not None else self._cached_plan(captured, pins)
         if cached is not None:
             plan = cached
         elif captured.granularity == MODULE:
@@ -313,7 +316,7 @@ class Planning:
         compiled.plan_time_s = time.perf_counter() - start
         self._use_plan(compiled, plan)
         self._warn_about(captured, compiled.executor)
-        compiled.budget_bytes = plan.budget_bytes
+        compiled.budget_bytes = plan.budget_bytes if settled is None else settled[1]
         compiled.planned_for = self._plan_options()
         compiled.measured_peak_bytes = None
         compiled.measure_again()
@@ -393,6 +396,57 @@ class Planning:
         key = self._plan_cache_key(pins)
         if key is not None:
             self.plan_cache.put(captured.graph, key[0], plan, key[1])
+
+    # NOTE [ Plans the measurements settled on ]
+    # A plan made again after the first step, from what the steps measured (the closed loop's
+    # memory outside the plan, the outputs the caller keeps), is kept in `plan_cache` too,
+    # with what it was made from (the outputs counted as held, the unseen bytes, the budget's
+    # bytes), under the fingerprint of the graph as first planned: a restarted job reads it
+    # before the first plan and starts from where the last one settled, instead of going
+    # over the budget at its first step again and planning again. Its first step is still
+    # measured: a caller whose loop changed gets the loop's correction again.
+
+    def _settled_plan(self, compiled: Compiled) -> tuple[Plan, int] | None:
+        """(plan, budget bytes) the measurements of an earlier run settled on for this
+        capture, with the graph's held outputs and the unseen bytes put back, or None."""
+        key = self._plan_cache_key(compiled.pins)
+        graph = compiled.captured.graph
+        compiled.cache_fingerprint = None if key is None else graph_fingerprint(graph)
+        if key is None:
+            return None
+        found = self.plan_cache.get_settled(compiled.cache_fingerprint, graph, key[0], key[1])
+        if found is None:
+            return None
+        plan, state = found
+        try:
+            positions = state["held_outputs"]
+            held = None if positions is None else [graph.nodes[int(i)].name for i in positions]
+            budget_bytes, unseen, naive = (
+                int(state[k]) for k in ("budget_bytes", "unseen_bytes", "naive_peak_bytes")
+            )
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
+        graph.held_outputs = held
+        compiled.unseen_bytes, compiled.naive_peak_bytes = unseen, naive
+        plan.meta["from_cache"] = True
+        return plan, budget_bytes
+
+    def _keep_settled(self, compiled: Compiled, plan: Plan) -> None:
+        """Keep `plan`, made again from measured steps, for a restarted job (NOTE [ Plans the
+        measurements settled on ])."""
+        key = self._plan_cache_key(compiled.pins)
+        if key is None or compiled.cache_fingerprint is None:
+            return
+        graph = compiled.captured.graph
+        index = {node.name: i for i, node in enumerate(graph.nodes)}
+        held = graph.held_outputs
+        state = {
+            "held_outputs": None if held is None else [index[name] for name in held],
+            "unseen_bytes": compiled.unseen_bytes,
+            "budget_bytes": compiled.budget_bytes,
+            "naive_peak_bytes": compiled.naive_peak_bytes,
+        }
+        self.plan_cache.put_settled(compiled.cache_fingerprint, key[0], key[1], plan, state)
 
     def _target(self, captured: CapturedGraph, naive: int, device=None) -> int | str:
         """The planner's target for this capture: "min", or bytes at most `naive` (a budget
@@ -480,6 +534,7 @@ class Planning:
                 pins=compiled.pins,
             )
         self._use_plan(compiled, plan)
+        self._keep_settled(compiled, plan)
 
     def _use_plan(self, compiled, plan: Plan) -> None:
         """`plan` is what `compiled` runs from its next step: its executor made, the one with
