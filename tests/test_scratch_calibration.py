@@ -374,3 +374,19 @@ def test_calibration_runs_one_block_of_repeated_ones_and_measures_the_same(monke
     per_layer = (every_runs8 - every_runs2) / 6
     assert per_layer > 10  # each layer runs its ops when nothing stands in
     assert runs8 - runs2 < 0.5 * 6 * per_layer  # views only, beyond the first layers
+
+
+def test_a_function_edited_between_two_runs_is_another_op():
+    """Same module and name, another body: its kept measurement is not read back."""
+    import types
+
+    from hbp.graph.torch.calibrate import _code_of
+
+    def defined(body: str):
+        module = types.ModuleType("user_ops")
+        exec(f"def act(x):\n    return {body}\n", module.__dict__)
+        return module.act
+
+    assert _code_of(defined("x * 2")) == _code_of(defined("x * 2"))
+    assert _code_of(defined("x * 2")) != _code_of(defined("x.exp()"))
+    assert _code_of(torch.cat) is None  # a builtin: named by the torch build

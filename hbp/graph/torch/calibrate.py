@@ -40,6 +40,9 @@ and on CUDA the peak statistics are reset (do not calibrate inside a step measur
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import types
 from typing import Any, NamedTuple
 
 import torch
@@ -464,11 +467,42 @@ def _signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         params = tuple(describe(p) for p in module.parameters())
-        op = ("module", type(module).__qualname__, repr(module), module.training, params)
+        kind = type(module)
+        op = ("module", f"{kind.__module__}.{kind.__qualname__}", _code_of(kind.forward))
+        op += (repr(module), module.training, params)
     else:
-        op = (node.op, _op_name(node.target))
+        op = (node.op, _op_name(node.target), _code_of(node.target))
     leaves = tuple(describe(v) for v in tree_leaves((args, kwargs)))
     return (op, node.meta.get(MODES), leaves)
+
+
+def _code_of(function: Any) -> str | None:
+    """A digest of a Python function's compiled code (None for a builtin): a function edited
+    between two runs is another op to a `ScratchStore` (NOTE [ What a workspace depends on ])."""
+    code = getattr(function, "__code__", None)
+    return None if code is None else _code_digest(code)
+
+
+@functools.cache
+def _code_digest(code: types.CodeType) -> str:
+    digest = hashlib.sha256()
+    for part in _code_parts(code):  # not marshal: its back-references follow refcounts
+        digest.update(part if isinstance(part, bytes) else part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _code_parts(code: types.CodeType):
+    """The bytecode, names and constants of `code` and of the code objects it holds, each in
+    a form that is the same in every process (a frozenset's order follows string hashes)."""
+    yield code.co_code
+    yield repr(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_parts(const)
+        elif isinstance(const, frozenset):
+            yield repr(sorted(map(repr, const)))
+        else:
+            yield repr(const)
 
 
 def _op_name(target: Any) -> str:

@@ -41,7 +41,8 @@ Measured = tuple[int, int, tuple[tuple[int, ...] | None, ...]]
 # depends on the kernels chosen: the torch build, the device (a GPU's name and compute
 # capability), the CPU threads (oneDNN sizes its buffers by them), cuDNN's flags, the
 # deterministic-algorithms flag and the caching allocator's settings. All of these are in the
-# key. A signature that names an object by its address (a lambda, a function defined in
+# key, and so is a digest of a Python function's or a module's `forward`'s code, so that an op
+# edited between two runs is measured again. A signature that names an object by its address (a lambda, a function defined in
 # `__main__`, a repr without a stable form) means another object in another process: it is
 # measured in each process and never written.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|<lambda>|<locals>|__main__")
