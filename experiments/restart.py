@@ -7,9 +7,11 @@ Runs the same first step twice, each in a fresh process, with one (new, empty) c
 directory: `HCModule(model, plan_cache=dir).prepare(batch)` (capture, scratch calibration and
 planning at the default budget), then one step. The first run measures each op's workspace
 and plans; the second reads both from the directory (plans by the captured graph's
-fingerprint, workspaces by op signature under `dir/scratch`). Per run: CPU s of the first
-step's preparation and of the step, the ops measured, whether the plan came from the cache,
-and the plan's predicted peak. Writes outputs/bench/restart_<model>.md.
+fingerprint; workspaces under `dir/scratch`, the whole calibrated graph's by its code and its
+inputs' layouts, each op's by its signature). Per run: CPU s of the first step's preparation
+and of the step, the ops the calibration ran on real inputs and those it measured, whether
+the plan came from the cache, and the plan's predicted and measured peaks. Writes
+outputs/bench/restart_<model>.md.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def one_run(model: str, cache: str) -> dict:
     measured = []  # the measurements made (not the ops without a tensor argument, skipped)
     measure = calibrate.measure_op
     calibrate.measure_op = lambda *a: measured.append(measure(*a)) or measured[-1]
+    ran = []  # the ops the calibration's forward run ran to read signatures off real inputs
+    run_node = calibrate.run_node
+    calibrate.run_node = lambda *a: ran.append(1) or run_node(*a)
     module, args, kwargs, loss_fn = eval(MODELS[model])
     hc = HCModule(module, plan_cache=cache)
     c0 = time.process_time()
@@ -52,6 +57,7 @@ def one_run(model: str, cache: str) -> dict:
     return {
         "prepare_s": round(prepare_s, 2),
         "step_s": round(step_s, 2),
+        "ops_run": len(ran),
         "ops_measured": sum(m is not None for m in measured),
         "plan_from_cache": bool(plan.meta.get("from_cache")),
         "predicted_peak_bytes": plan.predicted_peak_bytes,

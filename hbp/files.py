@@ -39,14 +39,15 @@ def write_text(path: Path, text: str, *, make_parents: bool = False) -> Path:
 
 def kept_or_warned(folder: Path, write) -> bool:
     """Call `write()`, which writes an entry of the cache in `folder`; where the file system refuses (a
-    read-only or full disk, a file where the folder should be), warn once per folder and go
+    read-only or full disk, a file where the folder should be), warn once per cache and go
     on: a cache is never a reason for a training step to fail."""
     try:
         write()
         return True
     except OSError as err:
-        folder = str(folder)
-        if folder not in _WARNED:
+        folder = Path(folder)
+        # once per cache: a plan cache and its `scratch` folder are one
+        if not any(folder.is_relative_to(w) or w.is_relative_to(folder) for w in _WARNED):
             _WARNED.add(folder)
             warnings.warn(
                 f"hbp could not write to its cache under {folder} ({type(err).__name__}: "
@@ -58,7 +59,7 @@ def kept_or_warned(folder: Path, write) -> bool:
         return False
 
 
-_WARNED: set[str] = set()
+_WARNED: set[Path] = set()
 
 
 def _umask() -> int:

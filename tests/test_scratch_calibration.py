@@ -258,11 +258,11 @@ def test_workspaces_kept_on_disk_are_read_back_by_another_run_not_measured(tmp_p
 
 
 def test_an_op_named_by_its_address_is_not_kept_on_disk(tmp_path):
-    """A function of `__main__` or a closure is another object in another process."""
+    """An address or a closure names another object in another process."""
     store = ScratchStore(tmp_path)
     cpu = torch.device("cpu")
     store.put((("call_function", "<function <lambda> at 0x7f00>"), None, ()), cpu, (1, 2, ()))
-    store.put((("call_function", "__main__.loss"), None, ()), cpu, (1, 2, ()))
+    store.put((("call_function", "model.<locals>.scale", "0f3a"), None, ()), cpu, (1, 2, ()))
     assert not list(tmp_path.rglob("*.json"))
     key = (("call_function", "torch.nn.functional.silu"), None, (("T", (2,), (1,)),))
     store.put(key, cpu, (64, 128, ((1,),)))
@@ -390,3 +390,20 @@ def test_a_function_edited_between_two_runs_is_another_op():
     assert _code_of(defined("x * 2")) == _code_of(defined("x * 2"))
     assert _code_of(defined("x * 2")) != _code_of(defined("x.exp()"))
     assert _code_of(torch.cat) is None  # a builtin: named by the torch build
+
+
+def test_a_calibrated_graph_kept_whole_is_read_back_without_running_it(tmp_path, monkeypatch):
+    """With a store, a graph calibrated before (same code, ops, input and parameter layouts)
+    gets its scratch fields without running a single op; other inputs' layouts miss."""
+    module, (x, y) = models()["convnet"]
+    store = ScratchStore(tmp_path)
+    calibrate.clear_cache()
+    first = capture(module, (x, y), calibrate=True, scratch_store=store)
+    ran = []
+    run_node = calibrate.run_node
+    monkeypatch.setattr(calibrate, "run_node", lambda *a: ran.append(1) or run_node(*a))
+    again = capture(module, (x, y), calibrate=True, scratch_store=store)
+    assert ran == [] and scratch_fields(again) == scratch_fields(first)
+    channels_last = x.contiguous(memory_format=torch.channels_last)
+    capture(module, (channels_last, y), calibrate=True, scratch_store=store)
+    assert ran  # another input layout: its ops run (and are measured where new)

@@ -42,10 +42,11 @@ Measured = tuple[int, int, tuple[tuple[int, ...] | None, ...]]
 # capability), the CPU threads (oneDNN sizes its buffers by them), cuDNN's flags, the
 # deterministic-algorithms flag and the caching allocator's settings. All of these are in the
 # key, and so is a digest of a Python function's or a module's `forward`'s code, so that an op
-# edited between two runs is measured again. A signature that names an object by its address (a lambda, a function defined in
-# `__main__`, a repr without a stable form) means another object in another process: it is
-# measured in each process and never written.
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|<lambda>|<locals>|__main__")
+# edited between two runs is measured again (a function of `__main__` is named by its code).
+# A signature that names an object by its address (a repr without a stable form) or a closure
+# (a lambda, a function defined inside another: its behaviour follows the values it closes
+# over, which no digest of its code sees) is measured in each process and never written.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|<lambda>|<locals>")
 
 
 class ScratchStore:
@@ -74,6 +75,25 @@ class ScratchStore:
         path = self._path(key, device)
         if path is not None:
             text = json.dumps({"measured": measured})
+            kept_or_warned(self.directory, lambda: write_text(path, text, make_parents=True))
+
+    def get_calibrated(self, key: tuple, device: torch.device) -> tuple[int, list] | None:
+        """(nodes raised, each IR node's (forward, backward) scratch bytes) of a whole graph
+        calibrated before under `key` (`calibrate._graph_key`), or None."""
+        path = self._path(key, device)
+        if path is None:
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            fields = [(int(f), int(b)) for f, b in entry["fields"]]
+            return int(entry["raised"]), fields
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put_calibrated(self, key: tuple, device: torch.device, raised: int, fields: list) -> None:
+        path = self._path(key, device)
+        if path is not None:
+            text = json.dumps({"raised": raised, "fields": fields})
             kept_or_warned(self.directory, lambda: write_text(path, text, make_parents=True))
 
     def _path(self, key: tuple, device: torch.device) -> Path | None:
