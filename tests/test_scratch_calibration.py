@@ -404,6 +404,9 @@ def test_a_calibrated_graph_kept_whole_is_read_back_without_running_it(tmp_path,
     monkeypatch.setattr(calibrate, "run_node", lambda *a: ran.append(1) or run_node(*a))
     again = capture(module, (x, y), calibrate=True, scratch_store=store)
     assert ran == [] and scratch_fields(again) == scratch_fields(first)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        inside = capture(module, (x, y), calibrate=True, scratch_store=store)
+    assert inside.scratch_measured and scratch_fields(inside) == scratch_fields(first)
     channels_last = x.contiguous(memory_format=torch.channels_last)
     capture(module, (channels_last, y), calibrate=True, scratch_store=store)
     assert ran  # another input layout: its ops run (and are measured where new)

@@ -94,16 +94,16 @@ def calibrate_scratch(
     if gm is None:
         return 0
     arguments = captured.placeholder_values(args, kwargs or {})
-    if _on_cpu(arguments, gm) and foreign_profiler_running():  # profilers cannot nest
-        return None
     memo = None if store is None else _graph_key(captured, arguments)
     device = _device((arguments, list(gm.parameters())), {})
     if memo is not None and device is not None:  # NOTE [ A calibrated graph kept whole ]
-        kept = store.get_calibrated(memo, device)
+        kept = store.get_calibrated(memo, device)  # read under a profiler too: nothing runs
         if kept is not None and len(kept[1]) == len(captured.graph.nodes):
             for node, (forward, backward) in zip(captured.graph.nodes, kept[1]):
                 node.forward_scratch_bytes, node.backward_scratch_bytes = forward, backward
             return kept[0]
+    if _on_cpu(arguments, gm) and foreign_profiler_running():  # profilers cannot nest
+        return None
     with _disable_current_modes(), _state_kept(gm), torch.no_grad():
         layouts, run = _Layouts(), _Pass(captured, store)
         raised = _calibrate_pass(run, arguments, layouts)
