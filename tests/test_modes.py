@@ -345,6 +345,7 @@ def test_tiny_mode_with_a_plan_cache_reads_the_plan_a_run_before_made(tmp_path):
     assert again["predicted_peak_bytes"] == first["predicted_peak_bytes"]
     assert again["plan_segments"] == first["plan_segments"]
     assert other["predicted_peak_bytes"] < first["predicted_peak_bytes"]
-    assert len(list(tmp_path.rglob("*.json"))) == 2  # one plan per budget
+    assert len(list(tmp_path.glob("*.json"))) == 2  # one plan per budget
+    assert list((tmp_path / "scratch").rglob("*.json"))  # and the measured workspaces
     with pytest.raises(hbp.ConfigError, match="mode.plan_cache"):
         build_mode({"name": "tiny", "plan_cache": 3})

@@ -84,6 +84,11 @@ def test_run_key_ignores_bookkeeping_and_sees_every_measured_value():
         hydra_cfg("workload=synthetic_dag", "output_root=/elsewhere")
     )
     assert bench.run_key(base) != bench.run_key(hydra_cfg("workload=synthetic_dag", "seed=1"))
+    tiny = hydra_cfg("workload=synthetic_dag", "mode=tiny")
+    for where in ("plan_cache=/caches/a", "mode.plan_cache=/caches/b"):  # where plans are kept
+        assert bench.run_key(hydra_cfg("workload=synthetic_dag", "mode=tiny", where)) == (
+            bench.run_key(tiny)
+        )
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         task = compose("config", ["workload=synthetic_dag"])  # what the task function gets
     resolved = OmegaConf.to_container(task, resolve=True)  # metrics.json's `config`
@@ -165,3 +170,21 @@ def test_an_experiment_runs_by_name_into_its_own_directory(tmp_path):
     (row,) = collect(tmp_path / "bench" / "matrix" / "checkpoint").to_dict("records")
     assert row["mode"] == "checkpoint" and row["verify_passed"] is True
     assert row["threads"] == 1 and row["peak_bytes"] < row["naive_peak_bytes"]
+
+
+def test_a_plan_cache_for_a_sweep_of_any_modes_is_read_by_the_next_run(tmp_path, capsys):
+    """Top-level `plan_cache`: naive ignores it, tiny keeps its plan there; the next tiny run
+    reads it, says so, and its label and key are those of a run without a cache."""
+    rows = []
+    for mode in ("naive", "tiny", "tiny"):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(
+                "config",
+                ["workload=synthetic_dag", f"mode={mode}", *TINY, f"plan_cache={tmp_path}"],
+            )
+        rows.append(bench.run(cfg, tmp_path / "runs" / str(len(rows))))
+    naive, first, again = rows
+    assert "mode_plan_from_cache" not in naive
+    assert (first["mode_plan_from_cache"], again["mode_plan_from_cache"]) == (False, True)
+    assert again["peak_bytes"] == first["peak_bytes"] and again["run_key"] == first["run_key"]
+    assert "read from the plan cache" in capsys.readouterr().out

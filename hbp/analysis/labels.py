@@ -19,7 +19,7 @@ __all__ = ["WORKLOAD_OPTIONS", "format_value", "mode_label"]
 # workloads that have the field, and only where the workload config leaves it null).
 WORKLOAD_OPTIONS = ("chunked_loss",)
 # Parameters that never change what is measured.
-HIDDEN = ("name",)
+HIDDEN = ("name", "plan_cache")
 # The order parameters are shown in (then by name): the same label whatever order a table's
 # columns came in.
 ORDER = ("budget", "block_size", "segments", "policy", "backend", "planner")

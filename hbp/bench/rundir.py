@@ -49,7 +49,8 @@ def remove_run_dir(run_dir: Path, output_root: Path) -> bool:
 # -- run keys: resuming a sweep ------------------------------------------------------------------
 # NOTE [ Run keys ]
 # A run's key is a hash of its resolved config without the keys that do not change what is
-# measured or where it goes by name (`KEY_EXCLUDED`: Hydra's own node, `redo`, `output_root`).
+# measured or where it goes by name (`KEY_EXCLUDED`: Hydra's own node, `redo`, `output_root`,
+# `plan_cache`; `mode.plan_cache` counts as null: where plans are kept changes no result).
 # Two runs with the same key ran the same experiment. A sweep's job directory is named after
 # the key (conf/config.yaml `hydra.sweep.subdir`: `${run_key:}`), so running a sweep again
 # into the same sweep directory finds each finished job where it left it, and a job whose
@@ -59,7 +60,7 @@ def remove_run_dir(run_dir: Path, output_root: Path) -> bool:
 # (`framework: {name: torch}`) is left out of the key, so torch runs keep the keys they had
 # before the framework group existed and old sweep directories still resume.
 
-KEY_EXCLUDED = ("hydra", "redo", "output_root")
+KEY_EXCLUDED = ("hydra", "redo", "output_root", "plan_cache")
 KEY_LENGTH = 10
 
 
@@ -81,6 +82,8 @@ def run_key(config) -> str:
         fields = {k: v for k, v in dict(config).items() if k not in KEY_EXCLUDED}
     if fields.get("framework") == {"name": "torch"}:
         del fields["framework"]
+    if isinstance(fields.get("mode"), dict) and fields["mode"].get("plan_cache") is not None:
+        fields["mode"] = {**fields["mode"], "plan_cache": None}  # where plans are kept
     text = json.dumps(jsonable(fields), sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(text.encode()).hexdigest()[:KEY_LENGTH]
 

@@ -64,6 +64,8 @@ def _run(cfg, run_dir: Path, place, started_at, t_start: float) -> dict:
     )
 
     mode = build_mode(cfg.mode)
+    if cfg.get("plan_cache") and getattr(mode, "plan_cache", False) is None:
+        mode.plan_cache = str(cfg.plan_cache)  # NOTE [ Run keys ]: where plans are kept
     workload = build_workload(cfg)
     workload.model.to(device)
     batch = workload.make_batch(distributed.batch_seed(cfg.seed, place)).to(device)

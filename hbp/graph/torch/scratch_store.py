@@ -52,8 +52,11 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|<lambda>|<locals>")
 class ScratchStore:
     """Op workspace measurements on disk, one JSON file per (op signature, environment)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, cache: str | os.PathLike | None = None):
+        """`cache`: the folder a warning names where `directory` cannot be written (a plan
+        cache whose `scratch` folder this is), else `directory` itself."""
         self.directory = Path(directory).expanduser()
+        self.cache = self.directory if cache is None else Path(cache).expanduser()
 
     def get(self, key: tuple, device: torch.device) -> Measured | None:
         """The measurement stored for `key` (calibration's op signature, gradient layout) on
@@ -75,7 +78,7 @@ class ScratchStore:
         path = self._path(key, device)
         if path is not None:
             text = json.dumps({"measured": measured})
-            kept_or_warned(self.directory, lambda: write_text(path, text, make_parents=True))
+            kept_or_warned(self.cache, lambda: write_text(path, text, make_parents=True))
 
     def get_calibrated(self, key: tuple, device: torch.device) -> tuple[int, list] | None:
         """(nodes raised, each IR node's (forward, backward) scratch bytes) of a whole graph
@@ -94,7 +97,7 @@ class ScratchStore:
         path = self._path(key, device)
         if path is not None:
             text = json.dumps({"raised": raised, "fields": fields})
-            kept_or_warned(self.directory, lambda: write_text(path, text, make_parents=True))
+            kept_or_warned(self.cache, lambda: write_text(path, text, make_parents=True))
 
     def _path(self, key: tuple, device: torch.device) -> Path | None:
         text = repr(key)

@@ -240,7 +240,9 @@ class Planning:
                 "call it once on a batch before wrapping it in HCModule",
             )
         store = (
-            None if self.plan_cache is None else ScratchStore(self.plan_cache.directory / "scratch")
+            None
+            if self.plan_cache is None
+            else ScratchStore(self.plan_cache.directory / "scratch", self.plan_cache.directory)
         )
         captured = capture(root, args, kwargs, calibrate=True, scratch_store=store)
         scratch_measured = captured.scratch_measured
