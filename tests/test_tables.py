@@ -33,6 +33,8 @@ def test_labels_show_only_the_options_that_apply():
     assert gpt2 == "tiny(budget=0.3, block_size=1, chunked_loss=True)"
     dag = mode_label("tiny", params, {})  # synthetic_dag has no LM head
     assert dag == "tiny(budget=0.3, block_size=1)"
+    cached = mode_label("tiny", {**params, "plan_cache": "/caches/a"}, {})  # changes no result
+    assert cached == dag
     assert mode_label("checkpoint", {"block_size": 2.0, "segments": None}) == (
         "checkpoint(block_size=2)"
     )
