@@ -380,16 +380,16 @@ def test_a_function_edited_between_two_runs_is_another_op():
     """Same module and name, another body: its kept measurement is not read back."""
     import types
 
-    from hbp.graph.torch.calibrate import _code_of
+    from hbp.graph.torch.op_signature import code_of
 
     def defined(body: str):
         module = types.ModuleType("user_ops")
         exec(f"def act(x):\n    return {body}\n", module.__dict__)
         return module.act
 
-    assert _code_of(defined("x * 2")) == _code_of(defined("x * 2"))
-    assert _code_of(defined("x * 2")) != _code_of(defined("x.exp()"))
-    assert _code_of(torch.cat) is None  # a builtin: named by the torch build
+    assert code_of(defined("x * 2")) == code_of(defined("x * 2"))
+    assert code_of(defined("x * 2")) != code_of(defined("x.exp()"))
+    assert code_of(torch.cat) is None  # a builtin: named by the torch build
 
 
 def test_a_calibrated_graph_kept_whole_is_read_back_without_running_it(tmp_path, monkeypatch):

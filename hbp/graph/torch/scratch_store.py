@@ -37,7 +37,7 @@ Measured = tuple[int, int, tuple[tuple[int, ...] | None, ...]]
 
 # NOTE [ What a workspace depends on ]
 # A measurement is the allocator's peak of one op on tensors of given shapes, strides, dtypes
-# and devices (the op signature, `calibrate._signature`, with the gradient layout), and it
+# and devices (the op signature, `op_signature.signature`, with the gradient layout), and it
 # depends on the kernels chosen: the torch build, the device (a GPU's name and compute
 # capability), the CPU threads (oneDNN sizes its buffers by them), cuDNN's flags, the
 # deterministic-algorithms flag and the caching allocator's settings. All of these are in the
@@ -82,7 +82,7 @@ class ScratchStore:
 
     def get_calibrated(self, key: tuple, device: torch.device) -> tuple[int, list] | None:
         """(nodes raised, each IR node's (forward, backward) scratch bytes) of a whole graph
-        calibrated before under `key` (`calibrate._graph_key`), or None."""
+        calibrated before under `key` (`op_signature.graph_key`), or None."""
         path = self._path(key, device)
         if path is None:
             return None
