@@ -26,6 +26,7 @@ Without `loss_fn` the estimate is the module's own step (its output's gradient s
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import types
@@ -38,9 +39,11 @@ from torch import nn
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
+from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.planner import min_feasible_peak
 from hbp.planner import plan as make_plan
 from hbp.planner.budget import Budget
+from hbp.planner.cache import PlanCache
 from hbp.units import MIB
 
 __all__ = ["Estimate", "FrontierPoint", "estimate", "main"]
@@ -125,6 +128,7 @@ def estimate(
     planner: str = "optimal",
     flops_per_s: float | None = None,
     keeps_outputs: bool = False,
+    plan_cache=None,
     **kwargs,
 ) -> Estimate:
     """Estimate the memory of one training step of `model(*inputs, **kwargs)`.
@@ -144,6 +148,9 @@ def estimate(
             default, is what `HCModule` plans its first step for, and what
             `model(**batch).loss.backward()` and Trainer do: only the loss is kept. True: a
             caller that holds the outputs (logits it logs) through backward.
+        plan_cache: a directory (as `HCModule`'s): the measured workspaces and the
+            frontier's plans are read from it and kept there, so that estimating the same
+            model and shapes again measures and plans nothing.
 
     Returns:
         An `Estimate`; `print` it for a table.
@@ -159,8 +166,10 @@ def estimate(
     targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
     root = model if loss_fn is None else WithLoss(model, loss_fn, len(inputs))
     args = inputs if loss_fn is None else (*inputs, *targets)
+    cache = _plan_cache(plan_cache)
+    store = None if cache is None else ScratchStore(cache.directory / "scratch", cache.directory)
     with torch.enable_grad():
-        captured = capture(root, args, kwargs, calibrate=True)
+        captured = capture(root, args, kwargs, calibrate=True, scratch_store=store)
         if not captured.scratch_measured:
             warnings.warn(
                 "hbp.estimate: a profiler is running, which the measurement of kernel "
@@ -192,7 +201,9 @@ def estimate(
         capture_time_s=capture_time,
     )
     for budget in budgets if budgets is not None else (*DEFAULT_BUDGETS, "min"):
-        point = _frontier_point(graph, budget, naive, minimum, block_size, planner, module_level)
+        point = _frontier_point(
+            graph, budget, naive, minimum, block_size, planner, module_level, cache
+        )
         if point is not None:
             point.step_time_s = (step_flops + point.recompute_flops) / rate
             result.frontier.append(point)
@@ -204,8 +215,25 @@ def estimate(
     return result
 
 
+def _plan_cache(plan_cache) -> PlanCache | None:
+    if plan_cache is None or isinstance(plan_cache, PlanCache):
+        return plan_cache
+    if not isinstance(plan_cache, (str, os.PathLike)) or not str(plan_cache):
+        raise ConfigError(
+            "plan_cache", plan_cache, "a directory (a non-empty path), a PlanCache or None"
+        )
+    return PlanCache(plan_cache)
+
+
 def _frontier_point(
-    graph, budget, naive, minimum: int, block_size: int, planner: str, module_level=None
+    graph,
+    budget,
+    naive,
+    minimum: int,
+    block_size: int,
+    planner: str,
+    module_level=None,
+    cache: PlanCache | None = None,
 ):
     """The plan at `budget` as a FrontierPoint (step time left 0); None below the minimum.
     The naive step needs no plan; "min" is planned at the minimum already found."""
@@ -220,7 +248,7 @@ def _frontier_point(
         if module_level is not None and module_level.active:
             plan = module_level.plan(naive.peak_bytes, None if resolved == "min" else resolved)
         else:
-            plan = make_plan(graph, target, block_size=block_size, planner=planner)
+            plan = make_plan(graph, target, block_size=block_size, planner=planner, cache=cache)
     except BudgetError:
         return None
     return FrontierPoint(
@@ -291,7 +319,7 @@ def _matmul_flops_per_s(device: torch.device, n: int = 512, repeats: int = 3) ->
 
 USAGE = (
     "python -m hbp.estimate workload=NAME [profile=small] [budgets=0.8,0.5,min] "
-    "[block_size=1] [threads=N] [workload.FIELD=VALUE ...]"
+    "[block_size=1] [threads=N] [plan_cache=DIR] [workload.FIELD=VALUE ...]"
 )
 
 
@@ -313,7 +341,7 @@ def _main(argv: list[str]) -> int:
     from hbp.workloads import build
 
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    known = {"workload", "profile", "budgets", "block_size", "threads"}
+    known = {"workload", "profile", "budgets", "block_size", "threads", "plan_cache"}
     overrides = {
         k.split(".", 1)[1]: _value(v) for k, v in args.items() if k.startswith("workload.")
     }
@@ -336,6 +364,7 @@ def _main(argv: list[str]) -> int:
         loss_fn=lambda output: wl.loss_fn(output, batch),
         budgets=budgets,
         block_size=int(args.get("block_size", 1)),
+        plan_cache=args.get("plan_cache"),
         **batch.kwargs,
     )
     print(f"workload={wl.name} profile={wl.profile}")

@@ -179,3 +179,25 @@ def test_estimate_of_a_module_level_fallback_is_what_hcmodule_reaches():
     assert not est.fits(below) and est.fits(est.min_peak_bytes)
     (least,) = [p for p in est.frontier if p.budget == "min"]
     assert least.predicted_peak_bytes == est.min_peak_bytes
+
+
+def test_estimating_again_with_a_plan_cache_measures_and_plans_nothing(tmp_path, monkeypatch):
+    import hbp.graph.torch.calibrate as calibrate
+    import hbp.planner as planner
+
+    model, x, y = setup()
+    first = hbp.estimate(model, x, loss_fn=F.cross_entropy, targets=y, plan_cache=tmp_path)
+    calibrate.clear_cache()
+    ran, planned = [], []
+    run_node, plan = calibrate.run_node, planner._plan
+    monkeypatch.setattr(calibrate, "run_node", lambda *a: ran.append(1) or run_node(*a))
+    monkeypatch.setattr(planner, "_plan", lambda *a, **k: planned.append(1) or plan(*a, **k))
+    again = hbp.estimate(model, x, loss_fn=F.cross_entropy, targets=y, plan_cache=tmp_path)
+    assert ran == [] and planned == []
+    assert again.naive_peak_bytes == first.naive_peak_bytes
+    assert again.min_peak_bytes == first.min_peak_bytes
+    assert [p.predicted_peak_bytes for p in again.frontier] == [
+        p.predicted_peak_bytes for p in first.frontier
+    ]
+    with pytest.raises(ConfigError, match="plan_cache"):
+        hbp.estimate(model, x, plan_cache="")
