@@ -26,7 +26,6 @@ Without `loss_fn` the estimate is the module's own step (its output's gradient s
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import types
@@ -166,8 +165,8 @@ def estimate(
     targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
     root = model if loss_fn is None else WithLoss(model, loss_fn, len(inputs))
     args = inputs if loss_fn is None else (*inputs, *targets)
-    cache = _plan_cache(plan_cache)
-    store = None if cache is None else ScratchStore(cache.directory / "scratch", cache.directory)
+    cache = PlanCache.of(plan_cache)
+    store = None if cache is None else ScratchStore.of_plan_cache(cache.directory)
     with torch.enable_grad():
         captured = capture(root, args, kwargs, calibrate=True, scratch_store=store)
         if not captured.scratch_measured:
@@ -213,16 +212,6 @@ def estimate(
     result.frontier.sort(key=lambda p: -p.budget_bytes)
     result.estimate_time_s = time.perf_counter() - start
     return result
-
-
-def _plan_cache(plan_cache) -> PlanCache | None:
-    if plan_cache is None or isinstance(plan_cache, PlanCache):
-        return plan_cache
-    if not isinstance(plan_cache, (str, os.PathLike)) or not str(plan_cache):
-        raise ConfigError(
-            "plan_cache", plan_cache, "a directory (a non-empty path), a PlanCache or None"
-        )
-    return PlanCache(plan_cache)
 
 
 def _frontier_point(

@@ -99,6 +99,18 @@ class PlanCache:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory).expanduser()
 
+    @classmethod
+    def of(cls, plan_cache) -> PlanCache | None:
+        """`plan_cache` as the `plan_cache=` option takes it (a directory, a PlanCache or
+        None), as a PlanCache or None; ConfigError for anything else, an empty path too."""
+        if plan_cache is None or isinstance(plan_cache, PlanCache):
+            return plan_cache
+        if not isinstance(plan_cache, (str, os.PathLike)) or not str(plan_cache):
+            raise ConfigError(
+                "plan_cache", plan_cache, "a directory (a non-empty path), a PlanCache or None"
+            )
+        return cls(plan_cache)
+
     def path(self, graph: Graph | str, budget, options: dict | None = None) -> Path:
         """The entry's file; `graph` or its fingerprint."""
         fingerprint = graph if isinstance(graph, str) else graph_fingerprint(graph)

@@ -90,9 +90,10 @@ def calibrate_scratch(
     if gm is None:
         return 0
     arguments = captured.placeholder_values(args, kwargs or {})
-    memo = None if store is None else graph_key(captured, arguments)
-    device = _device((arguments, list(gm.parameters())), {})
-    if memo is not None and device is not None:  # NOTE [ A calibrated graph kept whole ]
+    memo = device = None
+    if store is not None:  # NOTE [ A calibrated graph kept whole ]
+        memo, device = graph_key(captured, arguments), _device((arguments, [*gm.parameters()]), {})
+    if memo is not None and device is not None:
         kept = store.get_calibrated(memo, device)  # read under a profiler too: nothing runs
         if kept is not None and len(kept[1]) == len(captured.graph.nodes):
             for node, (forward, backward) in zip(captured.graph.nodes, kept[1]):

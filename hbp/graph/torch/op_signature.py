@@ -28,16 +28,22 @@ def signature(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> tuple:
     """The op signature of `node` called on (`args`, `kwargs`): the op (a module by its class,
     code digest, `repr`, train flag and parameters' layouts; a function by `op_name` and code
     digest), the ambient modes, and `describe` of each leaf of the arguments."""
+    op = _op(gm, node)
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        params = tuple(describe(p) for p in module.parameters())
-        kind = type(module)
-        op = ("module", f"{kind.__module__}.{kind.__qualname__}", code_of(kind.forward))
-        op += (repr(module), module.training, params)
-    else:
-        op = (node.op, op_name(node.target), code_of(node.target))
+        op += (tuple(describe(p) for p in gm.get_submodule(node.target).parameters()),)
     leaves = tuple(describe(v) for v in tree_leaves((args, kwargs)))
     return (op, node.meta.get(MODES), leaves)
+
+
+def _op(gm: fx.GraphModule, node: fx.Node) -> tuple:
+    """The op `node` calls: a module by its class, code digest, `repr` and train flag; a
+    function or method by `op_name` and code digest."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        kind = type(module)
+        name = f"{kind.__module__}.{kind.__qualname__}"
+        return ("module", name, code_of(kind.forward), repr(module), module.training)
+    return (node.op, op_name(node.target), code_of(node.target))
 
 
 # NOTE [ A calibrated graph kept whole ]
@@ -59,16 +65,8 @@ def graph_key(captured: CapturedGraph, arguments: list[Any]) -> tuple | None:
     nodes = list(gm.graph.nodes)
     if any(n.meta.get(REAL_RESULTS) or n.target is guard for n in nodes):
         return None
-    ops = []
-    for node in nodes:
-        if node.op == "call_module":
-            module = gm.get_submodule(node.target)
-            kind = type(module)
-            op = (f"{kind.__module__}.{kind.__qualname__}", code_of(kind.forward), repr(module))
-            ops.append((*op, module.training, node.meta.get(MODES)))
-        elif node.op in ("call_function", "call_method"):
-            target = node.target
-            ops.append((op_name(target), code_of(target), node.meta.get(MODES)))
+    calls = ("call_module", "call_function", "call_method")
+    ops = [(_op(gm, n), n.meta.get(MODES)) for n in nodes if n.op in calls]
     tensors = [*gm.named_parameters(), *gm.named_buffers()]
     state = [(name, describe(t)) for name, t in tensors]
     inputs = [describe(v) for v in tree_leaves(arguments)]

@@ -58,6 +58,11 @@ class ScratchStore:
         self.directory = Path(directory).expanduser()
         self.cache = self.directory if cache is None else Path(cache).expanduser()
 
+    @classmethod
+    def of_plan_cache(cls, directory: str | os.PathLike) -> ScratchStore:
+        """The store of a plan cache in `directory` (`plan_cache=`): its `scratch` folder."""
+        return cls(Path(directory) / "scratch", directory)
+
     def get(self, key: tuple, device: torch.device) -> Measured | None:
         """The measurement stored for `key` (calibration's op signature, gradient layout) on
         `device`, or None."""
@@ -75,10 +80,7 @@ class ScratchStore:
             return None
 
     def put(self, key: tuple, device: torch.device, measured: Measured) -> None:
-        path = self._path(key, device)
-        if path is not None:
-            text = json.dumps({"measured": measured})
-            kept_or_warned(self.cache, lambda: write_text(path, text, make_parents=True))
+        self._write(key, device, {"measured": measured})
 
     def get_calibrated(self, key: tuple, device: torch.device) -> tuple[int, list] | None:
         """(nodes raised, each IR node's (forward, backward) scratch bytes) of a whole graph
@@ -94,9 +96,12 @@ class ScratchStore:
             return None
 
     def put_calibrated(self, key: tuple, device: torch.device, raised: int, fields: list) -> None:
+        self._write(key, device, {"raised": raised, "fields": fields})
+
+    def _write(self, key: tuple, device: torch.device, entry: dict) -> None:
         path = self._path(key, device)
         if path is not None:
-            text = json.dumps({"raised": raised, "fields": fields})
+            text = json.dumps(entry)
             kept_or_warned(self.cache, lambda: write_text(path, text, make_parents=True))
 
     def _path(self, key: tuple, device: torch.device) -> Path | None:

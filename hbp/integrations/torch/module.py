@@ -5,7 +5,6 @@ place (enable.py). What happens at a call: NOTE [ A call of HCModule ] below."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -194,13 +193,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
 
     @plan_cache.setter
     def plan_cache(self, plan_cache) -> None:
-        if plan_cache is not None and not isinstance(plan_cache, PlanCache):
-            if not isinstance(plan_cache, (str, os.PathLike)) or not str(plan_cache):
-                raise ConfigError(
-                    "plan_cache", plan_cache, "a directory (a non-empty path), a PlanCache or None"
-                )
-            plan_cache = PlanCache(plan_cache)
-        self._plan_cache = plan_cache
+        self._plan_cache = PlanCache.of(plan_cache)
 
     @property
     def planner(self) -> str:

@@ -239,11 +239,8 @@ class Planning:
                 f"a module whose parameters are initialised ({', '.join(lazy[:3])} are lazy): "
                 "call it once on a batch before wrapping it in HCModule",
             )
-        store = (
-            None
-            if self.plan_cache is None
-            else ScratchStore(self.plan_cache.directory / "scratch", self.plan_cache.directory)
-        )
+        cache = self.plan_cache
+        store = None if cache is None else ScratchStore.of_plan_cache(cache.directory)
         captured = capture(root, args, kwargs, calibrate=True, scratch_store=store)
         scratch_measured = captured.scratch_measured
         graph = captured.graph
