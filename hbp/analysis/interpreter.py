@@ -280,6 +280,7 @@ class StepInterpreter:
         if not info.has_backward[j]:
             return
         scratch = int(info.backward_scratch_bytes[j])
+        broadcast: list[int] = []  # NOTE [ A broadcast gradient is added out of place ]
         for v in info.inputs[j]:
             if not info.receives_grad[v]:
                 continue
@@ -295,7 +296,10 @@ class StepInterpreter:
                 # shared with another value's gradient: accumulated out of place
                 self._release(self.grad[v])
                 self.grad[v] = self._new(info.grad_bytes[v])
-            elif not passed:  # the gradient j computes, live until added in place
+                continue
+            if self.size[self.grad[v]] < info.grad_bytes[v]:
+                broadcast.append(v)
+            if not passed:  # the gradient j computes, live until added
                 scratch += int(info.grad_bytes[v])
         if info.param_grad_bytes[j]:
             self._new(info.param_grad_bytes[j])  # kept to the end of the step
@@ -309,9 +313,16 @@ class StepInterpreter:
         if self.grad[j] >= 0:
             self._release(self.grad[j])
             self.grad[j] = -1
-        # an out-of-place parameter-gradient sum: added after the releases, beside the
-        # gradient j computed (one event, at the higher of the two moments)
-        added = self.live + 2 * int(info.grad_sum_bytes[j]) if info.grad_sum_bytes[j] else 0
+        # out-of-place sums, after the releases, beside the gradients j computed (one event,
+        # at the highest of the moments): into broadcast gradients, then a parameter's
+        added = 0
+        if broadcast:
+            added = self.live + 2 * sum(int(info.grad_bytes[v]) for v in broadcast)
+            for v in broadcast:
+                held, self.grad[v] = self.grad[v], self._new(info.grad_bytes[v])
+                self._release(held)
+        if info.grad_sum_bytes[j]:
+            added = max(added, self.live + 2 * int(info.grad_sum_bytes[j]))
         self._record(BACKWARD, j, max(during, added))
 
     def _backward(self, segments: list[SegmentLike], upto: int | None = None) -> None:

@@ -21,6 +21,11 @@ class Positional(NamedTuple):
     Attributes:
         at_backward: per node j, the bytes live at j's backward event (0 without one):
             gradients, parameter gradients, held outputs, j's backward scratch.
+        late: per node j, the same bytes once j has released its output gradient, where j
+            then sums a gradient into a broadcast one out of place (NOTE [ A broadcast
+            gradient is added out of place ] in hbp.analysis.simulate): the computed
+            gradients and the sums beside them; -inf where j sums none. What j saved is
+            released by then: a planner adds the saved bytes held after j's, not j's own.
         after: per position d in [0, n], the bytes live once the backward of the nodes
             >= d is done (after[n]: at the backward-start event).
         held_output_bytes: storage of the groups holding an output the caller keeps.
@@ -29,6 +34,7 @@ class Positional(NamedTuple):
     """
 
     at_backward: np.ndarray
+    late: np.ndarray
     after: np.ndarray
     held_output_bytes: int
     seeds_let_go_bytes: int
@@ -59,13 +65,14 @@ def positional_bytes(info: GraphInfo) -> Positional:
         used.update(int(root[v]) for v in info.saved[j])
     held_output_bytes = sum(group_size[r] for r in held)
     let_go = sum(group_size[r] for r in held - held_to_end - used)
-    at_backward, after = _backward_terms(info, held_output_bytes, let_go)
-    return Positional(at_backward, after, held_output_bytes, let_go)
+    at_backward, late, after = _backward_terms(info, held_output_bytes, let_go)
+    return Positional(at_backward, late, after, held_output_bytes, let_go)
 
 
-def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray, np.ndarray]:
+def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray, ...]:
     """Gradients, parameter gradients, outputs and backward scratch live at each backward
-    event and when the backward of nodes >= d is done. Same rules as the simulator."""
+    event, at its late sums and when the backward of nodes >= d is done. Same rules as the
+    simulator."""
     n = info.n
     size: list[int] = []
     refs: list[int] = []
@@ -83,12 +90,14 @@ def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray
             if info.seed_grad_held[j]:  # NOTE [ A loss's gradient lives through backward ]
                 refs[grad[j]] += 1
     at_backward = np.zeros(n, dtype=np.int64)
+    late = np.full(n, -np.inf)
     after = np.zeros(n + 1, dtype=np.int64)
     after[n] = live
     live -= let_go  # after the backward-start event, as the simulator
     for j in range(n - 1, -1, -1):
         if info.has_backward[j]:
             scratch = int(info.backward_scratch_bytes[j])
+            broadcast = []  # NOTE [ A broadcast gradient is added out of place ]
             for v in info.inputs[j]:
                 if not info.receives_grad[v]:
                     continue
@@ -105,7 +114,10 @@ def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray
                     refs[grad[v]] -= 1
                     grad[v] = new(info.grad_bytes[v])
                     live += int(info.grad_bytes[v])
-                elif not passed:  # the computed gradient, until added in place
+                    continue
+                if size[grad[v]] < info.grad_bytes[v]:
+                    broadcast.append(v)
+                if not passed:  # the computed gradient, until added
                     scratch += int(info.grad_bytes[v])
             live += int(info.param_grad_bytes[j])
             at_backward[j] = live + scratch
@@ -114,7 +126,15 @@ def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray
                 if refs[grad[j]] == 0:
                     live -= size[grad[j]]
                 grad[j] = -1
+            if broadcast:  # summed out of place after the releases (see the simulator)
+                late[j] = live + 2 * sum(int(info.grad_bytes[v]) for v in broadcast)
+                for v in broadcast:
+                    held, grad[v] = grad[v], new(info.grad_bytes[v])
+                    live += int(info.grad_bytes[v])
+                    refs[held] -= 1
+                    if refs[held] == 0:
+                        live -= size[held]
             if info.grad_sum_bytes[j]:  # added after the releases (see the simulator)
                 at_backward[j] = max(at_backward[j], live + 2 * int(info.grad_sum_bytes[j]))
         after[j] = live
-    return at_backward, after
+    return at_backward, late, after

@@ -42,7 +42,8 @@ computes for it is live during j's event and added after it: scratch of the even
 passed-through one is j's own) unless that gradient's storage is also another value's
 gradient (shared by passthrough; j's own output gradient, which j lets go of before autograd
 accumulates, does not count): then, like autograd's input buffer, the sum is new storage and
-the input lets go of the shared one. A parameter gradient added out of place
+the input lets go of the shared one; or unless that gradient is a broadcast (NOTE [ A
+broadcast gradient is added out of place ]). A parameter gradient added out of place
 (`Node.grad_sum_bytes`) is added after j has released what it saved and its output gradient:
 the event's bytes are the higher of those during j's backward and those then.
 Scratch bytes a capture recorded (`Node.forward_scratch_bytes`,
@@ -152,6 +153,18 @@ __all__ = [
 # pins, and a node is pinned by one segment at most (`check_pins`). The planner's DP
 # (`hbp.planner.dp`) charges a pin as a value kept from the child's forward in the storing
 # pass through the child's backward: an upper bound of the above.
+
+# NOTE [ A broadcast gradient is added out of place ]
+# The backward of a reduction (`sum`, `mean`) passes its output gradient on as an expanded
+# view: the input's gradient is the reduction's small storage, broadcast (stride 0), and is
+# recorded as a pass-through whose storage is smaller than the input's gradient
+# (`Node.gradient_bytes`). Autograd's input buffer adds into a held gradient in place only
+# where that gradient is dense, so a second gradient for such an input is summed out of
+# place: after j's backward has released what it saved, the computed gradient and the
+# full-size sum are live together, then the broadcast storage goes and the sum is the input's
+# gradient. Measured against the allocator: a residual MLP whose forward ends in `x.sum(-1)`
+# was planned one activation (256 KiB of 1.1 MiB) under its measured peak at "min" before
+# this rule, and to the byte after it. `hbp.analysis.positional` applies the same rule.
 
 # NOTE [ Generator states of checkpoints ]
 # A recomputed segment with a node that draws random numbers runs through

@@ -97,6 +97,7 @@ class Schedule:
         n = info.n
         model = CostModel(info, [0, n])
         self.pos_bwd, self.pos_after = model.pos_bwd, model.pos_after
+        self.pos_late = model.pos_late
         root = info.root
         out_root = np.zeros(n, dtype=bool)
         out_root[root[info.is_held]] = True
@@ -161,7 +162,11 @@ class Schedule:
         if kind == "f":
             made = self.out_made[idx] if op == idx else (self.out_made[idx - 1] if idx else 0.0)
             return float(made)
-        return float(self.pos_bwd[idx] if op is None else self.pos_after[idx + 1])
+        if op is not None:
+            return float(self.pos_after[idx + 1])
+        # a late sum into a broadcast gradient, counted beside the stage's saved values
+        # (conservative: NOTE [ A broadcast gradient is added out of place ])
+        return float(max(self.pos_bwd[idx], self.pos_late[idx]))
 
     def copy_bytes(self, t: int, k: int) -> float:
         """A recomputed graph output is a copy (the original lives to the end of the step)."""

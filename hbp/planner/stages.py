@@ -330,6 +330,7 @@ def stage_signature(model: CostModel, a: int, b: int) -> tuple:
         tuple(described),
         # read only at backward events (NOTE [ Signature of what the tables read ])
         np.where(info.has_backward[a:b], model.pos_bwd[a:b] - base, 0.0).tobytes(),
+        np.where(info.has_backward[a:b], model.pos_late[a:b] - base, 0.0).tobytes(),
         (model.pos_after[a : b + 1] - base).tobytes(),
         float(model.pos_after[last_before + 1] - base),
         model.out_pre[a : b + 1].tobytes(),

@@ -154,6 +154,8 @@ class CostModel:
         # runs)
         positional = positional_bytes(info)
         self.pos_bwd, self.pos_after = positional.at_backward, positional.after
+        # out-of-place sums into broadcast gradients, after a node's releases (-inf: none)
+        self.pos_late = positional.late
         self.out_total = positional.held_output_bytes
         # save events: last save event before position f; first node reading from before e
         last = -1
@@ -186,7 +188,8 @@ class CostModel:
         for j in range(n - 1, -1, -1):
             first[j] = j if info.save_event[j] else first[j + 1]
         self.next_save = first  # first save event at or after each position
-        self._bwd_pos = np.where(info.has_backward, self.pos_bwd, -INF)
+        # a tail saves nothing: what it holds is the same at its late sums
+        self._bwd_pos = np.where(info.has_backward, np.maximum(self.pos_bwd, self.pos_late), -INF)
         # a pass stopping at node j runs j (1) or nothing of it (0)
         self.runs_at_stop = info.runs_at_stop.astype(np.int64)
         self.stop_flops = info.stop_flops

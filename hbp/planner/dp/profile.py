@@ -114,6 +114,10 @@ class ChildProfile:
                     held[h - e :] += m.g_size[g]
             self.kept = held
             bwd = (held + m.pos_bwd[e:stop]).astype(float)
+            late = m.pos_late[e:stop]
+            if np.isfinite(late).any():  # after node t's releases, the holds before t's
+                before = np.concatenate(([0], held[:-1]))
+                bwd = np.maximum(bwd, before + late)
             bwd[~info.has_backward[e:stop]] = -INF
             self.bwd_max = np.maximum.accumulate(bwd) if len(bwd) else bwd
         else:
