@@ -117,6 +117,18 @@ class Estimate:
         return "\n".join(lines)
 
 
+def _budget_list(budgets) -> list | None:
+    """`budgets` as a list: one budget (a number, a string, a `Budget`) is a list of one;
+    each is validated where it is planned."""
+    if budgets is None:
+        return None
+    if isinstance(budgets, (int, float, str, Budget)):
+        return [budgets]
+    if not isinstance(budgets, (list, tuple)):
+        raise ConfigError("budgets", budgets, "a budget or a list of budgets")
+    return list(budgets)
+
+
 def estimate(
     model: nn.Module,
     *inputs,
@@ -138,8 +150,8 @@ def estimate(
             once on them to measure its kernel workspace).
         loss_fn: `loss_fn(output, *targets)`, the step's loss (as `HCModule(loss_fn=)`).
         targets: a tensor or a tuple of tensors for `loss_fn`.
-        budgets: the frontier's budgets (fractions, bytes, sizes, "min"); default
-            `DEFAULT_BUDGETS` and "min".
+        budgets: the frontier's budgets (fractions, bytes, sizes, "min"), or one of them;
+            default `DEFAULT_BUDGETS` and "min".
         block_size, planner: as for `HCModule`.
         flops_per_s: the device's throughput for the step-time estimates (default: measured
             with a short matmul).
@@ -161,6 +173,7 @@ def estimate(
         raise ConfigError("model", type(model).__name__, "an nn.Module")
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError("loss_fn", loss_fn, "a callable loss_fn(output, *targets) or None")
+    budgets = _budget_list(budgets)
     start = time.perf_counter()
     targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
     root = model if loss_fn is None else WithLoss(model, loss_fn, len(inputs))

@@ -79,6 +79,11 @@ def test_estimate_without_loss_and_module_state_kept():
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ConfigError, match="loss_fn"):
         hbp.estimate(model, x, loss_fn="ce")
+    one = hbp.estimate(model, x, budgets=0.5)  # one budget, not in a list
+    assert [p.budget for p in one.frontier] == [0.5]
+    assert one.frontier[0].budget_bytes == est.frontier[0].budget_bytes
+    with pytest.raises(ConfigError, match="budgets"):
+        hbp.estimate(model, x, budgets={0.5})
 
 
 def test_command_line_on_a_workload_config(capsys):

@@ -5,6 +5,8 @@ byte; lazy modules must be initialised first."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers.compare import compare, compare_with_plain, minimum_budget
@@ -84,3 +86,16 @@ def test_lazy_modules_must_be_initialised_before_wrapping():
     model(x)  # initialises the lazy parameters
     hc, plain, got = compare(lambda: model, (x,), budget=1.0)
     assert got.peak_bytes <= 1.05 * hc.plan.budget_bytes
+
+
+def test_a_wrong_input_shape_raises_its_error_without_fake_tensor_tracebacks(caplog):
+    """Fake tensors log each op whose meta function fails, with a traceback (~200 lines on
+    stderr before the error); the capture reports failures itself."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    hbp.enable(model, budget="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            model(torch.randn(4, 5)).sum().backward()
+    logged = [r for r in caplog.records if r.name == "torch._subclasses.fake_tensor"]
+    assert not logged, logged[0].getMessage()

@@ -196,6 +196,8 @@ def test_measure_step_options_and_optimizer_phase():
         (dict(repeats=-1), "repeats"),
         (dict(warmup=1.5), "warmup"),
         (dict(params=3), "params"),
+        (dict(params="x"), "params"),
+        (dict(params=[torch.zeros(1), "w"]), "params"),
     ],
 )
 def test_measure_step_rejects_bad_arguments(kwargs, field):

@@ -64,11 +64,13 @@ def test_closed_loop_meets_the_budget_from_the_second_step():
     with pytest.warns(UserWarning, match="Planned again"):
         entropy_regularised_loss(hc(idx), targets).backward()
         first = hc.measured_peak_bytes
-    budget = hc.compiled.budget_bytes
+    budget = hc.budget_bytes
+    assert budget == hc.compiled.budget_bytes == int(0.8 * hc.plan.naive_peak_bytes)
     assert first > 1.1 * budget  # the caller's loss was outside the plan
     # the step that plans again (it also drops the first plan's executor: frees of tensors
     # from before a measured window count as still live there), then the steps that follow
     entropy_regularised_loss(hc(idx), targets).backward()
+    assert hc.plan.budget_bytes < budget == hc.budget_bytes  # planned below it, for the loss
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         _, peak = allocator_peak(lambda: entropy_regularised_loss(hc(idx), targets).backward())

@@ -248,3 +248,41 @@ def test_ddp_and_fsdp2_over_an_enabled_model(distributed_ranks, kind):
     for rank in ranks:  # the saving per rank (the wrapper's own buffers count in both)
         hc, plain_peak = rank[f"{kind}_hbp_peak"], rank[f"{kind}_plain_peak"]
         assert hc < 0.75 * plain_peak, (hc, plain_peak)
+
+
+def test_a_model_called_twice_before_backward_is_told_the_budget_holds_per_call():
+    """Two towers of a contrastive loss: both calls' activations are live together, which the
+    per-call budget cannot see (NOTE [ Calls before the previous call's backward ]); a loop
+    that calls once per backward is not warned."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)])
+    plain, once = copy.deepcopy(model), copy.deepcopy(model)
+    x1, x2 = torch.randn(64, 64), torch.randn(64, 64)
+    hbp.enable(model, budget="min")
+    hbp.enable(once, budget="min")
+
+    def one_call(m):
+        F.mse_loss(m(x1), x2).backward()
+
+    def two_calls(m):
+        F.cross_entropy(m(x1) @ m(x1 + 1).t(), torch.arange(64)).backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            one_call(once)
+    assert not [w for w in caught if "called again before the backward" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            two_calls(model)
+    said = [w for w in caught if "called again before the backward" in str(w.message)]
+    assert len(said) == 1 and "budget holds per call" in str(said[0].message)
+    model.zero_grad(set_to_none=True)
+    two_calls(model)
+    two_calls(plain)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)

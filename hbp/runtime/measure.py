@@ -87,9 +87,12 @@ def _param_list(params) -> list[torch.Tensor]:
         params = params.parameters()
     if isinstance(params, torch.Tensor):
         params = [params]
-    if not isinstance(params, Iterable):
-        raise ConfigError("params", params, "an nn.Module, an iterable of tensors or None")
+    accepted = "an nn.Module, a tensor, an iterable of tensors or None"
+    if not isinstance(params, Iterable) or isinstance(params, (str, bytes)):
+        raise ConfigError("params", params, accepted)
     unique = {id(p): p for p in params}
+    if not all(isinstance(p, torch.Tensor) for p in unique.values()):
+        raise ConfigError("params", params, accepted)
     return list(unique.values())
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -68,6 +69,21 @@ __all__ = [
 ]
 
 
+@contextlib.contextmanager
+def _fake_tensor_log_quiet() -> Iterator[None]:
+    """Fake tensors log every op whose meta function raises, with its traceback, before the
+    error propagates: a forward given a wrong input shape printed ~200 lines of tracebacks
+    before its one-line error. The capture reports its failures itself (the error, or the
+    CaptureWarning of the fallback), so that logger is quiet while it runs."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def capture(
     module: nn.Module,
     args: tuple = (),
@@ -100,6 +116,7 @@ def capture(
         buffers_restored(module),
         torch.enable_grad(),
         eager_shortcuts(bound.arguments),
+        _fake_tensor_log_quiet(),
     ):
         failures: list[str] = []
         captured = _op_level(module, bound, signature, args, kwargs, failures)

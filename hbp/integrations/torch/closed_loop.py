@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -121,6 +122,15 @@ class StepPeakProbe:
 # allocation can have that address after it, so the last event at its address is the marker.
 
 
+# NOTE [ Calls before the previous call's backward ]
+# Each call of a signature is planned and measured on its own: the closed loop's window starts
+# at the call, above what the allocator already holds, so the activations an earlier call of
+# the same step still keeps for its backward are below its baseline and no call measures over
+# the budget. A step that calls the module twice before one backward (a siamese network)
+# peaked at 1.5x its budget on every step without a word. A call that starts while the
+# previous measured call's outputs are alive and their backward has not begun warns once.
+
+
 def step_device(root: nn.Module | None, args, kwargs) -> torch.device:
     for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor):
@@ -173,7 +183,25 @@ class ClosedLoop:
 
         for t in leaves:
             t.register_hook(on_grad)
+        self._awaiting_backward = ([weakref.ref(t) for t in leaves], queued)
         return output
+
+    def _warn_if_called_before_backward(self) -> None:
+        """NOTE [ Calls before the previous call's backward ]"""
+        awaiting, self._awaiting_backward = self._awaiting_backward, None
+        if awaiting is None:
+            return
+        refs, queued = awaiting
+        if queued or not any(r() is not None for r in refs):
+            return  # its backward ran, or its outputs (and their graph) are gone
+        self._warn_once(
+            "called-before-backward",
+            "HCModule: the module was called again before the backward of its previous call, "
+            "whose outputs are still held (two towers of a contrastive loss, a model applied "
+            "twice per step): the activations of both calls are live together, and the "
+            "budget holds per call, so the step's peak can reach the sum of the calls' "
+            "peaks. Give each call its share of the budget, or run the inputs as one batch.",
+        )
 
     def _finish_probe(self) -> None:
         """Read a measured step whose backward has ended (see `StepPeakProbe`); drop one

@@ -148,6 +148,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         self.calibrate = calibrate
         self._measured_peak_bytes: int | None = None
         self._probe: tuple[StepPeakProbe, Compiled] | None = None
+        self._awaiting_backward = None  # NOTE [ Calls before the previous call's backward ]
         if not isinstance(compile, (bool, dict)):
             raise ConfigError("compile", compile, "True, False or a dict of torch.compile options")
         self.compile = compile
@@ -209,6 +210,14 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     @property
     def plan(self) -> Plan | None:
         return self._current.plan if self._current else None
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget, in bytes, the most recent call's input signature must meet: the one
+        to compare a measured peak with. `plan.budget_bytes` is what its plan was made for,
+        lower where the first step's measurement planned again below the budget for memory
+        the plan did not see."""
+        return self._current.budget_bytes if self._current else None
 
     @property
     def captured(self) -> CapturedGraph | None:
@@ -325,6 +334,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         module ]); see which outputs the caller keeps (NOTE [ Outputs the caller lets go ]).
         Where a guard of the graph fails, run `root` (the module, or the module with its
         loss) plainly instead (NOTE [ A failed guard ])."""
+        self._warn_if_called_before_backward()
         measured = self._stop_probe()
         if self._outputs_observed(compiled) and measured and measured[0] is compiled:
             measured = None  # planned again for the outputs the caller keeps: measure anew
