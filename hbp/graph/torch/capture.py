@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import logging
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -53,7 +52,7 @@ from hbp.graph.torch.profile import profile_graph
 from hbp.graph.torch.proxy import InputAttributeRead
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.graph.torch.state import ForwardSideEffect, ModelState, ModuleState, same_value
-from hbp.graph.torch.trace import trace_module
+from hbp.graph.torch.trace import fake_failures_quiet, trace_module
 
 __all__ = [
     "MODES",
@@ -67,21 +66,6 @@ __all__ = [
     "exit_modes",
     "map_output",
 ]
-
-
-@contextlib.contextmanager
-def _fake_tensor_log_quiet() -> Iterator[None]:
-    """Fake tensors log every op whose meta function raises, with its traceback, before the
-    error propagates: a forward given a wrong input shape printed ~200 lines of tracebacks
-    before its one-line error. The capture reports its failures itself (the error, or the
-    CaptureWarning of the fallback), so that logger is quiet while it runs."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def capture(
@@ -116,7 +100,7 @@ def capture(
         buffers_restored(module),
         torch.enable_grad(),
         eager_shortcuts(bound.arguments),
-        _fake_tensor_log_quiet(),
+        fake_failures_quiet(),
     ):
         failures: list[str] = []
         captured = _op_level(module, bound, signature, args, kwargs, failures)

@@ -468,7 +468,7 @@ def trace_module(
             tracer.inlining_checkpoints(),
             tracer.recording_buffer_assignments(),
             tracer.recording_autograd_functions(),
-            _fake_failures_quiet(),
+            fake_failures_quiet(),
         ):
             graph = tracer.trace(module, concrete_args=concrete or None)
         gm = fx.GraphModule(tracer.root, graph, class_name=type(module).__name__)
@@ -500,11 +500,13 @@ def trace_module(
 
 
 @contextlib.contextmanager
-def _fake_failures_quiet() -> Iterator[None]:
+def fake_failures_quiet() -> Iterator[None]:
     """Within: an op whose fake (meta) kernel fails does not log its traceback. Fake tensors log
     one at ERROR level for each such op (`aten._grouped_mm` on float32 in MoE models, several
-    lines per layer); the tracer catches the error itself, keeps the node symbolic, and the
-    capture says why in its CaptureWarning if no tracer succeeds."""
+    lines per layer, or ~200 lines before the one-line error of a forward given a wrong input
+    shape); the tracer catches the error itself, keeps the node symbolic, and the capture says
+    why in its CaptureWarning if no tracer succeeds, or raises the error. `capture` runs
+    every stage within it."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
