@@ -127,13 +127,11 @@ def test_a_forward_ending_in_a_reduction_is_planned_to_the_byte(budget):
     assert abs(peak - hc.plan.predicted_peak_bytes) <= 1024, (peak, hc.plan.predicted_peak_bytes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not yet modelled: cat's backward hands the transposed branch a strided slice of "
-    "its gradient, and flatten's backward copies it (8 KiB here, a ViT's patch embedding)",
-)
 def test_a_cls_token_cat_onto_a_transposed_patch_embedding_is_predicted_to_the_byte():
-    """A ViT's embedding: conv -> flatten(2).transpose(1, 2) -> cat with a class token."""
+    """A ViT's embedding: conv -> flatten(2).transpose(1, 2) -> cat with a class token. The
+    conv's gradient is a strided slice of the cat's, which its backward copies (8 KiB here:
+    NOTE [ The layout of an output's gradient ]); measured with a dense gradient before, the
+    estimate was that much under the allocator."""
 
     class Embed(nn.Module):
         def __init__(self):

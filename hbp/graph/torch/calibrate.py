@@ -496,7 +496,12 @@ def _cat_dim(node: fx.Node) -> int | None:
 # the layouts it gets. A view with its root's shape and strides (exported graphs'
 # `broadcast_tensors` before `mse_loss`) hands the layout on to its root directly. Where a
 # value has several users, each user's layout is measured (autograd sums them; the first
-# one's layout is what the sum usually keeps).
+# one's layout is what the sum usually keeps). A gradient that is not dense, a slice of a
+# `torch.cat`'s passed back through views (a ViT's class token concatenated onto its
+# transposed patch embedding: the convolution's gradient is a strided slice of the cat's),
+# is followed too, as its strides, offset and storage length (`measure_op.Strides`): measured
+# with a dense gradient, the convolution's backward copy of it (the conv output's size) was
+# missing from the estimate.
 
 
 def _leaf_sources(node: fx.Node, values: _Values) -> list[fx.Node | None]:

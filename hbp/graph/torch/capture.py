@@ -6,7 +6,9 @@ sequence, one file each:
    tracing (`trace`), or, where that fails, the forward's Python run on fake tensors by
    non-strict torch.export (`export`);
 2. normalise in-place ops (`normalise`) and
-3. profile every node on fake tensors into the IR (`profile`; one op call: `op_profile`);
+3. profile every node on fake tensors into the IR (`profile`; one op call: `op_profile`),
+   then check which gradients pass through in the layouts they arrive in
+   (`gradient_layouts`);
 4. if every tracer fails, fall back to module-level cut points (`fallback`), with a
    `hbp.errors.CaptureWarning` that says why;
 5. with `calibrate=True`, measure each op's kernel workspace with the allocator on real

@@ -17,7 +17,9 @@ from hbp.graph.torch.modes import MODES, enter_modes
 
 __all__ = ["Strides", "fetch_attr", "measure_op", "run_node"]
 
-#: A gradient layout: the strides of a gradient, None for the output's own layout.
+#: A gradient layout: the strides of a dense gradient, or its strides followed by its storage
+#: offset and its storage's length in elements (a view into a larger gradient: a slice of a
+#: `torch.cat`'s, through the views before it); None for the output's own layout.
 Strides = tuple[int, ...]
 
 
@@ -90,7 +92,7 @@ def measure_op(
     except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
         return None
     by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
-    return forward, backward, tuple(_dense_strides(by_id.get(id(t))) for t in leaves)
+    return forward, backward, tuple(_layout(by_id.get(id(t))) for t in leaves)
 
 
 class _SeededGradients(torch.autograd.Function):
@@ -111,16 +113,21 @@ class _SeededGradients(torch.autograd.Function):
         return (None, *ctx.make())
 
 
-def _dense_strides(t: torch.Tensor | None) -> Strides | None:
-    """`t`'s strides where they lay it out densely (no gaps, no overlaps), else None."""
+def _layout(t: torch.Tensor | None) -> Strides | None:
+    """`t`'s layout (`Strides`) where its elements do not overlap: its strides where they are
+    dense (no gaps), else its strides, offset and storage length; else None."""
     if t is None or t.is_sparse:
         return None
-    expected = 1  # the dims by stride must tile the storage exactly
+    expected, dense = 1, True  # the dims by stride must cover distinct elements
     for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
+        if stride < expected:
             return None
-        expected *= size
-    return tuple(t.stride())
+        dense = dense and stride == expected
+        expected = stride * size
+    if dense:  # a whole gradient, or a dense part of one: measured as a whole one
+        return tuple(t.stride())
+    length = t.untyped_storage().nbytes() // t.element_size()
+    return (*t.stride(), t.storage_offset(), length)
 
 
 def run_node(gm: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
@@ -153,6 +160,10 @@ def _seed_like(
     if strides is not None and len(strides) == t.dim():
         seed = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
         return seed.fill_(1)
+    if strides is not None and len(strides) == t.dim() + 2:  # a view into a larger gradient
+        *view, offset, length = strides
+        storage = torch.ones(length, dtype=t.dtype, device=t.device)
+        return storage.as_strided(t.shape, view, offset)
     if cat_dim is None or t.dim() == 0:
         return torch.ones_like(t)
     dim = cat_dim % t.dim()

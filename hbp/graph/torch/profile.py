@@ -41,6 +41,7 @@ from hbp.graph.torch.fake import (
     storage_key,
     tensor_leaves,
 )
+from hbp.graph.torch.gradient_layouts import check_pass_through
 from hbp.graph.torch.modes import MODES
 from hbp.graph.torch.normalise import mutates_persistent, out_of_place, updated_running_stats
 from hbp.graph.torch.op_profile import OpProfile, leaf_rooted, profile_call
@@ -130,6 +131,8 @@ def profile_graph(
         meta={"framework": "torch", "granularity": OP, "fx_nodes": len(gm.graph.nodes)},
     )
     record_scratch(graph, profiles)
+    # NOTE [ Gradients in the layout they arrive in ]
+    check_pass_through(nodes, fx_nodes, values, gm, faker)
     charge_out_of_place_sums(nodes, params_used, profiles)
     return CapturedGraph(
         graph=graph,

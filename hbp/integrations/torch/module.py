@@ -300,6 +300,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         state = self.__dict__.copy()
         state["_compiled"], state["_current"] = {}, None  # rebuilt on the next call
         state["_probe"] = None  # a measurement in flight (a profiler) stays with the original
+        state["_awaiting_backward"] = None  # (weak references to the last call's outputs)
         return state
 
     # -- planning ---------------------------------------------------------------------------
