@@ -252,8 +252,8 @@ def test_ddp_and_fsdp2_over_an_enabled_model(distributed_ranks, kind):
 
 def test_a_model_called_twice_before_backward_is_told_the_budget_holds_per_call():
     """Two towers of a contrastive loss: both calls' activations are live together, which the
-    per-call budget cannot see (NOTE [ Calls before the previous call's backward ]); a loop
-    that calls once per backward is not warned."""
+    per-call budget cannot see (NOTE [ Calls before the previous call's backward ]), also
+    once the plan has settled; a loop that calls once per backward is not warned."""
     from torch import nn
     from torch.nn import functional as F
 
@@ -275,6 +275,13 @@ def test_a_model_called_twice_before_backward_is_told_the_budget_holds_per_call(
         for _ in range(3):
             one_call(once)
     assert not [w for w in caught if "called again before the backward" in str(w.message)]
+    assert hbp.engine_of(once).compiled.settled
+    with warnings.catch_warnings(record=True) as caught:  # the pattern after settling
+        warnings.simplefilter("always")
+        two_calls(once)
+        two_calls(once)
+    said = [w for w in caught if "called again before the backward" in str(w.message)]
+    assert len(said) == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):

@@ -128,7 +128,8 @@ class StepPeakProbe:
 # the same step still keeps for its backward are below its baseline and no call measures over
 # the budget. A step that calls the module twice before one backward (a siamese network)
 # peaked at 1.5x its budget on every step without a word. A call that starts while the
-# previous measured call's outputs are alive and their backward has not begun warns once.
+# previous call's outputs are alive and their backward has not begun warns once (a hook on
+# each output that requires grad, until it has).
 
 
 def step_device(root: nn.Module | None, args, kwargs) -> torch.device:
@@ -158,10 +159,14 @@ class ClosedLoop:
                 "compile=True)) compiles the same segments and keeps the loop.",
             )
             calibrate = False
-        if compiled.settled or not (device.type == "cuda" or calibrate):
-            return executor(*args, **kwargs)
-        if device.type == "cpu" and foreign_profiler_running():
-            return executor(*args, **kwargs)  # a profiler is running: cannot nest
+        if (
+            compiled.settled
+            or not (device.type == "cuda" or calibrate)
+            or (device.type == "cpu" and foreign_profiler_running())  # cannot nest
+        ):
+            output = executor(*args, **kwargs)
+            self._await_backward(grad_leaves(executor, output))
+            return output
         probe = StepPeakProbe(device)
         try:
             output = executor(*args, **kwargs)
@@ -173,26 +178,35 @@ class ClosedLoop:
             probe.cancel()
             return output
         self._probe = (probe, compiled)
-        queued = []
+        self._await_backward(leaves, probe.end)
+        return output
+
+    def _await_backward(self, leaves: list[torch.Tensor], on_start=None) -> None:
+        """Note when the backward from `leaves` (this call's outputs) starts; then run
+        `on_start` after it, in the autograd engine (NOTE [ Calls before the previous call's
+        backward ]: a later call that finds it not started warns)."""
+        if not leaves or (on_start is None and "called-before-backward" in self._warned):
+            return
+        started: list[bool] = []
 
         def on_grad(grad):
-            if not queued:  # the first output gradient: the rest of backward follows
-                queued.append(True)
-                torch.autograd.Variable._execution_engine.queue_callback(probe.end)
+            if not started:  # the first output gradient: the rest of backward follows
+                started.append(True)
+                if on_start is not None:
+                    torch.autograd.Variable._execution_engine.queue_callback(on_start)
             return grad
 
         for t in leaves:
             t.register_hook(on_grad)
-        self._awaiting_backward = ([weakref.ref(t) for t in leaves], queued)
-        return output
+        self._awaiting_backward = ([weakref.ref(t) for t in leaves], started)
 
     def _warn_if_called_before_backward(self) -> None:
         """NOTE [ Calls before the previous call's backward ]"""
         awaiting, self._awaiting_backward = self._awaiting_backward, None
         if awaiting is None:
             return
-        refs, queued = awaiting
-        if queued or not any(r() is not None for r in refs):
+        refs, started = awaiting
+        if started or not any(r() is not None for r in refs):
             return  # its backward ran, or its outputs (and their graph) are gone
         self._warn_once(
             "called-before-backward",
