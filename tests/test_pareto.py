@@ -7,14 +7,18 @@ import pytest
 from hbp.report.pareto import write_pareto as write_report
 
 
-def _run(root, name, mode, peak, time, budget=None, workload="gpt2", status="ok"):
+def _run(
+    root, name, mode, peak, time, budget=None, workload="gpt2", status="ok", profile="small",
+    device="cpu", arch=None,
+):  # fmt: skip
     run_dir = root / name
     run_dir.mkdir(parents=True)
     config = {"mode": {"name": mode, **({"budget": budget} if budget is not None else {})}}
+    config["workload"] = {"name": workload, "arch": arch}
     row = {
-        "status": status, "workload": workload, "mode": mode, "profile": "small",
-        "peak_bytes": peak, "flops": 1e9, "step_time_s": time, "recompute_ratio": 0.0,
-        "started_at": name, "config": config,
+        "status": status, "workload": workload, "mode": mode, "profile": profile,
+        "device": device, "peak_bytes": peak, "flops": 1e9, "step_time_s": time,
+        "recompute_ratio": 0.0, "started_at": name, "config": config,
     }  # fmt: skip
     if mode == "tiny":
         row["mode_predicted_peak_bytes"] = peak * 0.98
@@ -85,3 +89,32 @@ def test_report_draws_the_optimum_frontier(tmp_path):
     assert list(lines["MILP lower bound"].get_xdata()) == [0.5]  # no bound proven at 0.3
     assert list(lines["planner (predicted)"].get_ydata()) == [0.35, 0.1]
     plt.close(fig)
+
+
+def test_runs_are_compared_within_their_profile_device_and_workload_config(tmp_path):
+    """A directory of two profiles, two devices and two architectures of one workload: each
+    setting has its own naive and its own front (NOTE [ Runs compared within one setting ]);
+    a small profile's run does not push the other's off the front, and a bert run is not
+    divided by a llama's naive time."""
+    runs = tmp_path / "runs"
+    _run(runs, "a", "naive", 100 * 2**20, 1.0)
+    _run(runs, "b", "tiny", 40 * 2**20, 1.2, budget=0.4)
+    _run(runs, "c", "naive", 2 * 2**20, 0.1, profile="tiny")
+    _run(runs, "d", "tiny", 1 * 2**20, 0.2, budget=0.4, profile="tiny")
+    _run(runs, "e", "naive", 100 * 2**20, 0.05, device="cuda")
+    _run(runs, "f", "naive", 8 * 2**20, 2.0, workload="hf", arch="llama")
+    _run(runs, "g", "naive", 6 * 2**20, 0.5, workload="hf", arch="bert")
+    _run(runs, "h", "tiny", 3 * 2**20, 1.0, workload="hf", arch="bert", budget="min")
+
+    table = write_report(runs, tmp_path / "report")
+    by = {(row["workload"], row["mode"]): row for _, row in table.iterrows()}
+    assert set(table["workload"]) == {
+        "gpt2 (small, cpu)", "gpt2 (tiny, cpu)", "gpt2 (small, cuda)", "hf (arch=llama)",
+        "hf (arch=bert)",
+    }  # fmt: skip
+    assert by["gpt2 (small, cpu)", "naive"]["pareto"]  # the tiny profile's run: another setting
+    assert by["gpt2 (tiny, cpu)", "tiny(budget=0.4)"]["peak / naive"] == pytest.approx(0.5)
+    assert by["gpt2 (small, cuda)", "naive"]["pareto"]
+    bert = table[table["workload"] == "hf (arch=bert)"].set_index("mode")
+    assert bert.loc["naive", "time / naive"] == pytest.approx(1.0)
+    assert bert.loc["tiny(budget=min)", "time / naive"] == pytest.approx(2.0)

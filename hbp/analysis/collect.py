@@ -77,11 +77,66 @@ def frameworks(runs: pd.DataFrame) -> pd.Series:
     return column.fillna(DEFAULT_FRAMEWORK)
 
 
+#: Run fields that set runs of one workload apart, beside the workload's own config
+#: (`config.workload.*`): NOTE [ Runs compared within one setting ].
+SETTING_FIELDS = ("profile", "device")
+
+
+def setting_labels(runs: pd.DataFrame) -> pd.Series:
+    """Each run's workload, followed by what sets it apart from the other runs of that
+    workload in `runs` where something does ("gpt2 (tiny)", "hf (arch=bert)"): the runs one
+    comparison holds (NOTE [ Runs compared within one setting ])."""
+    config = [
+        c for c in runs.columns if c.startswith("config.workload.") and c != "config.workload.name"
+    ]
+    varying: dict[str, list[str]] = {}
+    for name, rows in runs.groupby("workload", sort=False):
+        varying[name] = [
+            c
+            for c in (*SETTING_FIELDS, *config)
+            if c in rows and rows[c].map(_setting_text).nunique() > 1
+        ]
+    labels = []
+    for _, row in runs.iterrows():
+        parts = [
+            _setting_text(row[c])
+            if c in SETTING_FIELDS
+            else f"{c.removeprefix('config.workload.')}={_setting_text(row[c])}"
+            for c in varying[row["workload"]]
+        ]
+        labels.append(row["workload"] + (f" ({', '.join(parts)})" if parts else ""))
+    return pd.Series(labels, index=runs.index, dtype=object)
+
+
+def _setting_text(value) -> str:
+    return "default" if value is None or value != value else str(value)
+
+
+# NOTE [ Runs compared within one setting ]
+# A ratio to naive, a Pareto front and a table compare runs that differ in their mode only.
+# A directory may hold runs of one workload at two profiles, on two devices or of two of its
+# configurations (`workload=hf workload.arch=llama,bert`): each such setting gets its own
+# naive, front, table and figure panel, labelled by what differs ("gpt2 (tiny)"), so a bert
+# run is never divided by a llama's naive time nor pushed off the front by a smaller
+# profile's run. Labels name only what varies: a directory of one setting keeps plain
+# workload names.
+
+
+def base_workloads(labels: pd.Series) -> pd.Series:
+    """The workload names of `setting_labels`' labels."""
+    return labels.str.split(" (", n=1, regex=False).str[0]
+
+
 def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
-    """For each run, `column` of the naive run of the same framework on the same workload and
-    profile (NaN where there is none), aligned with `runs`' index."""
+    """For each run, `column` of the naive run of the same framework and setting (workload,
+    profile, device, workload config: `setting_labels`), NaN where there is none, aligned
+    with `runs`' index."""
     keys = pd.DataFrame(
-        {"framework": frameworks(runs), "workload": runs["workload"], "profile": runs["profile"]}
+        {
+            "framework": frameworks(runs),
+            "workload": setting_labels(runs),
+            "profile": runs["profile"],
+        }
     )
     naive_rows = runs["mode"] == "naive"
     naive = runs[column][naive_rows].groupby([keys[c][naive_rows] for c in keys]).first()
@@ -151,7 +206,8 @@ def time_range(runs: pd.DataFrame) -> list[str]:
 
 
 def results_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The results table (docs/results.md): per run, workload, mode (with its set parameters
+    """The results table (docs/results.md): per run, workload (with what sets its setting
+    apart, `setting_labels`), mode (with its set parameters
     that apply), peak MiB, the peak relative to the run's naive (NOTE [ One naive per run ]),
     GFLOPs, recompute ratio, step time (median ms) and its p10-p90 range; first a `framework`
     column when some run is not torch's. Rows in `frame` order."""
@@ -160,7 +216,7 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
     ok = ok_runs(frame)
     table = pd.DataFrame(
         {
-            "workload": ok["workload"].to_numpy(),
+            "workload": setting_labels(ok).to_numpy(),
             "mode": mode_labels(ok),
             "peak MiB": (ok["peak_bytes"] / MIB).to_numpy(),
             "peak / naive": (ok["peak_bytes"] / naive_peak(ok)).to_numpy(),

@@ -34,6 +34,7 @@ import pandas as pd
 from hbp.analysis.collect import (
     NAIVE_MODEL,
     NAIVE_WITHOUT_CHUNKED_LOSS,
+    base_workloads,
     collect,
     frameworks,
     ok_runs,
@@ -145,7 +146,8 @@ def write_report(
     table = comparison_table(runs) if not runs.empty else pd.DataFrame()
     if table.empty:
         raise FileNotFoundError(f"no finished runs under {root}")
-    present = list(dict.fromkeys(table["workload"]))
+    names = base_workloads(table["workload"])
+    present = list(dict.fromkeys(names))
     chosen = list(workloads) if workloads else present
     unknown = [w for w in chosen if w not in present]
     if unknown:
@@ -154,9 +156,10 @@ def write_report(
             f"it has {', '.join(present)}"
         )
     out.mkdir(parents=True, exist_ok=True)
+    table = table[names.isin(chosen).to_numpy()]
     report = Report(runs, table)
     report.files.append(write_parquet(out / RESULTS_FILE, runs))
-    report.files.append(plot_pareto(table[table["workload"].isin(chosen)], out / "pareto.png"))
+    report.files.append(plot_pareto(table, out / "pareto.png"))
     for workload in chosen:
         for stem, plot in (("memory_timeline", plot_timeline), ("frontier", plot_graph)):
             name = f"{stem}_{workload}.png"

@@ -335,7 +335,7 @@ class Solver(Recursion):
             if option.mode == REC:
                 first = first_finite.get(id(sub))
                 if first is None:
-                    first = first_finite[id(sub)] = int(np.argmax(sub < INF))
+                    first = self._first_finite_slot(sub)
                 lowest = max(lo, kept + first) - kept
                 f = p.f_list[i]
                 table = self.rec(e, f, lowest, f <= own_tail)
@@ -347,11 +347,21 @@ class Solver(Recursion):
                 value = value + self._pinned_rec(e, p.f_list[row.i], row)
                 yield row.i, row.H2, row.lo, value, row.pinned, row.kept, row.back
 
+    def _first_finite_slot(self, row: np.ndarray, table: np.ndarray | None = None) -> int:
+        """The first slot at which `row` is finite, memoised by the identity of the memoised
+        table it is (or, `table`, the first row of): tables live as long as the solver, so
+        their identities are not reused while it runs. Never a temporary view's."""
+        key = id(row if table is None else table)
+        first = self._first_finite.get(key)
+        if first is None:
+            first = self._first_finite[key] = int(np.argmax(row < INF))
+        return first
+
     def _pinned_rec(self, e: int, f: int, row: _PinRow) -> np.ndarray:
         """T(e, f) at m - kept for m in [row.lo, M] for a pinned row: with the pin's slots
         given back to it (`back`) and its tail's need checked beside the pin (`tail_low`)."""
         M = self.n_slots
-        first = int(np.argmax(row.sub < INF))
+        first = int(np.argmax(row.sub < INF))  # (a row view at the top level: not memoised)
         k = row.kept - row.back
         lowest = max(row.lo, row.kept + first) - k
         table = self.rec(e, f, lowest, tail=not row.back)[row.lo - k : M + 1 - k]
@@ -409,7 +419,7 @@ class Solver(Recursion):
                 cost[j, :, lo:] += self._pinned_rec(e, p.f_list[i], row._replace(sub=sub[0]))
                 cost[j, :, lo:] -= row.saved
             elif option.mode == REC:  # asked from the smallest m at which the rest is feasible
-                first = int(np.argmax(sub[0] < INF))
+                first = self._first_finite_slot(sub[0], sub)
                 rec = self.rec(e, p.f_list[i], max(lo, k + first) - k)
                 cost[j, :, lo:] += rec[lo - k : M + 1 - k]
             kept[j, :, lo:] = self._top_kept[p.f_list[i], H2][:, lo - k : M + 1 - k]
