@@ -356,3 +356,24 @@ def test_every_budget_form_plans_and_the_default_never_raises():
         )
         assert_trees_close(grad(w, x), expected)  # to the gradient's scale (summation order)
         assert grad.plan is not None
+
+
+@pytest.mark.parametrize("make_key", [jax.random.PRNGKey, jax.random.key], ids=["legacy", "typed"])
+def test_dropout_drawn_from_a_key_argument(make_key):
+    """`jax.random` inside the loss: its programs hold typed PRNG keys (`random_wrap`, even
+    of a legacy uint32 key), whose extended dtype numpy cannot size; the recompute draws the
+    same mask from the same key."""
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 32, 32)) / 6
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 32))
+
+    def loss(w, x, key):
+        for i in range(3):
+            key, sub = jax.random.split(key)
+            h = jnp.tanh(x @ w[i])
+            x = jnp.where(jax.random.bernoulli(sub, 0.7, h.shape), h / 0.7, 0.0)
+        return jnp.mean(x**2)
+
+    expected = jax.grad(loss)(w, x, make_key(3))
+    grad = hj.height_compressed_grad(loss, budget="min")
+    assert_trees_close(grad(w, x, make_key(3)), expected)
+    assert_trees_close(jax.jit(grad)(w, x, make_key(3)), expected)

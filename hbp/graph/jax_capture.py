@@ -353,10 +353,24 @@ def _inexact(aval) -> bool:
 
 
 def aval_bytes(aval) -> int:
-    """Bytes of one array of this abstract value (shape x dtype itemsize)."""
+    """Bytes of one array of this abstract value (shape x dtype itemsize). A typed PRNG key
+    (`jax.random.key`, and the `random_wrap` of a legacy uint32 key inside `jax.random`'s
+    functions) has an extended dtype that numpy cannot read: its bytes are its key data's."""
     if not hasattr(aval, "shape"):
         return 0
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    dtype = aval.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return int(math.prod(aval.shape)) * _extended_itemsize(dtype)
+    return int(math.prod(aval.shape)) * np.dtype(dtype).itemsize
+
+
+def _extended_itemsize(dtype) -> int:
+    """Bytes per element of an extended dtype (a PRNG key: its implementation's key data)."""
+    impl = getattr(dtype, "_impl", None)
+    shape = getattr(impl, "key_shape", None)
+    if shape is not None:
+        return int(math.prod(shape)) * 4  # key data is uint32
+    return int(getattr(dtype, "itemsize", 0) or 0)
 
 
 # ----------------------------------------------------------------------------- IR
