@@ -370,6 +370,11 @@ def _main(argv: list[str]) -> int:
         **batch.kwargs,
     )
     print(f"workload={wl.name} profile={wl.profile}")
+    if wl.config.get("chunked_loss") is False and "chunked_loss" not in overrides:
+        print(
+            "the model as mode=naive builds it (the full LM head); the bench's mode=tiny "
+            "uses the chunked loss: add workload.chunked_loss=true to compare with it"
+        )
     print(est)
     return 0
 

@@ -134,6 +134,11 @@ def test_unwritable_output_root_is_rejected_without_creating_anything(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     bench.check_writable(tmp_path / "new" / "deeper")  # creatable: fine, and not created
     assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe is gone too
+    if Path("/proc").is_dir():  # permissions allow it (as root), the filesystem does not
+        with pytest.raises(ConfigError, match="/proc") as info:
+            bench.check_writable("/proc/out")  # (a user other than root: "not writable")
+        assert "cannot make a directory" in str(info.value) or "not writable" in str(info.value)
 
 
 def test_threads(monkeypatch):

@@ -6,6 +6,7 @@ builds a model or creates a directory, except `build_workload` (which builds the
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -93,8 +94,9 @@ def resolve_threads(threads, jobs: int = 1, per_job: int | None = None) -> int:
 
 def check_writable(path) -> None:
     """ConfigError("output_root", ...) unless `path` exists as a writable directory or could be
-    created (its nearest existing ancestor is a writable directory on a writable filesystem).
-    Creates nothing."""
+    created (its nearest existing ancestor is a writable directory on a writable filesystem
+    that takes a new directory: root passes the permission checks on /proc). Leaves nothing:
+    the probe directory is removed at once."""
     target = Path(path).absolute()
     ancestor = target
     while not ancestor.exists():
@@ -106,6 +108,11 @@ def check_writable(path) -> None:
         why = f"{ancestor} is not writable"
     elif hasattr(os, "statvfs") and os.statvfs(ancestor).f_flag & os.ST_RDONLY:
         why = f"{ancestor} is on a read-only filesystem"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".hbp-check-", dir=ancestor))
+        except OSError as err:
+            why = f"cannot make a directory in {ancestor}: {err.strerror}"
     if why:
         raise ConfigError("output_root", str(path), f"a writable directory ({why})")
 
