@@ -15,7 +15,7 @@ def plan_lines(plan: Plan, *, budget, planner: str, captured: str, chunked_loss:
     recomputed = sum(s.recompute for s in plan.segments)
     depth = max((s.depth() for s in plan.segments), default=0)
     solve = plan.meta.get("solve_time_s")
-    solved = f", {solve:.1f} s" if isinstance(solve, (int, float)) else ""
+    solved = f", solved in {solve:.1f} s" if isinstance(solve, (int, float)) else ""
     if plan.meta.get("from_cache"):  # its solve time is the run's that made it
         solved = ", read from the plan cache"
     # the planned model's own plain step: with the chunked loss where tiny built it, so not

@@ -68,9 +68,11 @@ def plot_memory_timeline(
         ax.plot(timeline["op_index"], timeline["live_bytes"] / MIB, lw=1.2, color=style["color"])
         _shade_phases(ax, timeline["phase"], timeline["op_index"])
         peak = timeline["live_bytes"].max() / MIB
-        ax.set_title(f"{label}: measured, peak {peak:.2f} MiB", fontsize=9, loc="left")
+        # the tracker's tensors (tensor_peak_bytes): the table's peak_bytes is the allocator's,
+        # with kernel workspace
+        ax.set_title(f"{label}: measured tensors, peak {peak:.2f} MiB", fontsize=9, loc="left")
         ax.set_ylim(0, top / MIB * 1.08 if top else 1)
-        ax.set_ylabel("live memory (MiB)")
+        ax.set_ylabel("live tensors (MiB)")
         ax.set_xlabel("op index in the measured step", fontsize=8)
     if planned is not None:
         ax = axes[-1]
