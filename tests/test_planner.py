@@ -636,3 +636,18 @@ def test_the_floor_is_never_above_the_least_peak(graph):
         forget_least_peaks()
         floor = least_peak_floor(info, cuts, True)
         assert 0 < floor <= least_peak_cached(info, cuts, True)[0]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dp_equals_brute_force_with_out_of_place_parameter_gradient_sums(seed):
+    """A parameter read by several nodes whose held gradient cannot take the next one in
+    place (`Node.grad_sum_bytes`): the sum comes after the node has released what it saved,
+    which the DP counts against the holds before the node's own (`Positional.late`), as the
+    simulator does; counted beside the node's saved values, its least peak was above brute
+    force's."""
+    graph = synthetic.random_dag(6, seed=seed, refinements=True)
+    for k, node in enumerate(graph.nodes):
+        if not node.is_input and node.saved_inputs and k % 2:
+            node.grad_sum_bytes = 3
+    assert any(n.grad_sum_bytes for n in graph.nodes)
+    assert_dp_equals_brute_force(graph, depth=2, nested=True)

@@ -22,10 +22,11 @@ class Positional(NamedTuple):
         at_backward: per node j, the bytes live at j's backward event (0 without one):
             gradients, parameter gradients, held outputs, j's backward scratch.
         late: per node j, the same bytes once j has released its output gradient, where j
-            then sums a gradient into a broadcast one out of place (NOTE [ A broadcast
-            gradient is added out of place ] in hbp.analysis.simulate): the computed
-            gradients and the sums beside them; -inf where j sums none. What j saved is
-            released by then: a planner adds the saved bytes held after j's, not j's own.
+            then sums a gradient out of place, into a broadcast one (NOTE [ A broadcast
+            gradient is added out of place ] in hbp.analysis.simulate) or a parameter's
+            (`Node.grad_sum_bytes`): the computed gradients and the sums beside them; -inf
+            where j sums none. What j saved is released by then: a planner adds the saved
+            bytes held after j's, not j's own.
         after: per position d in [0, n], the bytes live once the backward of the nodes
             >= d is done (after[n]: at the backward-start event).
         held_output_bytes: storage of the groups holding an output the caller keeps.
@@ -135,6 +136,6 @@ def _backward_terms(info: GraphInfo, live: int, let_go: int) -> tuple[np.ndarray
                     if refs[held] == 0:
                         live -= size[held]
             if info.grad_sum_bytes[j]:  # added after the releases (see the simulator)
-                at_backward[j] = max(at_backward[j], live + 2 * int(info.grad_sum_bytes[j]))
+                late[j] = max(late[j], live + 2 * int(info.grad_sum_bytes[j]))
         after[j] = live
     return at_backward, late, after

@@ -154,7 +154,8 @@ class CostModel:
         # runs)
         positional = positional_bytes(info)
         self.pos_bwd, self.pos_after = positional.at_backward, positional.after
-        # out-of-place sums into broadcast gradients, after a node's releases (-inf: none)
+        # out-of-place sums (into broadcast gradients, of parameter gradients) after a
+        # node's releases (-inf: none)
         self.pos_late = positional.late
         self.out_total = positional.held_output_bytes
         # save events: last save event before position f; first node reading from before e
