@@ -377,3 +377,33 @@ def test_dropout_drawn_from_a_key_argument(make_key):
     grad = hj.height_compressed_grad(loss, budget="min")
     assert_trees_close(grad(w, x, make_key(3)), expected)
     assert_trees_close(jax.jit(grad)(w, x, make_key(3)), expected)
+
+
+def test_a_loop_over_stacked_weights_warns_and_its_gradients_are_right():
+    """NOTE [ Loops over stacked weights ]: each segment's backward returns the stacked
+    weights' full-size gradient, which the plan does not count; per-layer weights do not."""
+    import warnings
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (6, 32, 32)) / 6
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 32))
+
+    def stacked(w, x):
+        h, _ = jax.lax.scan(lambda h, wi: (h + jnp.tanh(h @ wi), None), x, w)
+        return jnp.mean(h**2)
+
+    def listed(ws, x):
+        for wi in ws:
+            x = x + jnp.tanh(x @ wi)
+        return jnp.mean(x**2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = hj.height_compressed_grad(stacked, budget="min")(w, x)
+    assert any("stacked weights" in str(c.message) for c in caught)
+    assert_trees_close(got, jax.grad(stacked)(w, x))
+    ws = list(w)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = hj.height_compressed_grad(listed, budget="min")(ws, x)
+    assert not any("stacked weights" in str(c.message) for c in caught)
+    assert_trees_close(got, jax.grad(listed)(ws, x))
