@@ -164,8 +164,8 @@ class Schedule:
             return float(made)
         if op is not None:
             return float(self.pos_after[idx + 1])
-        # a late sum into a broadcast gradient, counted beside the stage's saved values
-        # (conservative: NOTE [ A broadcast gradient is added out of place ])
+        # a late out-of-place sum (into a broadcast gradient, of a parameter's gradient),
+        # counted beside the stage's saved values (conservative: `Positional.late`)
         return float(max(self.pos_bwd[idx], self.pos_late[idx]))
 
     def copy_bytes(self, t: int, k: int) -> float:

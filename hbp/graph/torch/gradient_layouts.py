@@ -11,7 +11,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from hbp.graph.ir import Node
-from hbp.graph.torch.fake import Faker, run_fx_node, storage_key
+from hbp.graph.torch.fake import Faker, run_fx_node, storage_key, tensor_layout
 from hbp.graph.torch.modes import MODES
 
 __all__ = ["check_pass_through"]
@@ -21,18 +21,19 @@ __all__ = ["check_pass_through"]
 # backward hands that gradient (or a view of it) to an input is recorded as passing it
 # through (`Node.grad_passthrough`): no new storage. But the gradient a node receives in the
 # step is the one its consumers' backwards made, and a view's backward can only stay a view of
-# a gradient whose strides allow it: `cat`'s backward hands each input a slice of its
-# gradient, `transpose`'s backward transposes that slice, and `flatten`'s backward
-# (a `reshape`) then has to copy it: a new gradient the size of the input. A ViT's class token
-# concatenated onto its transposed patch embedding measured the conv output's size (8 KiB of
-# 113 KiB) above the prediction, and Dinov2 at "min" up to 6.4% above its budget. So, in
-# backward order, each node that can change a gradient's layout or be given one it has not
-# been profiled with (a view, an op that changes the shape, a node whose output gradient
-# arrives as a view) is run again on fake tensors with the gradient it would be given: the
-# first gradient to arrive at its output, where that was not a fresh dense one. An input
-# whose gradient is then new storage no longer passes through; an input whose gradient is a
-# view not in dense layout gets that gradient as its first one. The first gradient to arrive
-# at a value is its last consumer's, in forward order, as the simulator has it.
+# a gradient whose strides allow it: attention's backward hands the query's head split
+# (`view(b, s, h, d).transpose(1, 2)`) a contiguous gradient, `transpose`'s backward
+# transposes it, and the `view`'s backward (a `reshape`) then has to copy it: a new gradient
+# the size of the projection's output (96 such views at 32 Llama layers). The predicted peaks
+# of the Llamas and the attention block tried did not change, and the allocator agreed with
+# them before and after; the IR now says where the storage is new. So, in backward order,
+# each node that can change a gradient's layout or be given one it has not been profiled with
+# (a view, an op that changes the shape, a node whose output gradient arrives as a view) is
+# run again on fake tensors with the gradient it would be given: the first gradient to arrive
+# at its output, where that was not a fresh dense one. An input whose gradient is then new
+# storage no longer passes through; an input whose gradient is a view not in dense layout gets
+# that gradient as its first one. The first gradient to arrive at a value is its last
+# consumer's, in forward order, as the simulator has it.
 
 
 def check_pass_through(
@@ -83,7 +84,7 @@ def _signature(node: fx.Node, gm, values, passing: set[str], given) -> tuple | N
             v = values.get(a)
             if not isinstance(v, torch.Tensor):
                 return None
-            described.append((a.name in passing, _layout(v), v.dtype, v.requires_grad))
+            described.append((a.name in passing, tensor_layout(v)))
         elif a is None or isinstance(a, (bool, int, float, str, torch.dtype)):
             described.append(a)
         else:

@@ -165,7 +165,8 @@ class ClosedLoop:
             or (device.type == "cpu" and foreign_profiler_running())  # cannot nest
         ):
             output = executor(*args, **kwargs)
-            self._await_backward(grad_leaves(executor, output))
+            if "called-before-backward" not in self._warned:  # (said once: no hooks after)
+                self._await_backward(grad_leaves(executor, output))
             return output
         probe = StepPeakProbe(device)
         try:
@@ -185,7 +186,7 @@ class ClosedLoop:
         """Note when the backward from `leaves` (this call's outputs) starts; then run
         `on_start` after it, in the autograd engine (NOTE [ Calls before the previous call's
         backward ]: a later call that finds it not started warns)."""
-        if not leaves or (on_start is None and "called-before-backward" in self._warned):
+        if not leaves:
             return
         started: list[bool] = []
 

@@ -324,7 +324,6 @@ class Solver(Recursion):
             if p.flops_lists is None:
                 p.flops_lists = (p.flops[FULL].tolist(), p.flops[UNTIL_SAVE].tolist())
             flops = p.flops_lists[option.extent]
-        first_finite = self._first_finite
         own_tail = self.model.own_tail_until(d)
         for i, sub, H2 in zip(rows.keep, rows.rest, rows.states):
             kept = kept_list[i]
@@ -333,9 +332,7 @@ class Solver(Recursion):
             if flops is not None:
                 value = value + flops[i]
             if option.mode == REC:
-                first = first_finite.get(id(sub))
-                if first is None:
-                    first = self._first_finite_slot(sub)
+                first = self._first_finite_slot(sub)
                 lowest = max(lo, kept + first) - kept
                 f = p.f_list[i]
                 table = self.rec(e, f, lowest, f <= own_tail)
