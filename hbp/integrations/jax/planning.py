@@ -10,6 +10,7 @@ import jax
 from hbp.errors import ConfigError
 from hbp.graph.jax_capture import CapturedFunction, Program, abstractify, capture_program
 from hbp.integrations.jax.pieces import PiecesExecutor
+from hbp.integrations.jax.remat import taken_whole
 from hbp.integrations.jax.segments import SegmentInfo, check_segments, resolve_segments
 from hbp.planner.budget import Budget
 from hbp.planner.plan import Plan
@@ -108,7 +109,7 @@ class Planned:
             PiecesExecutor(captured.program),
         )
         if self.strategy != "pieces":  # the pieces add each cotangent into one running sum
-            _warn_on_stacked_weights(compiled)
+            _warn_on_stacked_weights(compiled, self.strategy)
         # Closed-over tracers (fun called inside someone's jit) belong to this trace only.
         if not any(isinstance(c, jax.core.Tracer) for c in captured.program.consts):
             self._cache[key] = compiled
@@ -144,25 +145,27 @@ class Planned:
 SLICES = frozenset({"slice", "dynamic_slice", "gather"})
 
 
-def _warn_on_stacked_weights(compiled: Compiled) -> None:
-    """NOTE [ Loops over stacked weights ]"""
+def _warn_on_stacked_weights(compiled: Compiled, executor: str) -> None:
+    """Warn once when a recomputed segment's backward returns the full-size gradient of an
+    argument that two or more slices read (NOTE [ Loops over stacked weights ])."""
     program = compiled.program
     sliced: dict[int, int] = {}
     for op in program.ops:
         if op.eqn.primitive.name in SLICES and isinstance(op.inputs[0], int):
             sliced[op.inputs[0]] = sliced.get(op.inputs[0], 0) + 1
+    if executor == "remat":
+        whole = {v for info in compiled.infos if info.recompute for v in info.diff_in}
+    else:
+        whole = taken_whole(compiled.infos)
     for v in program.invars:
-        if v not in program.needs_grad or sliced.get(v, 0) < 2:
-            continue
-        segments = sum(v in info.diff_in for info in compiled.infos)
-        if segments >= 2:
+        if v in program.needs_grad and sliced.get(v, 0) >= 2 and v in whole:
             aval = program.avals[v]
             warnings.warn(
                 f"hbp.jax: an argument of shape {tuple(aval.shape)} is sliced {sliced[v]} times "
-                f"across {segments} segments (a lax.scan or loop over stacked weights): each "
-                "segment's backward returns a gradient of its full size, and under jax.jit the "
-                "compiled step can exceed the plan, even plain jax.grad. Keep per-layer "
-                "weights in a list or pytree of layers (docs/jax.md).",
+                "(a lax.scan or loop over stacked weights) and read whole by nested "
+                "recomputed segments, whose backward returns a gradient of its full size: "
+                "under jax.jit the compiled step can exceed the plan. Keep per-layer weights "
+                "in a list or pytree of layers (docs/jax.md).",
                 UserWarning,
                 stacklevel=4,
             )
@@ -171,11 +174,22 @@ def _warn_on_stacked_weights(compiled: Compiled) -> None:
 
 # NOTE [ Loops over stacked weights ]
 # A lax.scan (or fori_loop) over weights stacked as W[L, ...] reads one slice per layer; once
-# unrolled and cut into segments, every segment that reads a slice takes W as an input, and
-# its custom_vjp's backward returns a cotangent of W's full size (the slice's gradient padded
-# out), which XLA adds up with several alive at once. The plan does not count those: a
-# new-user trial measured, at 12 layers of 256 x 256, 22.25 MiB compiled at budget 0.5
-# against 13.25 for plain jax.grad and a plan of 5.50. Until the executor passes slices
-# instead (hoisting the slices of arguments out of the segments), the first plan of such a
-# signature warns, but for `strategy="pieces"`, whose pieces add each cotangent into one
-# running sum in place (its measured peak matches the plan: tests/test_jax_memory.py).
+# unrolled and cut into segments, every recomputed segment that reads a slice takes W as an
+# input. Were its custom_vjp's backward to return W's cotangent, that would be of W's full
+# size (the slice's gradient padded out) and made inside the conditional, where XLA cannot
+# add it into the running sum in place: several are alive at once, which the plan does not
+# count. A new-user trial measured, at 12 layers of 256 x 256 (batch 256), 22.25 MiB compiled
+# at budget 0.5 against 13.25 for plain jax.grad and a plan of 5.50.
+#
+# So the fenced backward (`fenced_segment`) recomputes the slices of such an input inside the
+# conditional, differentiates the segment with respect to the slices, returns slice-sized
+# cotangents from the conditional and pads them out after it, where XLA fuses the pad into
+# the running sum. That case now compiles to 7.25 MiB. It applies where every read of the
+# input in the segment is a slice whose other operands the segment is given and no recomputed
+# segment nested inside it reads the input; a nested one would need the slices as its own
+# inputs, held from its forward to its backward, which measured worse ("min" with ten nested
+# levels: 19.0 against 16.0 MiB at batch 1024). Such deeply nested "min" plans still compile
+# above the plan (14.63 MiB at batch 64 against a plan of 3.50 and plain 5.75), so the first
+# plan of such a signature warns (`taken_whole`), as it does under strategy="remat", whose
+# `jax.checkpoint` returns the full-size cotangent. `strategy="pieces"`, whose pieces add
+# each cotangent into one running sum in place, matches its plan (tests/test_jax_memory.py).

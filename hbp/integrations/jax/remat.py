@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from hbp.integrations.jax.segments import SegmentInfo, eval_ops
+from hbp.graph.jax_capture import Op
+from hbp.integrations.jax.segments import SegmentInfo, eval_ops, read_value
 
 # NOTE [ Recomputation under the caller's jax.jit ]
 # A user jits the whole training step, so whatever hbp builds is inlined into one XLA
@@ -75,7 +76,11 @@ def _cotangent_zeros(x):
 def fenced_segment(info: SegmentInfo):
     """The recomputed segment `info` as `f(diff_in, nondiff_in) -> (diff_out, nondiff_out)`
     that keeps only its inputs for backward and recomputes behind a conditional."""
+    diff_ids = info.diff_in
     body = partial(_fenced_body, info)
+    sliced = sliced_inputs(info)
+    slices = [op for ops in sliced.values() for op in ops]
+    kept = [k for k, i in enumerate(diff_ids) if i not in sliced]
 
     @jax.custom_vjp
     def segment(diff_in, nondiff_in):
@@ -86,25 +91,110 @@ def fenced_segment(info: SegmentInfo):
 
     def backward(inputs, cts):
         diff_in, nondiff_in = inputs
-        diff_cts = cts[0]
+        given = dict(zip(diff_ids, diff_in))
+        given.update(zip(info.nondiff_in, nondiff_in))
 
         def recompute(diff_in, nondiff_in, diff_cts):
-            _, vjp_fn, _ = jax.vjp(lambda d: body(d, nondiff_in), diff_in, has_aux=True)
-            return vjp_fn(diff_cts)[0]
+            env = dict(zip(info.nondiff_in, nondiff_in))
+            env.update(zip(diff_ids, diff_in))
+
+            def of(rest, sliced_values):
+                inner = dict(zip(info.nondiff_in, nondiff_in))
+                inner.update((diff_ids[k], v) for k, v in zip(kept, rest))
+                inner.update((op.outputs[0], v) for op, v in zip(slices, sliced_values))
+                return _run(info, inner)
+
+            rest = [diff_in[k] for k in kept]
+            sliced_values = [_bind(op, env) for op in slices]
+            _, vjp_fn, _ = jax.vjp(of, rest, sliced_values, has_aux=True)
+            return vjp_fn(diff_cts)
 
         def skip(diff_in, nondiff_in, diff_cts):
-            return [jnp.zeros_like(d) for d in diff_in]
+            rest = [jnp.zeros_like(diff_in[k]) for k in kept]
+            avals = [op.eqn.outvars[0].aval for op in slices]
+            return rest, [jnp.zeros(a.shape, a.dtype) for a in avals]
 
-        in_cts = lax.cond(opaque_true(), recompute, skip, diff_in, nondiff_in, diff_cts)
-        return in_cts, [_cotangent_zeros(v) for v in nondiff_in]
+        rest_cts, slice_cts = lax.cond(opaque_true(), recompute, skip, diff_in, nondiff_in, cts[0])
+        in_cts = dict(zip((diff_ids[k] for k in kept), rest_cts))
+        # Each slice's cotangent padded out to its input's shape, outside the conditional
+        # (NOTE [ Loops over stacked weights ]).
+        for op, ct in zip(slices, slice_cts):
+            v = op.inputs[0]
+            pad = _slice_transpose(op, given)(ct)
+            in_cts[v] = in_cts[v] + pad if v in in_cts else pad
+        return [in_cts[i] for i in diff_ids], [_cotangent_zeros(v) for v in nondiff_in]
 
     segment.defvjp(forward, backward)
     return segment
 
 
+SLICES = frozenset({"slice", "dynamic_slice"})
+
+
+def sliced_inputs(info: SegmentInfo) -> dict[int, list[Op]]:
+    """The differentiated inputs of `info` that it reads only through slices whose other
+    operands it is given, and that no recomputed segment nested in it reads, with those
+    slices (NOTE [ Loops over stacked weights ])."""
+    nested = {i for child in info.children if child.recompute for i in child.live_in}
+    readers: dict[int, list[Op]] = {}
+    for op in info.ops:
+        for a in op.inputs:
+            if isinstance(a, int) and a in info.diff_in and a not in nested:
+                readers.setdefault(a, []).append(op)
+    given = set(info.live_in)
+    return {
+        v: list(dict.fromkeys(ops))
+        for v, ops in readers.items()
+        if all(_is_slice_of(op, v, given) for op in ops)
+    }
+
+
+def taken_whole(infos: list[SegmentInfo]) -> set[int]:
+    """Differentiated inputs that a recomputed segment reads through slices but takes whole,
+    because a recomputed segment nested in it reads them too: its backward returns their
+    full-size cotangent (NOTE [ Loops over stacked weights ])."""
+    out: set[int] = set()
+    for info in infos:
+        if info.recompute and info.diff_in and info.diff_out:
+            hoisted = sliced_inputs(info)
+            for op in info.ops:
+                v = op.inputs[0] if op.inputs else None
+                if op.eqn.primitive.name in SLICES and v in info.diff_in and v not in hoisted:
+                    out.add(v)
+        out |= taken_whole(info.children)
+    return out
+
+
+def _is_slice_of(op: Op, v: int, given: set[int]) -> bool:
+    if op.eqn.primitive.name not in SLICES or op.inputs[0] != v:
+        return False
+    return all(not isinstance(a, int) or (a in given and a != v) for a in op.inputs[1:])
+
+
+def _bind(op: Op, env: dict):
+    eqn = op.eqn
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*[read_value(env, a) for a in op.inputs], **params)
+
+
+def _slice_transpose(op: Op, env: dict):
+    """The transpose of slicing `op.inputs[0]` (its other operands fixed): a pad."""
+    operand = env[op.inputs[0]]
+    aval = jax.ShapeDtypeStruct(operand.shape, operand.dtype)
+    transpose = jax.linear_transpose(lambda x: _bind(op, {**env, op.inputs[0]: x}), aval)
+    return lambda ct: transpose(ct)[0]
+
+
 def _fenced_body(info: SegmentInfo, diff_in: list, nondiff_in: list):
     env = dict(zip(info.diff_in, diff_in))
     env.update(zip(info.nondiff_in, nondiff_in))
+    return _run(info, env)
+
+
+def _run(info: SegmentInfo, env: dict):
+    """`info`'s outputs from `env`: its inputs, or, for an input read only through slices,
+    those slices (an equation whose outputs `env` already holds is not run again)."""
     if info.children:
         run_fenced(info.children, env)
     else:
