@@ -256,6 +256,13 @@ def test_workspaces_kept_on_disk_are_read_back_by_another_run_not_measured(tmp_p
         torch.set_num_threads(threads)
     assert measured
 
+    # measured with another CPU instruction set (ATEN_CPU_CAPABILITY): not read back either
+    calibrate.clear_cache()
+    measured.clear()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "NO AVX")
+    capture(module, (x, y), calibrate=True, scratch_store=ScratchStore(tmp_path / "scratch"))
+    assert measured
+
 
 def test_an_op_named_by_its_address_is_not_kept_on_disk(tmp_path):
     """An address or a closure names another object in another process."""

@@ -16,9 +16,11 @@ unreadable entry is a miss.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import platform
 import re
 from pathlib import Path
 
@@ -39,7 +41,8 @@ Measured = tuple[int, int, tuple[tuple[int, ...] | None, ...]]
 # A measurement is the allocator's peak of one op on tensors of given shapes, strides, dtypes
 # and devices (the op signature, `op_signature.signature`, with the gradient layout), and it
 # depends on the kernels chosen: the torch build, the device (a GPU's name and compute
-# capability), the CPU threads (oneDNN sizes its buffers by them), cuDNN's flags, the
+# capability; a CPU's instruction set, which `ATEN_CPU_CAPABILITY` can lower, and model), the
+# CPU threads (oneDNN sizes its buffers by them), cuDNN's flags, the
 # deterministic-algorithms flag and the caching allocator's settings. All of these are in the
 # key, and so is a digest of a Python function's or a module's `forward`'s code, so that an op
 # edited between two runs is measured again (a function of `__main__` is named by its code).
@@ -138,5 +141,18 @@ def _environment(device: torch.device) -> list:
             os.environ.get("PYTORCH_ALLOC_CONF", ""),
         ]
     else:
-        env += [torch.get_num_threads()]
+        env += [torch.get_num_threads(), torch.backends.cpu.get_cpu_capability(), _cpu_model()]
     return env
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """The CPU's model name (oneDNN blocks its kernels by the caches), or "" if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
