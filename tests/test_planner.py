@@ -268,6 +268,33 @@ def test_planning_leaves_no_cyclic_garbage(layers):
     assert found < 5000
 
 
+def test_a_budget_error_leaves_its_callers_frames_to_reference_counting():
+    """NOTE [ A BudgetError holds no frame's locals ]: a caller that catches a BudgetError
+    gets its locals (HCModule's: the step's outputs) freed when it returns, not when the
+    collector next runs."""
+    import weakref
+
+    import torch
+
+    graph = synthetic.residual_net(3)
+
+    def caller():
+        held = torch.ones(4)
+        try:
+            plan(graph, 1)
+        except BudgetError:
+            pass
+        return weakref.ref(held)
+
+    gc.collect()
+    gc.disable()
+    try:
+        released = caller()() is None
+    finally:
+        gc.enable()
+    assert released
+
+
 def test_discretised_plans_fit_and_trade_memory_for_recompute():
     graph = synthetic.residual_net(3)
     naive = naive_peak(graph)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import traceback
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
@@ -140,6 +141,8 @@ def _plan(graph, info, budget, block_size, planner, pins, schedules, options: di
             **options,
         )
     except BudgetError as err:
+        # NOTE [ A BudgetError holds no frame's locals ]
+        traceback.clear_frames(err.__traceback__)
         scheduled = schedules and schedule_plan(graph, budget_bytes, None, info=info, naive=naive)
         if scheduled:
             return scheduled
@@ -222,3 +225,16 @@ def _with_workspace(graph: Graph, err: BudgetError) -> BudgetError:
         f"({node.op})'s {where} kernel, held while it runs whatever is recomputed: a smaller "
         "input or another kernel lowers it"
     )
+
+
+# NOTE [ A BudgetError holds no frame's locals ]
+# The DP hands a BudgetError down through helpers that take it as an argument and raise it
+# again, so the frames it passes through hold it in their locals while its traceback holds
+# those frames: a reference cycle, freed only by the garbage collector. Through each frame's
+# caller it also held the caller's frames, up to the step that planned again: HCModule's
+# `_run`, whose locals hold the module's output. A re-plan that raised (the closed loop's,
+# where no plan fits the lowered target) thus kept the step's outputs (a transformers
+# model's logits and key/value cache) alive after the caller let them go, until a collection:
+# the measured peak rose by their size and HCModule took them for outputs the caller keeps.
+# The locals of the frames the error was raised through are cleared where the planner
+# catches it (the frames still running, the planner's own and its callers', are not).
