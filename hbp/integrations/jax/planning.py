@@ -185,7 +185,10 @@ def _warn_on_stacked_weights(compiled: Compiled, executor: str) -> None:
 # conditional, differentiates the segment with respect to the slices, returns slice-sized
 # cotangents from the conditional and pads them out after it, where XLA fuses the pad into
 # the running sum. That case now compiles to 7.25 MiB. It applies where every read of the
-# input in the segment is a slice whose other operands the segment is given and no recomputed
+# input in the segment is a slice whose indices are known before the segment runs (literals,
+# inputs, or integer equations of those in the segment: an unrolled `fori_loop`'s `W[i]`,
+# whose `i` the segment normalises; such a loop over 8 stacked layers at batch 64 and 0.7
+# compiled to 32.25 MiB before, 15.35 now, plain jax.grad 19.90) and no recomputed
 # segment nested inside it reads the input; a nested one would need the slices as its own
 # inputs, held from its forward to its backward, which measured worse ("min" with ten nested
 # levels: 19.0 against 16.0 MiB at batch 1024). Such deeply nested "min" plans still compile

@@ -78,7 +78,7 @@ def fenced_segment(info: SegmentInfo):
     that keeps only its inputs for backward and recomputes behind a conditional."""
     diff_ids = info.diff_in
     body = partial(_fenced_body, info)
-    sliced = sliced_inputs(info)
+    sliced, index_ops = sliced_inputs(info)
     slices = [op for ops in sliced.values() for op in ops]
     kept = [k for k, i in enumerate(diff_ids) if i not in sliced]
 
@@ -93,13 +93,17 @@ def fenced_segment(info: SegmentInfo):
         diff_in, nondiff_in = inputs
         given = dict(zip(diff_ids, diff_in))
         given.update(zip(info.nondiff_in, nondiff_in))
+        eval_ops(index_ops, given)  # the slices' indices, for the pads below
 
         def recompute(diff_in, nondiff_in, diff_cts):
             env = dict(zip(info.nondiff_in, nondiff_in))
             env.update(zip(diff_ids, diff_in))
+            eval_ops(index_ops, env)
+            indices = {o: env[o] for op in index_ops for o in op.outputs}
 
             def of(rest, sliced_values):
                 inner = dict(zip(info.nondiff_in, nondiff_in))
+                inner.update(indices)
                 inner.update((diff_ids[k], v) for k, v in zip(kept, rest))
                 inner.update((op.outputs[0], v) for op, v in zip(slices, sliced_values))
                 return _run(info, inner)
@@ -131,22 +135,53 @@ def fenced_segment(info: SegmentInfo):
 SLICES = frozenset({"slice", "dynamic_slice"})
 
 
-def sliced_inputs(info: SegmentInfo) -> dict[int, list[Op]]:
-    """The differentiated inputs of `info` that it reads only through slices whose other
-    operands it is given, and that no recomputed segment nested in it reads, with those
-    slices (NOTE [ Loops over stacked weights ])."""
+def sliced_inputs(info: SegmentInfo) -> tuple[dict[int, list[Op]], list[Op]]:
+    """The differentiated inputs of `info` that it reads only through slices whose indices
+    are known before it runs, and that no recomputed segment nested in it reads, with those
+    slices; and the equations that compute the indices, in order (NOTE [ Loops over stacked
+    weights ]).
+
+    An index is known before the segment runs if it is a literal, an input without gradient,
+    or made in the segment by integer equations of such (a `fori_loop`'s `W[i]`, unrolled:
+    `i` normalised by `lt`/`add`/`select_n`)."""
     nested = {i for child in info.children if child.recompute for i in child.live_in}
     readers: dict[int, list[Op]] = {}
     for op in info.ops:
         for a in op.inputs:
             if isinstance(a, int) and a in info.diff_in and a not in nested:
                 readers.setdefault(a, []).append(op)
-    given = set(info.live_in)
-    return {
+    known, made_by = _integer_values(info)
+    sliced = {
         v: list(dict.fromkeys(ops))
         for v, ops in readers.items()
-        if all(_is_slice_of(op, v, given) for op in ops)
+        if all(_is_slice_of(op, v, known) for op in ops)
     }
+    needed: set[int] = set()
+    stack = [a for ops in sliced.values() for op in ops for a in op.inputs[1:] if a in made_by]
+    while stack:
+        k = made_by[stack.pop()]
+        if k not in needed:
+            needed.add(k)
+            stack.extend(a for a in info.ops[k].inputs if isinstance(a, int) and a in made_by)
+    return sliced, [info.ops[k] for k in sorted(needed)]
+
+
+def _integer_values(info: SegmentInfo) -> tuple[set[int], dict[int, int]]:
+    """Values known before `info` runs: its inputs without gradient, and the integer and
+    boolean outputs of its effect-free equations over those and literals; with the index in
+    `info.ops` of the equation that makes each of the latter."""
+    known = set(info.nondiff_in)
+    made_by: dict[int, int] = {}
+    for k, op in enumerate(info.ops):
+        if op.eqn.effects or not all(not isinstance(a, int) or a in known for a in op.inputs):
+            continue
+        if all(
+            jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == jnp.bool_
+            for v in op.eqn.outvars
+        ):
+            known.update(op.outputs)
+            made_by.update((o, k) for o in op.outputs)
+    return known, made_by
 
 
 def taken_whole(infos: list[SegmentInfo]) -> set[int]:
@@ -156,7 +191,7 @@ def taken_whole(infos: list[SegmentInfo]) -> set[int]:
     out: set[int] = set()
     for info in infos:
         if info.recompute and info.diff_in and info.diff_out:
-            hoisted = sliced_inputs(info)
+            hoisted, _ = sliced_inputs(info)
             for op in info.ops:
                 v = op.inputs[0] if op.inputs else None
                 if op.eqn.primitive.name in SLICES and v in info.diff_in and v not in hoisted:
@@ -165,10 +200,10 @@ def taken_whole(infos: list[SegmentInfo]) -> set[int]:
     return out
 
 
-def _is_slice_of(op: Op, v: int, given: set[int]) -> bool:
+def _is_slice_of(op: Op, v: int, known: set[int]) -> bool:
     if op.eqn.primitive.name not in SLICES or op.inputs[0] != v:
         return False
-    return all(not isinstance(a, int) or (a in given and a != v) for a in op.inputs[1:])
+    return all(not isinstance(a, int) or a in known for a in op.inputs[1:])
 
 
 def _bind(op: Op, env: dict):
