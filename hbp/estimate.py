@@ -167,7 +167,9 @@ def estimate(
         An `Estimate`; `print` it for a table.
     """
     from hbp.graph.torch.capture import capture
-    from hbp.integrations.torch.loss import WithLoss  # one definition of "the step with its loss"
+
+    # one definition of "the step with its loss", and of a training step's keyword arguments
+    from hbp.integrations.torch.loss import WithLoss, training_kwargs
 
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "an nn.Module")
@@ -176,6 +178,7 @@ def estimate(
     budgets = _budget_list(budgets)
     start = time.perf_counter()
     targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+    kwargs = training_kwargs(model, kwargs)
     root = model if loss_fn is None else WithLoss(model, loss_fn, len(inputs))
     args = inputs if loss_fn is None else (*inputs, *targets)
     cache = PlanCache.of(plan_cache)

@@ -276,6 +276,32 @@ def test_a_warning_names_each_output_where_the_caller_finds_it():
     assert _cache_hint(["head"], paths) == ""
 
 
+def test_a_training_step_fills_no_key_value_cache_unless_the_caller_asks():
+    """NOTE [ A training step keeps no key/value cache ]: a transformers model whose config
+    turns the cache on trains without it (as its own gradient checkpointing does), within
+    the budget; `use_cache=True` passed keeps the cache, and a call without grad is the
+    plain model's."""
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    assert model.config.use_cache
+    hc = hbp.HCModule(model, budget="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = hc(**kwargs)
+        assert getattr(out, "cache", None) is None
+        out.loss.backward()
+        del out
+        model.zero_grad(set_to_none=True)
+        _, peak = allocator_peak(lambda: hc(**kwargs).loss.backward())
+        assert peak <= hc.budget_bytes
+        model.zero_grad(set_to_none=True)
+        out = hc(**kwargs, use_cache=True)
+        assert out.cache is not None
+        out.loss.backward()
+        with torch.no_grad():
+            assert hc(**kwargs).cache is not None
+
+
 def test_measured_peak_is_the_least_plans_own_once_kept_outputs_leave_no_other():
     """A caller keeping a transformers GPT-2's outputs (key/value cache, logits) at 0.4: the
     first step is measured over the budget, no plan fits with the outputs kept, and the plan
@@ -284,6 +310,7 @@ def test_measured_peak_is_the_least_plans_own_once_kept_outputs_leave_no_other()
     measures it."""
     torch.manual_seed(0)
     model, args, kwargs = gpt2()
+    kwargs = {**kwargs, "use_cache": True}  # NOTE [ A training step keeps no key/value cache ]
     hc = hbp.HCModule(model, budget=0.4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -329,7 +356,7 @@ def test_kept_outputs_found_after_unseen_memory_are_planned_within_the_budget():
         warnings.simplefilter("always")
         for _ in range(3):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = model(input_ids=ids, labels=ids)
+                out = model(input_ids=ids, labels=ids, use_cache=True)
             out.logits = out.logits.float()  # accelerate's convert_outputs_to_fp32
             out.loss.float().backward()
             model.zero_grad(set_to_none=True)

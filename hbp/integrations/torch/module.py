@@ -16,7 +16,7 @@ from hbp.graph.torch.capture import CapturedGraph
 from hbp.integrations.torch.closed_loop import ClosedLoop, StepPeakProbe
 from hbp.integrations.torch.compile import CompiledSegments, dynamo_callback_set
 from hbp.integrations.torch.guards import has_guards, run_or_plain
-from hbp.integrations.torch.loss import with_loss
+from hbp.integrations.torch.loss import training_kwargs, with_loss
 from hbp.integrations.torch.outputs import WatchedOutputs
 from hbp.integrations.torch.planning import Compiled, Planning, plan_summary
 from hbp.planner import PLANNERS
@@ -254,6 +254,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
             return self._forward_with_loss(args, kwargs, compiled_segments)
         if not self._plans_for(args, kwargs):
             return self._plain(*args, **kwargs)
+        kwargs = training_kwargs(self.module, kwargs)
         compiled = self._prepare(args, kwargs, compiled_segments=compiled_segments)
         return self._run(compiled, args, kwargs, compiled_segments)
 
@@ -265,6 +266,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         """Capture and plan for these inputs as a training step (grad enabled, current
         train/eval flags) without running the step; return the plan. Later calls with the
         same signature reuse it. With `loss_fn`, pass `targets=` to plan the whole step."""
+        kwargs = training_kwargs(self.module, kwargs)
         with torch.enable_grad():
             if self.loss_fn is not None and "targets" in kwargs:
                 args, kwargs, root, tag = with_loss(self.module, self.loss_fn, args, kwargs)
@@ -326,6 +328,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         step_args, step_kwargs, root, tag = with_loss(self.module, self.loss_fn, args, kwargs)
         if not self._plans_for(args, step_kwargs):
             return root(*step_args, **step_kwargs)
+        step_kwargs = training_kwargs(self.module, step_kwargs)
         compiled = self._prepare(step_args, step_kwargs, root, tag, compiled_segments)
         return self._run(compiled, step_args, step_kwargs, compiled_segments, root)
 
