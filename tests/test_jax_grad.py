@@ -399,7 +399,9 @@ def test_a_loop_over_stacked_weights_warns_and_its_gradients_are_right():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = hj.height_compressed_grad(stacked, budget="min")(w, x)
-    assert any("stacked weights" in str(c.message) for c in caught)
+    (warned,) = [c for c in caught if "stacked weights" in str(c.message)]
+    assert "args[0] (shape (6, 32, 32))" in str(warned.message)  # where, in the caller's terms
+    assert warned.filename == __file__  # the caller's line
     assert_trees_close(got, jax.grad(stacked)(w, x))
     ws = list(w)
     with warnings.catch_warnings(record=True) as caught:

@@ -109,7 +109,10 @@ class Planned:
             PiecesExecutor(captured.program),
         )
         if self.strategy != "pieces":  # the pieces add each cotangent into one running sum
-            _warn_on_stacked_weights(compiled, self.strategy)
+            paths = [
+                jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(avals)
+            ]
+            _warn_on_stacked_weights(compiled, self.strategy, paths)
         # Closed-over tracers (fun called inside someone's jit) belong to this trace only.
         if not any(isinstance(c, jax.core.Tracer) for c in captured.program.consts):
             self._cache[key] = compiled
@@ -145,9 +148,10 @@ class Planned:
 SLICES = frozenset({"slice", "dynamic_slice", "gather"})
 
 
-def _warn_on_stacked_weights(compiled: Compiled, executor: str) -> None:
+def _warn_on_stacked_weights(compiled: Compiled, executor: str, paths: list[str]) -> None:
     """Warn once when a recomputed segment's backward returns the full-size gradient of an
-    argument that two or more slices read (NOTE [ Loops over stacked weights ])."""
+    argument that two or more slices read (NOTE [ Loops over stacked weights ]); `paths`:
+    where each flat argument sits in the call's arguments (`jax.tree_util.keystr`)."""
     program = compiled.program
     sliced: dict[int, int] = {}
     for op in program.ops:
@@ -157,17 +161,18 @@ def _warn_on_stacked_weights(compiled: Compiled, executor: str) -> None:
         whole = {v for info in compiled.infos if info.recompute for v in info.diff_in}
     else:
         whole = taken_whole(compiled.infos)
-    for v in program.invars:
+    for k, v in enumerate(program.invars):
         if v in program.needs_grad and sliced.get(v, 0) >= 2 and v in whole:
             aval = program.avals[v]
+            where = f"args{paths[k]}" if k < len(paths) else "an argument"
             warnings.warn(
-                f"hbp.jax: an argument of shape {tuple(aval.shape)} is sliced {sliced[v]} times "
+                f"hbp.jax: {where} (shape {tuple(aval.shape)}) is sliced {sliced[v]} times "
                 "(a lax.scan or loop over stacked weights) and read whole by nested "
                 "recomputed segments, whose backward returns a gradient of its full size: "
                 "under jax.jit the compiled step can exceed the plan. Keep per-layer weights "
                 "in a list or pytree of layers (docs/jax.md).",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,  # the caller of the gradient function, when called as is
             )
             return
 
