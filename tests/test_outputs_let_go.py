@@ -302,6 +302,22 @@ def test_a_training_step_fills_no_key_value_cache_unless_the_caller_asks():
             assert hc(**kwargs).cache is not None
 
 
+def test_a_peft_model_trains_without_its_base_models_key_value_cache():
+    """A PEFT model's forward takes `**kwargs` and hands them to its base model, which takes
+    `use_cache`: the training step passes it there too."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    lora = peft.get_peft_model(model, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hbp.enable(lora, budget="min")
+        out = lora(**kwargs)
+    assert getattr(out, "cache", None) is None
+    out.loss.backward()
+
+
 def test_measured_peak_is_the_least_plans_own_once_kept_outputs_leave_no_other():
     """A caller keeping a transformers GPT-2's outputs (key/value cache, logits) at 0.4: the
     first step is measured over the budget, no plan fits with the outputs kept, and the plan

@@ -69,15 +69,26 @@ def with_loss(module: nn.Module, loss_fn, args, kwargs) -> tuple[tuple, dict, nn
 
 def training_kwargs(module: nn.Module, kwargs: dict) -> dict:
     """`kwargs` for a training step of `module`: with `use_cache=False` added where the
-    module's forward takes `use_cache`, its config has the cache on and the caller did not
-    pass it (NOTE [ A training step keeps no key/value cache ])."""
+    module's forward takes `use_cache` (a PEFT model's, through its base model's), its
+    config has the cache on and the caller did not pass it (NOTE [ A training step keeps no
+    key/value cache ])."""
     if (
         "use_cache" in kwargs
         or getattr(getattr(module, "config", None), "use_cache", None) is not True
     ):
         return kwargs
+    return {**kwargs, "use_cache": False} if _takes_use_cache(module) else kwargs
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    """Whether `module`'s forward takes `use_cache`: by name, or through `**kwargs` handed to
+    the model it wraps (a PEFT model's `get_base_model()`)."""
     try:
-        takes = "use_cache" in inspect.signature(module.forward).parameters
+        params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
-        return kwargs
-    return {**kwargs, "use_cache": False} if takes else kwargs
+        return False
+    if "use_cache" in params:
+        return True
+    passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    base = module.get_base_model() if passes_on and hasattr(module, "get_base_model") else None
+    return isinstance(base, nn.Module) and base is not module and _takes_use_cache(base)
