@@ -110,6 +110,12 @@ def test_stacked_scan_weights_measured_peak_matches_prediction():
     assert_trees_close(grad_fn(w, x), jax.grad(loss)(w, x))
 
 
+def compiled_bytes(fn, *args) -> int:
+    """The compiled program's memory analysis under `jax.jit`: temp + outputs."""
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+
 def test_stacked_scan_weights_under_jit_stay_below_plain_jax_grad():
     """NOTE [ Loops over stacked weights ]: the fenced backward returns each slice's cotangent
     from its conditional and pads it out after, so XLA sums the stacked weights' gradient in
@@ -122,15 +128,11 @@ def test_stacked_scan_weights_under_jit_stay_below_plain_jax_grad():
     def loss(w, x):
         return jnp.mean(jax.lax.scan(lambda h, wi: (h + jnp.tanh(h @ wi), None), x, w)[0] ** 2)
 
-    def compiled_bytes(fn):
-        analysis = jax.jit(fn).lower(w, x).compile().memory_analysis()
-        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
-
     grad_fn = hj.height_compressed_grad(loss, budget=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no segment takes the weights whole: no warning
-        measured = compiled_bytes(grad_fn)
-    assert measured < 0.6 * compiled_bytes(jax.grad(loss))
+        measured = compiled_bytes(grad_fn, w, x)
+    assert measured < 0.6 * compiled_bytes(jax.grad(loss), w, x)
     # above the plan by the gradients: NOTE [ One program's memory against the plan ]
     assert measured <= 1.4 * grad_fn.plan.predicted_peak_bytes
     assert_trees_close(jax.jit(grad_fn)(w, x), jax.grad(loss)(w, x))
@@ -158,15 +160,11 @@ def test_a_fori_loop_over_stacked_weights_under_jit_stays_below_plain_jax_grad()
 
         return jnp.mean(jax.lax.fori_loop(0, layers, body, x) ** 2)
 
-    def compiled_bytes(fn):
-        analysis = jax.jit(fn).lower(params, x).compile().memory_analysis()
-        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
-
     grad_fn = hj.height_compressed_grad(loss, budget=0.7)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        measured = compiled_bytes(grad_fn)
-    assert measured < 0.9 * compiled_bytes(jax.grad(loss))
+        measured = compiled_bytes(grad_fn, params, x)
+    assert measured < 0.9 * compiled_bytes(jax.grad(loss), params, x)
     assert_trees_close(jax.jit(grad_fn)(params, x), jax.grad(loss)(params, x))
 
 

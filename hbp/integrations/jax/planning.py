@@ -10,7 +10,7 @@ import jax
 from hbp.errors import ConfigError
 from hbp.graph.jax_capture import CapturedFunction, Program, abstractify, capture_program
 from hbp.integrations.jax.pieces import PiecesExecutor
-from hbp.integrations.jax.remat import taken_whole
+from hbp.integrations.jax.remat import PARTIAL_READS, taken_whole
 from hbp.integrations.jax.segments import SegmentInfo, check_segments, resolve_segments
 from hbp.planner.budget import Budget
 from hbp.planner.plan import Plan
@@ -109,10 +109,7 @@ class Planned:
             PiecesExecutor(captured.program),
         )
         if self.strategy != "pieces":  # the pieces add each cotangent into one running sum
-            paths = [
-                jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(avals)
-            ]
-            _warn_on_stacked_weights(compiled, self.strategy, paths)
+            _warn_on_stacked_weights(compiled, self.strategy, avals)
         # Closed-over tracers (fun called inside someone's jit) belong to this trace only.
         if not any(isinstance(c, jax.core.Tracer) for c in captured.program.consts):
             self._cache[key] = compiled
@@ -144,18 +141,14 @@ class Planned:
         return "fenced" if traced else self.eager_auto
 
 
-#: Primitives that read a part of an array: a loop over stacked weights reads each layer's so.
-SLICES = frozenset({"slice", "dynamic_slice", "gather"})
-
-
-def _warn_on_stacked_weights(compiled: Compiled, executor: str, paths: list[str]) -> None:
+def _warn_on_stacked_weights(compiled: Compiled, executor: str, args) -> None:
     """Warn once when a recomputed segment's backward returns the full-size gradient of an
-    argument that two or more slices read (NOTE [ Loops over stacked weights ]); `paths`:
-    where each flat argument sits in the call's arguments (`jax.tree_util.keystr`)."""
+    argument that two or more slices read (NOTE [ Loops over stacked weights ]), naming where
+    it sits in `args` (the call's arguments)."""
     program = compiled.program
     sliced: dict[int, int] = {}
     for op in program.ops:
-        if op.eqn.primitive.name in SLICES and isinstance(op.inputs[0], int):
+        if op.eqn.primitive.name in PARTIAL_READS and isinstance(op.inputs[0], int):
             sliced[op.inputs[0]] = sliced.get(op.inputs[0], 0) + 1
     if executor == "remat":
         whole = {v for info in compiled.infos if info.recompute for v in info.diff_in}
@@ -164,7 +157,8 @@ def _warn_on_stacked_weights(compiled: Compiled, executor: str, paths: list[str]
     for k, v in enumerate(program.invars):
         if v in program.needs_grad and sliced.get(v, 0) >= 2 and v in whole:
             aval = program.avals[v]
-            where = f"args{paths[k]}" if k < len(paths) else "an argument"
+            paths = jax.tree_util.tree_leaves_with_path(args)
+            where = f"args{jax.tree_util.keystr(paths[k][0])}" if k < len(paths) else "an argument"
             warnings.warn(
                 f"hbp.jax: {where} (shape {tuple(aval.shape)}) is sliced {sliced[v]} times "
                 "(a lax.scan or loop over stacked weights) and read whole by nested "

@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from hbp.graph.jax_capture import Op
-from hbp.integrations.jax.segments import SegmentInfo, eval_ops, read_value
+from hbp.integrations.jax.segments import SegmentInfo, bind_op, eval_ops
 
 # NOTE [ Recomputation under the caller's jax.jit ]
 # A user jits the whole training step, so whatever hbp builds is inlined into one XLA
@@ -76,11 +76,10 @@ def _cotangent_zeros(x):
 def fenced_segment(info: SegmentInfo):
     """The recomputed segment `info` as `f(diff_in, nondiff_in) -> (diff_out, nondiff_out)`
     that keeps only its inputs for backward and recomputes behind a conditional."""
-    diff_ids = info.diff_in
     body = partial(_fenced_body, info)
     sliced, index_ops = sliced_inputs(info)
     slices = [op for ops in sliced.values() for op in ops]
-    kept = [k for k, i in enumerate(diff_ids) if i not in sliced]
+    kept = [k for k, i in enumerate(info.diff_in) if i not in sliced]
 
     @jax.custom_vjp
     def segment(diff_in, nondiff_in):
@@ -91,25 +90,24 @@ def fenced_segment(info: SegmentInfo):
 
     def backward(inputs, cts):
         diff_in, nondiff_in = inputs
-        given = dict(zip(diff_ids, diff_in))
+        given = dict(zip(info.diff_in, diff_in))
         given.update(zip(info.nondiff_in, nondiff_in))
-        eval_ops(index_ops, given)  # the slices' indices, for the pads below
+        eval_ops(index_ops, given)  # the slices' indices: the branch and the pads read them
+        indices = {o: given[o] for op in index_ops for o in op.outputs}
 
         def recompute(diff_in, nondiff_in, diff_cts):
-            env = dict(zip(info.nondiff_in, nondiff_in))
-            env.update(zip(diff_ids, diff_in))
-            eval_ops(index_ops, env)
-            indices = {o: env[o] for op in index_ops for o in op.outputs}
+            fixed = dict(zip(info.nondiff_in, nondiff_in))
+            fixed.update(indices)
 
             def of(rest, sliced_values):
-                inner = dict(zip(info.nondiff_in, nondiff_in))
-                inner.update(indices)
-                inner.update((diff_ids[k], v) for k, v in zip(kept, rest))
-                inner.update((op.outputs[0], v) for op, v in zip(slices, sliced_values))
-                return _run(info, inner)
+                env = dict(fixed)
+                env.update((info.diff_in[k], v) for k, v in zip(kept, rest))
+                env.update((op.outputs[0], v) for op, v in zip(slices, sliced_values))
+                return _run(info, env)
 
             rest = [diff_in[k] for k in kept]
-            sliced_values = [_bind(op, env) for op in slices]
+            inputs = {**fixed, **dict(zip(info.diff_in, diff_in))}
+            sliced_values = [bind_op(op, inputs) for op in slices]
             _, vjp_fn, _ = jax.vjp(of, rest, sliced_values, has_aux=True)
             return vjp_fn(diff_cts)
 
@@ -119,19 +117,22 @@ def fenced_segment(info: SegmentInfo):
             return rest, [jnp.zeros(a.shape, a.dtype) for a in avals]
 
         rest_cts, slice_cts = lax.cond(opaque_true(), recompute, skip, diff_in, nondiff_in, cts[0])
-        in_cts = dict(zip((diff_ids[k] for k in kept), rest_cts))
+        in_cts = dict(zip((info.diff_in[k] for k in kept), rest_cts))
         # Each slice's cotangent padded out to its input's shape, outside the conditional
         # (NOTE [ Loops over stacked weights ]).
         for op, ct in zip(slices, slice_cts):
             v = op.inputs[0]
             pad = _slice_transpose(op, given)(ct)
             in_cts[v] = in_cts[v] + pad if v in in_cts else pad
-        return [in_cts[i] for i in diff_ids], [_cotangent_zeros(v) for v in nondiff_in]
+        return [in_cts[i] for i in info.diff_in], [_cotangent_zeros(v) for v in nondiff_in]
 
     segment.defvjp(forward, backward)
     return segment
 
 
+#: Primitives that read a part of an array (a loop over stacked weights reads each layer's
+#: so), and those of them whose cotangent the fenced backward returns at the part's size.
+PARTIAL_READS = frozenset({"slice", "dynamic_slice", "gather"})
 SLICES = frozenset({"slice", "dynamic_slice"})
 
 
@@ -185,16 +186,20 @@ def _integer_values(info: SegmentInfo) -> tuple[set[int], dict[int, int]]:
 
 
 def taken_whole(infos: list[SegmentInfo]) -> set[int]:
-    """Differentiated inputs that a recomputed segment reads through slices but takes whole,
-    because a recomputed segment nested in it reads them too: its backward returns their
-    full-size cotangent (NOTE [ Loops over stacked weights ])."""
+    """Differentiated inputs that a recomputed segment reads in part (`PARTIAL_READS`) but
+    takes whole: a gather, or slices a recomputed segment nested in it reads too; its backward
+    returns their full-size cotangent (NOTE [ Loops over stacked weights ])."""
     out: set[int] = set()
     for info in infos:
         if info.recompute and info.diff_in and info.diff_out:
             hoisted, _ = sliced_inputs(info)
             for op in info.ops:
                 v = op.inputs[0] if op.inputs else None
-                if op.eqn.primitive.name in SLICES and v in info.diff_in and v not in hoisted:
+                if (
+                    op.eqn.primitive.name in PARTIAL_READS
+                    and v in info.diff_in
+                    and v not in hoisted
+                ):
                     out.add(v)
         out |= taken_whole(info.children)
     return out
@@ -206,18 +211,11 @@ def _is_slice_of(op: Op, v: int, known: set[int]) -> bool:
     return all(not isinstance(a, int) or a in known for a in op.inputs[1:])
 
 
-def _bind(op: Op, env: dict):
-    eqn = op.eqn
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*[read_value(env, a) for a in op.inputs], **params)
-
-
 def _slice_transpose(op: Op, env: dict):
     """The transpose of slicing `op.inputs[0]` (its other operands fixed): a pad."""
     operand = env[op.inputs[0]]
     aval = jax.ShapeDtypeStruct(operand.shape, operand.dtype)
-    transpose = jax.linear_transpose(lambda x: _bind(op, {**env, op.inputs[0]: x}), aval)
+    transpose = jax.linear_transpose(lambda x: bind_op(op, {**env, op.inputs[0]: x}), aval)
     return lambda ct: transpose(ct)[0]
 
 

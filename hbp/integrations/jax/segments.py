@@ -106,17 +106,23 @@ def read_value(env: dict, a):
     return a.val if isinstance(a, Literal) else env[a]
 
 
+def bind_op(op: Op, env: dict):
+    """`op`'s equation bound in the current trace on its inputs read from `env` (its result:
+    a list where the primitive has multiple results)."""
+    eqn = op.eqn
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*[read_value(env, a) for a in op.inputs], **params)
+
+
 def eval_ops(ops: list[Op], env: dict, names: dict[int, str] | None = None) -> None:
     """Run `ops` in the current trace, reading and writing `env` (value id -> value).
     Outputs listed in `names` are tagged with `checkpoint_name` (for a remat policy)."""
     for op in ops:
         if op.outputs and all(o in env for o in op.outputs):
             continue  # given: a slice the fenced backward took as an input
-        eqn = op.eqn
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(*[read_value(env, a) for a in op.inputs], **params)
-        outs = out if eqn.primitive.multiple_results else (out,)
+        out = bind_op(op, env)
+        outs = out if op.eqn.primitive.multiple_results else (out,)
         if names:
             outs = [
                 checkpoint_name(v, names[o]) if o in names else v for o, v in zip(op.outputs, outs)
