@@ -94,6 +94,36 @@ def test_closed_loop_says_when_the_callers_loss_makes_the_budget_infeasible():
     assert f"the least is {budget / 2**20:.2f} MiB" in message
 
 
+class LMWithItsLoss(TiedLM):
+    """The LM computing its own loss, as a transformers model given labels does."""
+
+    def forward(self, idx, targets):
+        return lm_loss(super().forward(idx), targets)
+
+
+def test_closed_loop_does_not_ask_for_loss_fn_when_the_loss_is_the_modules_own():
+    """The module returns its own loss; the caller keeps a large tensor it makes at the start
+    of backward (a hook): the excess cannot be planned away at "min", and the warning says so
+    without telling the caller to pass its loss as loss_fn= (there is none outside)."""
+    torch.manual_seed(0)
+    model = LMWithItsLoss()
+    idx, targets = batch()
+    hc = hbp.HCModule(model, "min")
+    kept = []
+
+    def step():
+        loss = hc(idx, targets)
+        loss.register_hook(lambda g: kept.append(torch.ones(hc.compiled.budget_bytes // 12)))
+        loss.backward()
+
+    with pytest.warns(UserWarning, match="cannot be met this way; raise the budget") as record:
+        step()
+        measured = hc.measured_peak_bytes  # the measurement ends when it is read
+    (message,) = [str(w.message) for w in record if "cannot be met" in str(w.message)]
+    assert "loss_fn" not in message and "the caller allocates or keeps" in message
+    assert measured > 1.05 * hc.compiled.budget_bytes
+
+
 def test_closed_loop_says_when_what_the_plan_did_not_see_exceeds_the_whole_budget():
     """The caller's loss holds more than the module's whole budget (a compiled caller's
     buffers can, on CUDA): no target is left to plan for, and the step says so instead of

@@ -255,18 +255,28 @@ class ClosedLoop:
         unseen = peak - compiled.plan.predicted_peak_bytes
         compiled.unseen_bytes = max(unseen, 0)  # NOTE [ Kept outputs after unseen memory ]
         target = min(compiled.budget_bytes - unseen, compiled.plan.budget_bytes - excess)
+        loss_inside = loss_in_graph(compiled)
         message = (
             f"HCModule: the measured step peaked at {peak / MIB:.2f} MiB (allocator), "
             f"{excess / MIB:.2f} MiB above the budget of {compiled.budget_bytes / MIB:.2f} MiB: "
-            "memory outside the module (the caller's loss and its backward), kernel "
-            "workspace or compiled kernels' buffers the plan did not see. "
+            + (
+                "memory the plan did not see (what the caller allocates or keeps during the "
+                "step, hooks, kernel workspace or compiled kernels' buffers). "
+                if loss_inside
+                else "memory outside the module (the caller's loss and its backward), kernel "
+                "workspace or compiled kernels' buffers the plan did not see. "
+            )
+        )
+        advice = (
+            "raise the budget."
+            if loss_inside
+            else "pass loss_fn= so that hbp plans the loss too, or raise the budget."
         )
         if target <= 0:  # what the plan did not see is the whole budget or more
             compiled.settled = True
             warnings.warn(
                 message + f"That is {unseen / MIB:.2f} MiB, no less than the budget: no plan "
-                "can meet it this way; pass loss_fn= so that hbp plans the loss too, or raise "
-                "the budget.",
+                f"can meet it this way; {advice}",
                 UserWarning,
                 stacklevel=4,
             )
@@ -277,8 +287,7 @@ class ClosedLoop:
             compiled.settled = True
             warnings.warn(
                 message + f"No plan fits {target / MIB:.2f} MiB (the least is "
-                f"{err.minimum / MIB:.2f} MiB): the budget cannot be met this way; pass "
-                "loss_fn= so that hbp plans the loss too, or raise the budget.",
+                f"{err.minimum / MIB:.2f} MiB): the budget cannot be met this way; {advice}",
                 UserWarning,
                 stacklevel=4,
             )
@@ -289,3 +298,16 @@ class ClosedLoop:
             UserWarning,
             stacklevel=4,
         )
+
+
+#: An output of at most this many bytes that backward starts from is a loss (a scalar).
+LOSS_BYTES = 16
+
+
+def loss_in_graph(compiled) -> bool:
+    """Whether backward starts only from scalars the captured step computes itself (a loss
+    passed as `loss_fn=`, or a model's own loss from its labels): then the caller's loss is
+    no part of what a measured step held above its plan, and `loss_fn=` is no advice."""
+    graph = compiled.captured.graph
+    seeds = graph.backward_seeds()
+    return bool(seeds) and all(graph.node(s).output_bytes <= LOSS_BYTES for s in seeds)
