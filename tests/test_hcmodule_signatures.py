@@ -247,3 +247,95 @@ def test_a_budget_error_keeps_the_capture_for_the_next_budget(count_captures, tm
     assert len(captures) == 1 and hc.plan.predicted_peak_bytes <= err.value.minimum
     assert hc.captured is captured
     assert hc.measured_peak_bytes <= 1.05 * err.value.minimum
+
+
+class ScaledBlocks(torch.nn.Module):
+    """Residual MLP blocks whose forward reads a plain attribute (`scale`), a config flag
+    (`config.skip_last`) and counts its calls on a cache-like attribute, as a rotary
+    embedding grows its cached length."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(D, 4 * D), torch.nn.GELU(), torch.nn.Linear(4 * D, D)
+            )
+            for _ in range(4)
+        )
+        self.scale = 1.0
+        self.config = type("Config", (), {})()
+        self.config.skip_last = False
+        self.longest_seen = 0
+
+    def forward(self, x):
+        self.longest_seen = max(self.longest_seen, x.shape[0])  # set while traced
+        blocks = self.blocks[:-1] if self.config.skip_last else self.blocks
+        for block in blocks:
+            x = x + self.scale * block(x)
+        return x
+
+
+def test_hooks_and_attributes_changed_after_the_first_step_are_captured_anew(count_captures):
+    """What the capture fixed of the forward's Python (NOTE [ What the capture fixed ]): a
+    submodule's hook added or removed after the first step, a plain attribute, a config flag
+    and `nn.Dropout.p` changed between steps give the plain model's step (they were silently
+    the first step's before); a change back finds the first capture, and an attribute the
+    forward sets while traced costs no second capture."""
+    torch.manual_seed(0)
+    model = ScaledBlocks()
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget="min", calibrate=False)
+    x = torch.randn(256, D)
+    captures = count_captures()
+
+    def same_step() -> None:
+        got, expected = run_step(hc, model, (x,)), run_step(reference, reference, (x,))
+        assert_same_step(expected, got)
+
+    same_step()
+    same_step()
+    assert len(captures) == 1
+    handles = [
+        m.blocks[1].register_forward_hook(lambda mod, i, out: out + 1.0) for m in (model, reference)
+    ]
+    same_step()
+    for handle in handles:
+        handle.remove()
+    same_step()
+    for m in (model, reference):
+        m.scale = 0.5
+    same_step()
+    for m in (model, reference):
+        m.config.skip_last = True
+    same_step()
+    for m in (model, reference):
+        m.scale, m.config.skip_last = 1.0, False
+    same_step()
+    assert len(captures) == 4  # the hook, the scale, the flag; then the first state again
+
+
+class FunctionalDropout(torch.nn.Module):
+    """Hands its `nn.Dropout`'s rate to a functional call, as transformers' attention does
+    (`dropout_p=self.dropout.p` into scaled_dot_product_attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(4))
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.dropout(layer(x).tanh(), self.dropout.p, self.training)
+        return x
+
+
+def test_a_dropout_rate_changed_between_steps_is_the_one_the_step_uses():
+    torch.manual_seed(0)
+    model = FunctionalDropout()
+    hc = hbp.HCModule(model, budget="min", calibrate=False)
+    x = torch.randn(64, D)
+    hc(x).sum().backward()
+    model.dropout.p = 0.0
+    out = hc(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)  # no mask drawn
