@@ -181,18 +181,17 @@ def optimal_plan(
         choices = cut_choices(info, block_size, max_cuts)
         below_bound = budget_bytes < lower_bound(info)
         if below_bound:  # NOTE [ The first set's floor skips its tables ]
-# "min" is the least peak over the union of the cut choices (where the union pays), which is
-# often below the first set's: a 4-layer Qwen2 of 319 nodes reaches 6,433,284 B over the union
-# and 6,828,036 over the first set. The recompute tables over the first set then end in INF at
-# that budget (they find only plans whose modelled peak is at least the set's least peak: NOTE
-# [ Known least peaks skip the tables ] in hbp.planner.dp.least_peak), and their BudgetError
-# sends the budget to the union's tables. Where the union's least peak is known to reach the
-# budget and the first set's floor (NOTE [ A floor under the least peak ]: a few hundredths of a
-# second) is above it, the first set's tables are not run: the same plan, without them (that
-# Qwen2's "min" took 4.2 s with them).
+            # "min" is the least peak over the union of the cut choices (where the union pays), which is
+            # often below the first set's: a 4-layer Qwen2 of 319 nodes reaches 6,433,284 B over the union
+            # and 6,828,036 over the first set. The recompute tables over the first set then end in INF at
+            # that budget (they find only plans whose modelled peak is at least the set's least peak: NOTE
+            # [ Known least peaks skip the tables ] in hbp.planner.dp.least_peak), and their BudgetError
+            # sends the budget to the union's tables. Where the union's least peak is known to reach the
+            # budget and the first set's floor (NOTE [ A floor under the least peak ]: a few hundredths of a
+            # second) is above it, the first set's tables are not run: the same plan, without them (that
+            # Qwen2's "min" took 4.2 s with them).
 
-
-# NOTE [ Budgets below the lower bound ]: no table can fit it
+            # NOTE [ Budgets below the lower bound ]: no table can fit it
             least_peak_over(info, choices, nested)
             if info.rng_state_bytes:  # the error the tables end in, without them
                 minimum, _ = least_peak_cached(info, cuts, nested)
