@@ -129,6 +129,25 @@ def test_enable_on_a_submodule_and_hooks_run_once():
     assert hbp.engine_of(model.model).captured.granularity == "op"
 
 
+def test_a_model_with_an_enabled_submodule_is_refused_with_what_to_do():
+    """NOTE [ One engine per step ]: enabling (or wrapping) a model whose submodule is enabled
+    traced one engine into the other and fell back to module level with internal warnings;
+    now one ConfigError names the submodule and the way out, and the way out trains."""
+    torch.manual_seed(0)
+    plain, _, kwargs = llama()
+    model = copy.deepcopy(plain)
+    hbp.enable(model.model, budget="min")
+    for wrap in (hbp.enable, hbp.HCModule):
+        with pytest.raises(hbp.ConfigError, match=r"but model is already enabled .*hbp\.disable"):
+            wrap(model, "min")
+    assert hbp.engine_of(model.model) is not None and hbp.engine_of(model) is None  # as it was
+    hbp.disable(model.model)
+    hbp.enable(model, budget="min")
+    torch.testing.assert_close(_step(plain, kwargs), _step(model, kwargs))
+    _same_grads(plain, model, exact=False)
+    assert hbp.engine_of(model).captured.granularity == "op"
+
+
 def test_an_hcmodule_says_the_wrapped_models_own_hooks_do_not_run():
     """Unlike an enabled model, an HCModule runs its captured graph, not the wrapped model's
     call: the model's own hooks do not run, and it says so once."""

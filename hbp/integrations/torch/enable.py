@@ -32,12 +32,9 @@ from torch import nn
 
 from hbp.errors import ConfigError
 from hbp.integrations.torch.compile import dynamo_callback_set
-from hbp.integrations.torch.module import DEFAULT_BUDGET, HCModule
+from hbp.integrations.torch.module import DEFAULT_BUDGET, ENGINE_ATTR, HCModule
 
 __all__ = ["EnabledForward", "disable", "enable", "engine_of", "is_enabled"]
-
-#: Where the engine lives in the model's `__dict__` (not a submodule).
-ENGINE_ATTR = "_hbp_engine"
 
 
 class _Engine(HCModule):

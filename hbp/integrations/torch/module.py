@@ -61,6 +61,17 @@ class _Forward:
         return step
 
 
+#: Where `hbp.enable` keeps its engine in an enabled model's `__dict__` (not a submodule).
+ENGINE_ATTR = "_hbp_engine"
+
+# NOTE [ One engine per step ]
+# An engine captures its module's forward op by op and runs the plan in its place. A submodule
+# enabled on its own runs an engine of its own inside that forward: the outer capture traced
+# into the inner engine's (its fake tensors met the inner capture's), fell back to module
+# level with internal warnings, and planned less. HCModule (and so `hbp.enable`) refuses a
+# module with an enabled submodule or an HCModule inside, and says which and what to do.
+
+
 class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module):
     """Wraps `module` so its training step stays within `budget` with the least recompute.
 
@@ -132,6 +143,20 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"HCModule wraps an nn.Module, got {type(module).__name__}")
+        inner = [
+            name
+            for name, m in module.named_modules()
+            if name and (ENGINE_ATTR in m.__dict__ or isinstance(m, HCModule))
+        ]
+        if inner:  # NOTE [ One engine per step ]
+            raise ConfigError(
+                "module",
+                type(module).__name__,
+                f"a module with no hbp inside it, but {', '.join(inner[:3])} "
+                f"{'is' if len(inner) == 1 else 'are'} already enabled (or an HCModule): "
+                "one plan covers the whole step, so call hbp.disable on that submodule (or "
+                "unwrap it) first, or enable only the submodule",
+            )
         # malformed options fail here, not at a step; set later, they plan the captures
         # again (NOTE [ Options changed after the first step ] in planning.py)
         self.budget = budget
