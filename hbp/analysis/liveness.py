@@ -228,7 +228,10 @@ class GraphInfo:
         ]
         param_grad = np.array([nd.param_grad_bytes for nd in nodes], dtype=np.int64)
         flops = np.array([0.0 if nd.is_input else nd.flops for nd in nodes], dtype=float)
-        bwd = np.array([nd.backward_flops or 2.0 * nd.flops for nd in nodes], dtype=float)
+        bwd = np.array(
+            [2.0 * nd.flops if nd.backward_flops is None else nd.backward_flops for nd in nodes],
+            dtype=float,
+        )
         save_event = has_backward & (
             np.array([len(s) > 0 for s in saved], dtype=bool) | saves_output | (extra > 0)
         )

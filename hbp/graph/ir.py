@@ -50,7 +50,9 @@ class Node:
         output_bytes: bytes of new storage the output occupies (0 for a view or an
             in-place result, see `alias_of`).
         flops: forward FLOPs of the operation.
-        backward_flops: FLOPs of its backward (0 if unknown; default estimate 2x flops).
+        backward_flops: FLOPs of its backward; None where unknown (then estimated as 2x
+            `flops`). A measured 0 is 0: an op that forms its gradients in its forward
+            (`hbp.ops.chunked_cross_entropy`) does its work there.
         requires_grad: whether the output takes part in backward.
         saved_inputs: names (subset of `inputs`) whose values this node's backward keeps.
         saves_output: whether this node's backward keeps its own output.
@@ -94,7 +96,7 @@ class Node:
     inputs: tuple[str, ...] = ()
     output_bytes: int = 0
     flops: float = 0.0
-    backward_flops: float = 0.0
+    backward_flops: float | None = None
     requires_grad: bool = True
     saved_inputs: tuple[str, ...] = ()
     saves_output: bool = False

@@ -48,7 +48,7 @@ class OpProfile:
     mutated_inputs: tuple[str, ...]
     forward_peak_bytes: int = 0  # most new bytes live at once while the node runs forward
     backward_peak_bytes: int = 0  # most new bytes live at once while its backward runs
-    backward_flops: float = 0.0
+    backward_flops: float | None = None  # None: its backward could not run alone
     grad_passthrough: list[str] = field(default_factory=list)  # inputs given the output's grad
     value_bytes: int = 0  # numel x element size of the output tensors (their gradients' size)
     # Non-reentrant checkpoint's early stop ends a recompute at the last saved tensor: what
