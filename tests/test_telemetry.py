@@ -299,3 +299,21 @@ def test_wandb_offline_sweep_has_group_tags_plan_table_and_images(tmp_path):
 
     table = json.loads(plans[0].read_text())
     assert "recompute" in table["columns"] and len(table["data"]) == count(plan["segments"])
+
+
+def test_a_step_without_a_memory_timeline_writes_no_timeline_file(tmp_path):
+    """compile_budget's step records no per-op live bytes: no empty memory_timeline.parquet,
+    whose presence the report and the notebooks read as "this run has a timeline" (the
+    memory-timeline notebook raised KeyError 'live_bytes' on a sweep with such a run)."""
+    from hbp.runtime.tracker import TIMELINE_COLUMNS
+    from hbp.telemetry.tables import STEPS_FILE, TIMELINE_FILE, TableLogger
+
+    steps = pd.DataFrame({"step": [0], "step_time_s": [0.1]})
+    for name in ("empty", "full"):
+        (tmp_path / name).mkdir()
+    TableLogger(tmp_path / "empty").log_run({}, steps, pd.DataFrame())
+    assert (tmp_path / "empty" / STEPS_FILE).exists()
+    assert not (tmp_path / "empty" / TIMELINE_FILE).exists()
+    timeline = pd.DataFrame([(0, 64, "forward", "mm")], columns=list(TIMELINE_COLUMNS))
+    TableLogger(tmp_path / "full").log_run({}, steps, timeline)
+    assert pd.read_parquet(tmp_path / "full" / TIMELINE_FILE)["live_bytes"].tolist() == [64]

@@ -125,4 +125,5 @@ class TableLogger:
         self, summary: Mapping, steps: pd.DataFrame, timeline: pd.DataFrame, figures=None
     ) -> None:
         write_parquet(self.run_dir / STEPS_FILE, steps)
-        write_parquet(self.run_dir / TIMELINE_FILE, timeline)
+        if timeline is not None and len(timeline):  # compile_budget's step records none
+            write_parquet(self.run_dir / TIMELINE_FILE, timeline)
