@@ -107,11 +107,15 @@ def test_a_sweep_run_again_skips_finished_jobs_and_redo_reruns_them(tmp_path):
     assert error["error_type"] == "ConfigError" and "mode.block_size" in error["error"]
     (done,) = sweep_dir.glob("*/metrics.json")
     first_mtime = done.stat().st_mtime_ns
+    record = done.parent / ".hydra" / "overrides.yaml"
+    first_record = record.read_text()
 
-    again = run_py(*args, "mode.block_size=1,2")
+    again = run_py("mode.block_size=1,2", *reversed(args))  # the same jobs, in another order
     assert again.returncode == 0, again.stderr
     assert "1 ran, 1 skipped" in again.stdout
     assert done.stat().st_mtime_ns == first_mtime  # not rerun
+    # NOTE [ A skipped job's record ]: Hydra's record says which command made the numbers
+    assert record.read_text() == first_record
     redo = run_py(*args, "mode.block_size=1", "redo=true")
     assert "1 ran, 0 skipped" in redo.stdout
     assert done.stat().st_mtime_ns > first_mtime

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -61,11 +62,14 @@ def hydra_main(cfg: DictConfig) -> dict | None:
             log.info("%s: skipped, finished in %s (redo=true reruns it)", run_dir.name, done)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / SKIPPED_MARK).touch()
+            restore_hydra_record(run_dir)
             return read_json(done / METRICS_FILE)
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a retried failure
         (run_dir / SKIPPED_MARK).unlink(missing_ok=True)
     try:
-        return run(cfg, run_dir)
+        result = run(cfg, run_dir)
+        keep_hydra_record(run_dir)
+        return result
     except Exception as error:
         bad_input = isinstance(error, HBPError) and not multirun
         if bad_input and remove_run_dir(run_dir, Path(cfg.output_root)):
@@ -94,6 +98,37 @@ def hydra_main(cfg: DictConfig) -> dict | None:
             run_dir / ERROR_FILE,
         )
         return None
+
+
+#: Where a finished run keeps the copy of Hydra's record of it (NOTE [ A skipped job's record ]).
+FINISHED_RECORD = Path(".hydra") / "finished"
+
+
+def keep_hydra_record(run_dir: Path) -> None:
+    """Copy Hydra's record of the run that just finished (`.hydra/*.yaml`) aside."""
+    record = run_dir / ".hydra"
+    if not record.is_dir():
+        return
+    kept = run_dir / FINISHED_RECORD
+    kept.mkdir(exist_ok=True)
+    for path in record.glob("*.yaml"):
+        shutil.copy2(path, kept / path.name)
+
+
+def restore_hydra_record(run_dir: Path) -> None:
+    """Put back Hydra's record of the finished run that a skipped job's start overwrote."""
+    kept = run_dir / FINISHED_RECORD
+    for path in kept.glob("*.yaml") if kept.is_dir() else ():
+        shutil.copy2(path, run_dir / ".hydra" / path.name)
+
+
+# NOTE [ A skipped job's record ]
+# Hydra writes a job's `.hydra/{config,hydra,overrides}.yaml` before it calls the task function,
+# so a rerun of a sweep that skips a finished job (same run key, same directory) had rewritten
+# that run's record with the later command's overrides, beside the earlier run's metrics. A
+# finished run copies its record to `.hydra/finished/`, and a skip puts it back: the directory
+# says which command made its numbers. (`multirun.yaml` in the sweep directory is Hydra's
+# record of the last invocation.)
 
 
 class RunGuard(Callback):
