@@ -113,3 +113,31 @@ def test_command_line(runs, capsys):
     assert out.count("\n") == 5 and "| resnet | naive |" in out
     assert main([str(runs / "missing")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+def test_runs_of_other_threads_seeds_or_code_are_compared_apart_and_named(tmp_path):
+    """NOTE [ Runs compared within one setting ]: a 2-thread run from another commit is not
+    divided by the 1-thread naive of this one; the labels say what differs, and the
+    provenance line names every commit (dirty where it was)."""
+    from hbp.analysis.collect import naive_reference, provenance, setting_labels
+    from hbp.telemetry.tables import read_json
+
+    a = make_run(tmp_path, "a", "gpt2", "naive", 40, 100, "2025-01-01T00:00:01")
+    b = make_run(tmp_path, "b", "gpt2", "naive", 40, 100, "2025-01-01T00:00:02")
+    c = make_run(tmp_path, "c", "gpt2", "checkpoint", 10, 150, "2025-01-01T00:00:03")
+    for run_dir, threads, sha, dirty, time in (
+        (a, 1, "15ff5e76743a9b54", False, 0.1),
+        (b, 2, "018bdb31f34b783c", True, 1.5),
+        (c, 2, "018bdb31f34b783c", True, 1.8),
+    ):
+        row = read_json(run_dir / "metrics.json")
+        row.update(threads=threads, git_sha=sha, git_dirty=dirty, step_time_s=time)
+        write_metrics(run_dir, row)
+    runs = collect(tmp_path).sort_values("started_at")
+    assert list(setting_labels(runs)) == [
+        "gpt2 (threads=1, git_sha=15ff5e7674, git_dirty=False)",
+        "gpt2 (threads=2, git_sha=018bdb31f3, git_dirty=True)",
+        "gpt2 (threads=2, git_sha=018bdb31f3, git_dirty=True)",
+    ]
+    assert list(naive_reference(runs, "step_time_s")) == [0.1, 1.5, 1.5]
+    assert provenance(runs) == "3 runs; git_sha 15ff5e7674, 018bdb31f3 (dirty)"

@@ -68,7 +68,7 @@ def test_report_draws_only_the_workloads_named(runs, tmp_path, capsys):
     assert written == [
         "frontier_synthetic_dag.png",
         "memory_timeline_synthetic_dag.png",
-        "pareto.png",
+        "pareto_synthetic_dag.png",  # the whole directory's pareto.png is not replaced
     ]
     assert main([str(runs), "--out", str(tmp_path), "--workload", "resnet"]) == 2
     assert "no finished run of workload resnet" in capsys.readouterr().err

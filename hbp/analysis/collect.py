@@ -80,6 +80,9 @@ def frameworks(runs: pd.DataFrame) -> pd.Series:
 #: Run fields that set runs of one workload apart, beside the workload's own config
 #: (`config.workload.*`): NOTE [ Runs compared within one setting ].
 SETTING_FIELDS = ("profile", "device")
+#: Fields that also set runs apart, labelled by name ("seed=1", "git_sha=018bdb3"): a
+#: different seed, thread count, code version or machine is another setting to compare within.
+NAMED_SETTING_FIELDS = ("seed", "threads", "git_sha", "git_dirty", "hostname")
 
 
 def setting_labels(runs: pd.DataFrame) -> pd.Series:
@@ -93,7 +96,7 @@ def setting_labels(runs: pd.DataFrame) -> pd.Series:
     for name, rows in runs.groupby("workload", sort=False):
         varying[name] = [
             c
-            for c in (*SETTING_FIELDS, *config)
+            for c in (*SETTING_FIELDS, *NAMED_SETTING_FIELDS, *config)
             if c in rows and rows[c].map(_setting_text).nunique() > 1
         ]
     labels = []
@@ -101,25 +104,55 @@ def setting_labels(runs: pd.DataFrame) -> pd.Series:
         parts = [
             _setting_text(row[c])
             if c in SETTING_FIELDS
-            else f"{c.removeprefix('config.workload.')}={_setting_text(row[c])}"
+            else f"{c.removeprefix('config.workload.')}={_setting_text(row[c], c)}"
             for c in varying[row["workload"]]
         ]
         labels.append(row["workload"] + (f" ({', '.join(parts)})" if parts else ""))
     return pd.Series(labels, index=runs.index, dtype=object)
 
 
-def _setting_text(value) -> str:
-    return "default" if value is None or value != value else str(value)
+def _setting_text(value, field_name: str = "") -> str:
+    if value is None or value != value:
+        return "default"
+    return str(value)[:SHA_CHARS] if field_name == "git_sha" else str(value)
+
+
+#: Characters of a commit's hash shown in labels and provenance lines.
+SHA_CHARS = 10
 
 
 # NOTE [ Runs compared within one setting ]
 # A ratio to naive, a Pareto front and a table compare runs that differ in their mode only.
 # A directory may hold runs of one workload at two profiles, on two devices or of two of its
-# configurations (`workload=hf workload.arch=llama,bert`): each such setting gets its own
-# naive, front, table and figure panel, labelled by what differs ("gpt2 (tiny)"), so a bert
-# run is never divided by a llama's naive time nor pushed off the front by a smaller
-# profile's run. Labels name only what varies: a directory of one setting keeps plain
-# workload names.
+# configurations (`workload=hf workload.arch=llama,bert`), with two seeds or thread counts,
+# from two code versions or machines: each such setting gets its own naive, front, table and
+# figure panel, labelled by what differs ("gpt2 (tiny)", "gpt2 (threads=2)"), so a bert run
+# is never divided by a llama's naive time, a 2-thread run by a 1-thread naive, nor pushed
+# off the front by a smaller profile's run. Labels name only what varies: a directory of one
+# setting keeps plain workload names.
+
+
+#: The fields of the runs' environment a report names (`provenance`).
+PROVENANCE_FIELDS = ("hbp_version", "git_sha", "torch_version", "hostname", "device_name")
+
+
+def provenance(runs: pd.DataFrame) -> str:
+    """One line naming what the runs were made with: each environment field's distinct
+    values ("git_sha 018bdb3, 15ff5e7 (dirty)"), so that a table of mixed versions says so."""
+    parts = [f"{len(runs)} runs"]
+    for name in PROVENANCE_FIELDS:
+        if name not in runs:
+            continue
+        column = runs[name]
+        if name == "git_sha":
+            column = column.map(lambda v: v[:SHA_CHARS] if isinstance(v, str) else v)
+        if name == "git_sha" and "git_dirty" in runs:
+            dirty = runs["git_dirty"].fillna(False).astype(bool)
+            column = column.where(~dirty, column.astype(str) + " (dirty)")
+        values = [str(v) for v in dict.fromkeys(column) if v is not None and v == v]
+        if values:
+            parts.append(f"{name} {', '.join(values)}")
+    return "; ".join(parts)
 
 
 def base_workloads(labels: pd.Series) -> pd.Series:

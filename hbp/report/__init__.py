@@ -38,6 +38,7 @@ from hbp.analysis.collect import (
     collect,
     frameworks,
     ok_runs,
+    provenance,
     to_markdown,
 )
 from hbp.analysis.pareto import pareto_table
@@ -84,6 +85,7 @@ class Report:
         )
         model = NAIVE_MODEL + (NAIVE_WITHOUT_CHUNKED_LOSS if lm_head else "")
         parts.append(f"naive: {model}; each run measures it on a copy")
+        parts.append(f"made with: {provenance(ok_runs(self.runs))}")
         return "\n".join(parts).rstrip()
 
 
@@ -159,7 +161,9 @@ def write_report(
     table = table[names.isin(chosen).to_numpy()]
     report = Report(runs, table)
     report.files.append(write_parquet(out / RESULTS_FILE, runs))
-    report.files.append(plot_pareto(table, out / "pareto.png"))
+    # a chosen subset gets its own name: the whole directory's figure stays
+    pareto = "pareto.png" if chosen == present else f"pareto_{'_'.join(chosen)}.png"
+    report.files.append(plot_pareto(table, out / pareto))
     for workload in chosen:
         for stem, plot in (("memory_timeline", plot_timeline), ("frontier", plot_graph)):
             name = f"{stem}_{workload}.png"
