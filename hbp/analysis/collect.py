@@ -81,8 +81,9 @@ def frameworks(runs: pd.DataFrame) -> pd.Series:
 #: (`config.workload.*`): NOTE [ Runs compared within one setting ].
 SETTING_FIELDS = ("profile", "device")
 #: Fields that also set runs apart, labelled by name ("seed=1", "git_sha=018bdb3"): a
-#: different seed, thread count, code version or machine is another setting to compare within.
-NAMED_SETTING_FIELDS = ("seed", "threads", "git_sha", "git_dirty", "hostname")
+#: different seed, thread count, code version or processor is another setting to compare
+#: within (not the host: a cluster's jobs land on many alike hosts).
+NAMED_SETTING_FIELDS = ("seed", "threads", "git_sha", "git_dirty", "device_name")
 
 
 def setting_labels(runs: pd.DataFrame) -> pd.Series:
@@ -125,7 +126,7 @@ SHA_CHARS = 10
 # A ratio to naive, a Pareto front and a table compare runs that differ in their mode only.
 # A directory may hold runs of one workload at two profiles, on two devices or of two of its
 # configurations (`workload=hf workload.arch=llama,bert`), with two seeds or thread counts,
-# from two code versions or machines: each such setting gets its own naive, front, table and
+# from two code versions or on two processors: each such setting gets its own naive, front, table and
 # figure panel, labelled by what differs ("gpt2 (tiny)", "gpt2 (threads=2)"), so a bert run
 # is never divided by a llama's naive time, a 2-thread run by a 1-thread naive, nor pushed
 # off the front by a smaller profile's run. Labels name only what varies: a directory of one
