@@ -118,3 +118,20 @@ def test_runs_are_compared_within_their_profile_device_and_workload_config(tmp_p
     bert = table[table["workload"] == "hf (arch=bert)"].set_index("mode")
     assert bert.loc["naive", "time / naive"] == pytest.approx(1.0)
     assert bert.loc["tiny(budget=min)", "time / naive"] == pytest.approx(2.0)
+
+
+def test_the_pareto_module_runs_as_a_script_without_warnings(tmp_path):
+    """NOTE [ The pareto module runs as a script ]: `python -m hbp.report.pareto` (the
+    documented command) printed runpy's RuntimeWarning first."""
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    _run(runs, "a", "naive", 100 * 2**20, 1.0)
+    _run(runs, "b", "checkpoint", 50 * 2**20, 1.3)
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "hbp.report.pareto", str(runs), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning" not in done.stderr and (tmp_path / "out" / "pareto.md").exists()

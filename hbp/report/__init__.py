@@ -42,7 +42,6 @@ from hbp.analysis.collect import (
     to_markdown,
 )
 from hbp.analysis.pareto import pareto_table
-from hbp.report.pareto import plot_pareto
 
 __all__ = [
     "Report",
@@ -55,6 +54,11 @@ __all__ = [
     "runs_or_quick_sweep",
     "write_report",
 ]
+
+# NOTE [ The pareto module runs as a script ]
+# `python -m hbp.report.pareto` imports this package first; imported here at the top, the
+# module was then in sys.modules before it ran as __main__, and runpy warned on every call.
+# It is imported where a figure is drawn.
 
 RESULTS_FILE = "results.parquet"
 TIMELINE_FILE = "memory_timeline.parquet"
@@ -163,6 +167,8 @@ def write_report(
     report.files.append(write_parquet(out / RESULTS_FILE, runs))
     # a chosen subset gets its own name: the whole directory's figure stays
     pareto = "pareto.png" if chosen == present else f"pareto_{'_'.join(chosen)}.png"
+    from hbp.report.pareto import plot_pareto  # NOTE [ The pareto module runs as a script ]
+
     report.files.append(plot_pareto(table, out / pareto))
     for workload in chosen:
         for stem, plot in (("memory_timeline", plot_timeline), ("frontier", plot_graph)):
@@ -293,6 +299,8 @@ def run_figures(
     runs = pd.concat([f for f in frames if not f.empty], ignore_index=True)
     table = pareto_table(runs)
     if len(table) > 1:
+        from hbp.report.pareto import plot_pareto
+
         figures["pareto"] = plot_pareto(table, run_dir / "pareto.png")
     return figures
 
