@@ -286,6 +286,8 @@ def test_wandb_offline_sweep_has_group_tags_plan_table_and_images(tmp_path):
         history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
         keys = {item.key or "/".join(item.nested_key) for h in history for item in h.item}
         assert {"step_time_s", "loss"} <= keys
+        # the measured step's time is under its phase, not beside the timed steps'
+        assert "measured/step_time_s" in keys
         images = {p.name.rsplit("_", 2)[0] for p in (offline / "files/media/images").glob("*.png")}
         # naive ran first: alone, it has no trade-off to show, so no (empty) Pareto figure
         assert images == ({"memory_timeline", "pareto"} if mode == "tiny" else {"memory_timeline"})

@@ -115,8 +115,7 @@ class WandbLogger:
             ),
         )
         try:
-            numeric = steps.select_dtypes("number")
-            for record in numeric.to_dict(orient="records"):
+            for record in history_records(steps):
                 run.log(jsonable(record))
             scalars = {k: v for k, v in row.items() if isinstance(v, (int, float, str, bool))}
             run.summary.update(scalars)
@@ -162,3 +161,21 @@ def plan_rows(path: Path) -> pd.DataFrame | None:
 
     walk(json.loads(Path(path).read_text())["segments"], 0)
     return pd.DataFrame(rows)
+
+
+#: The phase of the steps whose figures are the run's own (`step_time_s` is their median).
+TIMED = "timed"
+
+
+def history_records(steps: pd.DataFrame) -> list[dict]:
+    """The per-step rows as wandb history: numbers only; a step of another phase than timed
+    (warm-up, the measured and the instrumented step) has its figures under its phase
+    (`warmup/step_time_s`), so a `step_time_s` chart shows the timed steps alone."""
+    phases = steps["phase"] if "phase" in steps else pd.Series(TIMED, index=steps.index)
+    numeric = steps.select_dtypes("number")
+    records = []
+    for phase, record in zip(phases, numeric.to_dict(orient="records")):
+        if phase != TIMED:
+            record = {k if k == "step" else f"{phase}/{k}": v for k, v in record.items()}
+        records.append(record)
+    return records
