@@ -32,3 +32,23 @@ def test_config_error_names_field_value_and_accepted_values():
     assert isinstance(err, ValueError) and err.field == "mode.budget"
     with pytest.raises(ValueError, match="mode.budget"):
         raise err
+
+
+@pytest.mark.parametrize(
+    ("mode", "field", "value"),
+    [
+        ({"name": "tiny", "budget": "abc"}, "mode.budget", "abc"),
+        ({"name": "tiny", "budget": 1.5}, "mode.budget", 1.5),
+        ({"name": "tiny", "planner": "foo"}, "mode.planner", "foo"),
+        ({"name": "compile_budget", "budget": "abc"}, "mode.budget", "abc"),
+    ],
+)
+def test_a_bad_mode_value_is_named_by_its_config_key_before_anything_runs(mode, field, value):
+    """Every mode's bad value is refused when the mode is built (the bench's `validate`, before
+    a run directory or a model), under the key the user typed: tiny's budget was refused only
+    once its run had started, and named `budget=`, where compile_budget's said `mode.budget=`."""
+    from hbp.modes import build_mode
+
+    with pytest.raises(ConfigError) as err:
+        build_mode(mode)
+    assert (err.value.field, err.value.value) == (field, value)
