@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
@@ -105,6 +106,8 @@ def test_a_sweep_run_again_skips_finished_jobs_and_redo_reruns_them(tmp_path):
     (failed,) = [p for p in sweep_dir.iterdir() if (p / "error.json").exists()]
     error = json.loads((failed / "error.json").read_text())
     assert error["error_type"] == "ConfigError" and "mode.block_size" in error["error"]
+    # a failed run says what a finished one says of itself: its key and the environment
+    assert error["run_key"] and error["torch_version"] == torch.__version__ and "git_sha" in error
     (done,) = sweep_dir.glob("*/metrics.json")
     first_mtime = done.stat().st_mtime_ns
     record = done.parent / ".hydra" / "overrides.yaml"

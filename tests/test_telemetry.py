@@ -319,3 +319,13 @@ def test_a_step_without_a_memory_timeline_writes_no_timeline_file(tmp_path):
     timeline = pd.DataFrame([(0, 64, "forward", "mm")], columns=list(TIMELINE_COLUMNS))
     TableLogger(tmp_path / "full").log_run({}, steps, timeline)
     assert pd.read_parquet(tmp_path / "full" / TIMELINE_FILE)["live_bytes"].tolist() == [64]
+
+
+def test_the_environment_names_the_model_libraries_the_process_uses():
+    """A run of a transformers model records transformers' version (and diffusers', JAX's...)
+    beside torch's: a figure depends on the library's version of the model."""
+    import transformers
+
+    env = capture_environment("cpu")
+    assert env["transformers_version"] == transformers.__version__
+    assert env["torch_version"] == torch.__version__

@@ -13,11 +13,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hbp.bench.config import check_writable, validate
+from hbp.bench.config import check_writable, resolve_device, validate
 from hbp.bench.rundir import default_run_dir, finished_run, remove_run_dir, run_key
 from hbp.bench.runner import run
 from hbp.bench.summary import format_summary
 from hbp.errors import HBPError
+from hbp.telemetry.environment import capture_environment
 from hbp.telemetry.tables import ERROR_FILE, METRICS_FILE, read_json, write_error
 
 try:  # Hydra is a dependency, but `run` works without an initialised Hydra
@@ -81,6 +82,11 @@ def hydra_main(cfg: DictConfig) -> dict | None:
             "mode_budget": cfg.mode.get("budget"),  # as a finished run's metrics name it
             "run_dir": str(run_dir),
         }
+        try:  # what a finished run records of itself: its key and the environment
+            context["run_key"] = run_key(cfg)
+            context.update(capture_environment(resolve_device(cfg.device)))
+        except Exception:  # noqa: BLE001 - a config that cannot say is itself the error
+            pass
         try:
             context["config"] = OmegaConf.to_container(cfg, resolve=True)
         except Exception:  # an unresolvable config is itself the error

@@ -7,6 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
+#: Characters of a failed run's message the report prints.
+ERROR_CHARS = 300
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -38,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if failed:
         for _, row in report.runs[report.runs["status"] == "error"].iterrows():
-            message = str(row.get("error", "")).strip().splitlines() or [""]
-            print(f"failed: {Path(str(row.get('run_dir', ''))).name}: {message[0][:200]}")
+            message = (str(row.get("error", "")).strip().splitlines() or [""])[0]
+            if len(message) > ERROR_CHARS:  # cut at a word, and say so
+                message = message[:ERROR_CHARS].rsplit(" ", 1)[0] + " ... (see its error.json)"
+            print(f"failed: {Path(str(row.get('run_dir', ''))).name}: {message}")
         print()
     for path in report.files:
         print(f"wrote {path}")

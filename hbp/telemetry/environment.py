@@ -74,4 +74,13 @@ def capture_environment(device: torch.device | str) -> dict:
     if device.type == "cuda":
         env["cuda_version"] = torch.version.cuda
         env["gpu_count"] = torch.cuda.device_count()
+    for library in MODEL_LIBRARIES:  # those this process uses: a model built from them
+        module = sys.modules.get(library)
+        if module is not None:
+            env[f"{library}_version"] = getattr(module, "__version__", None)
     return env
+
+
+#: The libraries whose models the bench builds (workload=hf, diffusers_unet) and JAX: their
+#: versions are recorded where the process imported them.
+MODEL_LIBRARIES = ("transformers", "diffusers", "timm", "peft", "jax")
