@@ -307,8 +307,8 @@ def optimal_plan(
 # [ Known least peaks skip the tables ] in hbp.planner.dp.least_peak), and their BudgetError
 # sends the budget to the union's tables. Where the union's least peak is known to reach the
 # budget and the first set's floor (NOTE [ A floor under the least peak ]: a few hundredths of a
-# second) is above it, the first set's tables are not run: the same plan, without them (that
-# Qwen2's "min" took 4.2 s with them).
+# second) is above it, the first set's tables are not run: the same plan, without them
+# (docs/planner.md has the times).
 
 
 # NOTE [ Budgets below the lower bound ]
