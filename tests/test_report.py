@@ -1,6 +1,7 @@
 """`python -m hbp.report <dir>`: every run under <dir> (failed ones too) in results.parquet,
 the comparison table per workload with ratios to naive, and the three plots."""
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -82,6 +83,9 @@ def test_comparison_table_has_ratios_to_naive(runs):
     assert dag.loc["checkpoint", "peak / naive"] < 1 and dag.loc["tiny", "peak / naive"] < 1
     assert dag.loc["checkpoint", "recompute ratio"] > 0
     assert dag.loc["tiny", "budget"] == "min" and dag.loc["naive", "budget"] == "-"
+    # what tiny's budget came to, beside the peak it bounds ("min": the predicted peak)
+    assert dag.loc["tiny", "budget MiB"] == pytest.approx(dag.loc["tiny", "predicted MiB"])
+    assert math.isnan(dag.loc["naive", "budget MiB"])
     assert {"budget", "peak MiB", "recompute ratio", "step ms", "time / naive"} <= set(table)
     assert not [name for name in report.skipped if "synthetic_dag" in name]
     # one timed step: no p10-p90 range; synthetic_dag has no LM head: no chunked_loss in labels

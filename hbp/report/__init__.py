@@ -42,6 +42,7 @@ from hbp.analysis.collect import (
     to_markdown,
 )
 from hbp.analysis.pareto import pareto_table
+from hbp.units import MIB
 
 __all__ = [
     "Report",
@@ -130,9 +131,14 @@ def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
     table = pareto_table(runs)
     if table.empty:
         return table
-    budget = ok_runs(runs).get("config.mode.budget")
+    ok = ok_runs(runs)
+    budget = ok.get("config.mode.budget")
     values = [None] * len(table) if budget is None else list(budget)
     table.insert(table.columns.get_loc("mode") + 1, "budget", [_budget_text(v) for v in values])
+    if "mode_budget_bytes" in ok and ok["mode_budget_bytes"].notna().any():
+        # what the budget came to in bytes (tiny's), beside the peak to check it against
+        budget_mib = ok["mode_budget_bytes"].astype(float) / MIB
+        table.insert(table.columns.get_loc("peak MiB"), "budget MiB", budget_mib.to_numpy())
     return table
 
 
