@@ -304,10 +304,14 @@ def test_hooks_and_attributes_changed_after_the_first_step_are_captured_anew(cou
     same_step()
     for m in (model, reference):
         m.scale = 0.5
-    same_step()
+    with pytest.warns(UserWarning, match=r"scale 1\.0 -> 0\.5 since a planned step") as said:
+        same_step()
+    assert said[0].filename.endswith("step.py") and "site-packages" not in said[0].filename
+    # (it points at the caller's line: here the test helper that calls hc)
     for m in (model, reference):
         m.config.skip_last = True
-    same_step()
+    with pytest.warns(UserWarning, match=r"config\.skip_last False -> True"):
+        same_step()
     for m in (model, reference):
         m.scale, m.config.skip_last = 1.0, False
     same_step()

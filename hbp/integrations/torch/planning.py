@@ -3,6 +3,7 @@ signature and cached (`Compiled`)."""
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ from hbp.allocator import foreign_profiler_running
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
-from hbp.graph.torch.capture import MODULE, CapturedGraph, ambient_modes, capture
+from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
+from hbp.integrations.torch.signature import signature, state_changes
 from hbp.planner.budget import BudgetKind
 from hbp.planner.cache import graph_fingerprint
 from hbp.planner.module_level import module_level_plan
@@ -81,51 +83,6 @@ def user_hooks(module: nn.Module) -> list:
     """The forward (pre-)hooks on `module` that its library did not install itself."""
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
     return [h for h in hooks if not getattr(h, "__module__", "").startswith(LIBRARY_HOOKS)]
-
-
-#: Attribute values a forward can branch on, compared from step to step (NOTE [ What the
-#: capture fixed ]).
-PLAIN_VALUES = (bool, int, float, str, type(None))
-
-
-def python_state(module: nn.Module, index: int, configs: set[int]) -> tuple:
-    """What of `module`'s Python state a captured graph fixed: its hooks' handles and its
-    public attributes of plain values, with those of its `config` (a transformers model's, read
-    once however many modules hold it: `configs` has the ids of those read)."""
-    state = [(k, v) for k, v in module.__dict__.items() if type(v) in PLAIN_VALUES and k[0] != "_"]
-    if module._forward_hooks or module._forward_pre_hooks:
-        state.append((tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
-    config = module.__dict__.get("config")
-    if config is not None and id(config) not in configs and hasattr(config, "__dict__"):
-        configs.add(id(config))
-        state += [(k, v) for k, v in vars(config).items() if type(v) in PLAIN_VALUES]
-    return (index, *state) if state else ()
-
-
-def global_hooks() -> tuple:
-    """The handles of the forward hooks registered for every module (`torch.nn.modules.module.
-    register_module_forward_hook`), which a capture runs as part of each module's call."""
-    from torch.nn.modules import module as torch_module
-
-    return (
-        tuple(torch_module._global_forward_hooks),
-        tuple(torch_module._global_forward_pre_hooks),
-    )
-
-
-# NOTE [ What the capture fixed ]
-# A capture traces the forward's Python once per input signature: the branches it took on
-# attributes (`config.output_hidden_states`, a user's `self.scale`, the `p` a transformers
-# model hands to functional dropout) and the forward hooks it ran are fixed in the graph. So
-# the signature also holds, per module, the public attributes of plain values, its config's,
-# and its hooks' handles (and the global module hooks'): a change between steps is a new
-# signature, captured and planned on its next call (a change back finds the first plan). A
-# hook added to a submodule after the first step was silently not run, and one removed still
-# ran; a dropout rate set to 0 kept the old rate. The walk is the one the signature already
-# makes over the modules (about 1 ms on a 32-layer Llama's 423 modules on this CPU). Python
-# state outside the modules (a global, a closure) is not seen: `hbp.enable` again captures
-# anew. A forward that sets its own attributes while traced (a rotary cache's length) is
-# found under the state the capture left too.
 
 
 # NOTE [ Captured under a profiler ]
@@ -200,6 +157,7 @@ class Planning:
             return compiled
         with heap_returned_after():  # NOTE [ Planning's freed heap ]
             if compiled is None:
+                self._say_what_changed(key)
                 compiled = self._compiled[key] = self._compile(
                     args, kwargs, root, compiled_segments
                 )
@@ -244,33 +202,28 @@ class Planning:
         )
 
     def _signature(self, args, kwargs) -> tuple:
-        leaves, spec = tree_flatten((args, dict(sorted(kwargs.items()))))
-        parts: list[Any] = [str(spec), self.training, ambient_modes()]  # grad and autocast
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                parts.append(
-                    (tuple(x.shape), x.dtype, x.device, x.requires_grad, x.is_contiguous())
-                )
-            elif x is None or isinstance(x, (bool, int, float, str)):
-                parts.append((type(x).__name__, x))
-            else:
-                parts.append((type(x).__name__, id(x)))
-        # .to()/.half() keep the Parameter objects and change their dtype/device. One walk
-        # over the modules reads what parameters(), buffers() and modules() would (each walks
-        # them again; a step pays this walk on the host).
-        params, buffers, training, state = [], [], [], []
-        configs: set[int] = set()
-        for i, m in enumerate(self.module.modules()):
-            training.append(m.training)
-            params.extend(
-                (id(p), p.requires_grad, p.dtype, p.device)
-                for p in m._parameters.values()
-                if p is not None
+        return signature(self.module, self.training, args, kwargs)
+
+    def _say_what_changed(self, key: tuple) -> None:
+        """Warn once per set of names where a new signature differs from a planned one in the
+        modules' Python state alone (NOTE [ What the capture fixed ])."""
+        found = [
+            state_changes(known, key[1], self.module)
+            for tag, known in self._compiled
+            if tag == key[0]
+        ]
+        nearest = min((c for c in found if c), key=len, default=None)  # a planned step's
+        if nearest is not None:
+            changes = nearest
+            names = ",".join(sorted(c.split(" ")[0] for c in changes))
+            self._warn_once(
+                f"state:{names}",
+                f"HCModule: {'; '.join(changes[:4])} since a planned step: the forward is "
+                "captured and planned again for it (a capture fixes the Python state its "
+                "forward reads). An attribute the forward does not read is not followed "
+                "under a name with a leading underscore.",
+                stacklevel=_outside_libraries(),
             )
-            buffers.extend((id(b), b.dtype, b.device) for b in m._buffers.values() if b is not None)
-            state.append(python_state(m, i, configs))
-        parts += [tuple(params), tuple(buffers), tuple(training), tuple(state), global_hooks()]
-        return tuple(parts)
 
     def _compile(
         self, args, kwargs, root: nn.Module | None = None, compiled_segments: bool = False
@@ -614,3 +567,15 @@ def _held_output_bytes(graph) -> int:
 # cannot fit without them either, and the error is raised without that second plan. (The
 # candidate cuts of the two graphs can differ a little, as their frontiers do: the bound
 # then holds for the plans both search, which is what the hint is about.)
+
+
+def _outside_libraries() -> int:
+    """The stack level of the first caller outside hbp and torch (a warning's `stacklevel`
+    from `HCModule._warn_once`, whichever of HCModule's or `hbp.enable`'s paths led here)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name == "hbp" or name.startswith(("hbp.", "torch.", "torch"))):
+            return level + 1  # + 1: _warn_once's own frame
+        frame, level = frame.f_back, level + 1
+    return 2
