@@ -284,7 +284,7 @@ def test_a_bound_between_the_stages_two_least_budgets_is_searched_just_below(mon
         assert found is not None and below <= found[0] < bound
         assert found[1][1].peak_bytes <= found[0]
         assert staged_search.staged_minimum(graph, info, None, bound)[0] == found[0]
-    monkeypatch.setattr(entry, "_whole_graph_floor", lambda *a: bound)
+    monkeypatch.setattr(entry, "union_floor", lambda *a: bound)
     ran = []
     monkeypatch.setattr(entry, "least_peak_over", lambda *a: ran.append(a))
     budget, segments = min_feasible_peak(graph)

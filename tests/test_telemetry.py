@@ -321,11 +321,14 @@ def test_a_step_without_a_memory_timeline_writes_no_timeline_file(tmp_path):
     assert pd.read_parquet(tmp_path / "full" / TIMELINE_FILE)["live_bytes"].tolist() == [64]
 
 
-def test_the_environment_names_the_model_libraries_the_process_uses():
-    """A run of a transformers model records transformers' version (and diffusers', JAX's...)
-    beside torch's: a figure depends on the library's version of the model."""
+def test_a_run_names_the_version_of_the_library_its_model_comes_from():
+    """A figure depends on the library's version of the model: a transformers model records
+    transformers' version; hbp's own models record none (the process may import others)."""
     import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    env = capture_environment("cpu")
-    assert env["transformers_version"] == transformers.__version__
-    assert env["torch_version"] == torch.__version__
+    from hbp.telemetry.environment import model_libraries
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32))
+    assert model_libraries(model) == {"transformers_version": transformers.__version__}
+    assert model_libraries(torch.nn.Sequential(torch.nn.Linear(2, 2))) == {}

@@ -29,7 +29,7 @@ from hbp.bench.step import MIB, measure_steps, reference_checks, time_optimizer_
 from hbp.bench.summary import format_summary
 from hbp.modes import build_mode
 from hbp.telemetry import make_loggers
-from hbp.telemetry.environment import capture_environment
+from hbp.telemetry.environment import capture_environment, model_libraries
 from hbp.telemetry.tables import write_artifacts, write_config, write_metrics
 
 log = logging.getLogger("hbp.bench")
@@ -90,6 +90,7 @@ def _run(cfg, run_dir: Path, place, started_at, t_start: float) -> dict:
         row["peak_vs_naive"] = measured.peak_bytes / row["naive_peak_bytes"]
     row["optimizer_step_s"] = time_optimizer_step(params, device, max(1, min(cfg.steps, 5)))
     row.update(capture_environment(device))
+    row.update(model_libraries(workload.model))
     if place.enabled:  # a collective: every rank gathers
         row["distributed"] = place.kind
         row["world_size"] = place.world_size

@@ -74,13 +74,18 @@ def capture_environment(device: torch.device | str) -> dict:
     if device.type == "cuda":
         env["cuda_version"] = torch.version.cuda
         env["gpu_count"] = torch.cuda.device_count()
-    for library in MODEL_LIBRARIES:  # those this process uses: a model built from them
-        module = sys.modules.get(library)
-        if module is not None:
-            env[f"{library}_version"] = getattr(module, "__version__", None)
     return env
 
 
-#: The libraries whose models the bench builds (workload=hf, diffusers_unet) and JAX: their
-#: versions are recorded where the process imported them.
-MODEL_LIBRARIES = ("transformers", "diffusers", "timm", "peft", "jax")
+def model_libraries(model) -> dict:
+    """`<library>_version` of the library the model's class comes from (transformers,
+    diffusers, timm, peft...) and of those of its submodules: a figure depends on the
+    library's version of the model. Nothing for hbp's own models."""
+    names = {type(m).__module__.partition(".")[0] for m in model.modules()}
+    out = {}
+    for name in sorted(names - {"hbp", "torch", "builtins", "__main__"}):
+        module = sys.modules.get(name)
+        version = getattr(module, "__version__", None)
+        if version is not None:
+            out[f"{name}_version"] = version
+    return out

@@ -24,14 +24,16 @@ from hbp.planner.dp.cost_model import cost_model
 from hbp.planner.dp.finish import finish_plan, kept_bytes
 from hbp.planner.dp.least_peak import (
     absorb_inputs,
-    known_least_over,
+    first_floor_above,
+    floor_above,
+    known_above,
     known_least_peak,
+    least_known,
     least_peak_cached,
-    least_peak_floor,
     least_peak_over,
     reach_cuts,
     top_level,
-    union_of,
+    union_floor,
     union_pays,
 )
 from hbp.planner.dp.modes import INF
@@ -180,18 +182,7 @@ def optimal_plan(
 
         choices = cut_choices(info, block_size, max_cuts)
         below_bound = budget_bytes < lower_bound(info)
-        if below_bound:  # NOTE [ The first set's floor skips its tables ]
-            # "min" is the least peak over the union of the cut choices (where the union pays), which is
-            # often below the first set's: a 4-layer Qwen2 of 319 nodes reaches 6,433,284 B over the union
-            # and 6,828,036 over the first set. The recompute tables over the first set then end in INF at
-            # that budget (they find only plans whose modelled peak is at least the set's least peak: NOTE
-            # [ Known least peaks skip the tables ] in hbp.planner.dp.least_peak), and their BudgetError
-            # sends the budget to the union's tables. Where the union's least peak is known to reach the
-            # budget and the first set's floor (NOTE [ A floor under the least peak ]: a few hundredths of a
-            # second) is above it, the first set's tables are not run: the same plan, without them (that
-            # Qwen2's "min" took 4.2 s with them).
-
-            # NOTE [ Budgets below the lower bound ]: no table can fit it
+        if below_bound:  # NOTE [ Budgets below the lower bound ]: no table can fit it
             least_peak_over(info, choices, nested)
             if info.rng_state_bytes:  # the error the tables end in, without them
                 minimum, _ = least_peak_cached(info, cuts, nested)
@@ -204,8 +195,8 @@ def optimal_plan(
         def below_the_known_least() -> Plan | None:
             """Where a remembered least peak is above the budget, the plan below the whole
             graph, without the tables (NOTE [ Known least peaks skip the tables ])."""
-            above = _known_above(info, choices, nested, budget_bytes)
-            if above is None and _floor_above(info, choices, nested, budget_bytes):
+            above = known_above(info, choices, nested, budget_bytes)
+            if above is None and floor_above(info, choices, nested, budget_bytes):
                 # NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak
                 found = _staged_below_the_floor(
                     graph, info, meta, budget_bytes, naive, pins, t0, stages, nested, cuts,
@@ -214,7 +205,7 @@ def optimal_plan(
                 if found is not None:
                     return found
                 least_peak_over(info, choices, nested)  # the floor could not decide
-                above = _known_above(info, choices, nested, budget_bytes)
+                above = known_above(info, choices, nested, budget_bytes)
             if above is None:
                 return _below_the_first_sets_floor()
             err = BudgetError(budget_bytes, above, _plans_over(info, cuts, nested))
@@ -224,16 +215,11 @@ def optimal_plan(
             )  # fmt: skip
 
         def _below_the_first_sets_floor() -> Plan | None:
-            """Where the union of the cut choices is known to reach the budget and the first
-            set's floor is above it, the plan over the union, without the first set's tables
-            (NOTE [ The first set's floor skips its tables ])."""
-            if len(choices) < 2 or info.rng_state_bytes:
-                return None
-            reached = known_least_over(info, choices, nested)
-            if reached is None or reached > budget_bytes:
-                return None
-            floor = least_peak_floor(info, cuts, nested)
-            if floor <= budget_bytes:
+            """The plan over the union without the first set's tables, where its floor is
+            above a budget the union reaches (NOTE [ The first set's floor skips its tables ]
+            in hbp.planner.dp.least_peak)."""
+            floor = first_floor_above(info, choices, nested, budget_bytes)
+            if floor is None:
                 return None
             err = BudgetError(budget_bytes, floor, _plans_over(info, cuts, nested))
             plan = _below_whole_graph(
@@ -247,9 +233,7 @@ def optimal_plan(
         if stages and not below_bound and not info.rng_state_bytes:
             # NOTE [ A budget below the stages' reach ]
             below_stages, _ = least_staged_budget(info, nested=False, pins=pins)
-            if budget_bytes < below_stages and not _floor_above(
-                info, choices, nested, budget_bytes
-            ):
+            if budget_bytes < below_stages and not floor_above(info, choices, nested, budget_bytes):
                 least_peak_over(info, choices, nested)
         known = below_the_known_least()
         if known is not None:
@@ -261,7 +245,7 @@ def optimal_plan(
             candidate = staged_candidate(graph, info, budget_bytes, pins)
             fewer = candidate_cuts(info, block_size, STAGED_WHOLE_GRAPH_CUTS)
             # NOTE [ No staged plan and a known least peak ]
-            if candidate is not None or not _least_known(info, choices, nested):
+            if candidate is not None or not least_known(info, choices, nested):
                 # None: below what the fewer cuts reach, or where only their least-peak plan fits
                 solved = _solve(
                     info, fewer, budget_bytes, mem_slots, nested, pins, tables_only=True
@@ -297,18 +281,6 @@ def optimal_plan(
                 return _as_staged(graph, info, meta, budget_bytes, candidate, naive, t0)
         plan.meta["solve_time_s"] = time.perf_counter() - t0
         return plan
-
-
-# NOTE [ The first set's floor skips its tables ]
-# "min" is the least peak over the union of the cut choices (where the union pays), which is
-# often below the first set's: a 4-layer Qwen2 of 319 nodes reaches 6,433,284 B over the union
-# and 6,828,036 over the first set. The recompute tables over the first set then end in INF at
-# that budget (they find only plans whose modelled peak is at least the set's least peak: NOTE
-# [ Known least peaks skip the tables ] in hbp.planner.dp.least_peak), and their BudgetError
-# sends the budget to the union's tables. Where the union's least peak is known to reach the
-# budget and the first set's floor (NOTE [ A floor under the least peak ]: a few hundredths of a
-# second) is above it, the first set's tables are not run: the same plan, without them
-# (docs/planner.md has the times).
 
 
 # NOTE [ Budgets below the lower bound ]
@@ -506,42 +478,6 @@ STAGED_WHOLE_GRAPH_CUTS = 32
 # next step is the DP over all cuts, and the fewer cuts' tables are not run.
 
 
-def _known_least_peaks(info: GraphInfo, choices: list[list[int]], nested: bool) -> list[int]:
-    """The remembered least peaks (`least_peak_cached`) over the first cut set of `choices`
-    and over their union (at most the first set's: NOTE [ Least peak over other cut choices ]
-    in hbp.planner.cuts), in that order; none for graphs with generator states."""
-    if info.rng_state_bytes:
-        return []
-    known = (known_least_peak(info, choices[0], nested), known_least_over(info, choices, nested))
-    return [k for k in known if k is not None]
-
-
-def _least_known(info: GraphInfo, choices: list[list[int]], nested: bool) -> bool:
-    """Whether the least peak over the first cut set of `choices` or their union is
-    remembered."""
-    return bool(_known_least_peaks(info, choices, nested))
-
-
-def _known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int):
-    """A remembered least peak above `budget` over the first cut set of `choices` or over
-    their union, else None: where there is one, the tables over the first set cannot fit the
-    budget."""
-    return next((k for k in _known_least_peaks(info, choices, nested) if k > budget), None)
-
-
-def _whole_graph_floor(info: GraphInfo, choices: list[list[int]], nested: bool) -> int:
-    """The floor of the least peak over the union of `choices`, at most the least of every
-    set (NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak)."""
-    return least_peak_floor(info, union_of(choices), nested)
-
-
-def _floor_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int) -> bool:
-    """Whether the floor of the least peak over the union of `choices` (at most the least of
-    every set: NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak) is above
-    `budget`: then no whole-graph plan fits it. Never for graphs with generator states."""
-    return not info.rng_state_bytes and _whole_graph_floor(info, choices, nested) > budget
-
-
 def _staged_below_the_floor(
     graph, info, meta, budget: int, naive, pins, t0, stages, nested, cuts, choices, below_bound
 ) -> Plan | None:
@@ -551,7 +487,7 @@ def _staged_below_the_floor(
     graph's least peak can decide (what `_below_whole_graph` then gives is the same)."""
     if not stages:
         return None
-    floor = _whole_graph_floor(info, choices, nested)
+    floor = union_floor(info, choices, nested)
     candidate = None if below_bound else staged_candidate(graph, info, budget, pins)
     if candidate is not None:
         meta = dict(meta, whole_graph_floor=floor)
@@ -630,7 +566,7 @@ def min_feasible_peak(
         if stages and not info.rng_state_bytes:
             # NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak: the stages
             # below the whole graph's floor reach less than it, without its least peak
-            found = staged_below(graph, info, pins, _whole_graph_floor(info, choices, nested))
+            found = staged_below(graph, info, pins, union_floor(info, choices, nested))
             if found is not None:
                 return found[0], found[1][0]
         best = least_peak_over(info, choices, nested)

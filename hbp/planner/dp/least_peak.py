@@ -21,6 +21,12 @@ from hbp.planner.plan import Segment
 
 __all__ = [
     "absorb_inputs",
+    "first_floor_above",
+    "floor_above",
+    "known_above",
+    "known_least_peaks",
+    "least_known",
+    "union_floor",
     "forget_least_peaks",
     "info_fingerprint",
     "known_least_over",
@@ -214,6 +220,69 @@ def least_peak_floor(info: GraphInfo, cuts: list[int], nested: bool) -> int:
 # only where the floor cannot decide. `experiments/check_floor.py` checks the bound on every
 # graph of `experiments/check_plans.py` and on random DAGs; graphs with generator states are
 # left out (their least peak is a simulated one).
+
+
+def known_least_peaks(info: GraphInfo, choices: list[list[int]], nested: bool) -> list[int]:
+    """The remembered least peaks (`least_peak_cached`) over the first cut set of `choices`
+    and over their union (at most the first set's: NOTE [ Least peak over other cut choices ]
+    in hbp.planner.cuts), in that order; none for graphs with generator states."""
+    if info.rng_state_bytes:
+        return []
+    known = (known_least_peak(info, choices[0], nested), known_least_over(info, choices, nested))
+    return [k for k in known if k is not None]
+
+
+def least_known(info: GraphInfo, choices: list[list[int]], nested: bool) -> bool:
+    """Whether the least peak over the first cut set of `choices` or their union is
+    remembered."""
+    return bool(known_least_peaks(info, choices, nested))
+
+
+def known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int):
+    """A remembered least peak above `budget` over the first cut set of `choices` or over
+    their union, else None: where there is one, the tables over the first set cannot fit the
+    budget."""
+    return next((k for k in known_least_peaks(info, choices, nested) if k > budget), None)
+
+
+def union_floor(info: GraphInfo, choices: list[list[int]], nested: bool) -> int:
+    """The floor of the least peak over the union of `choices`, at most the least of every
+    set (NOTE [ A floor under the least peak ])."""
+    return least_peak_floor(info, union_of(choices), nested)
+
+
+def floor_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int) -> bool:
+    """Whether the floor of the least peak over the union of `choices` (at most the least of
+    every set: NOTE [ A floor under the least peak ]) is above `budget`: then no whole-graph
+    plan fits it. Never for graphs with generator states."""
+    return not info.rng_state_bytes and union_floor(info, choices, nested) > budget
+
+
+def first_floor_above(
+    info: GraphInfo, choices: list[list[int]], nested: bool, budget: int
+) -> int | None:
+    """The floor of the least peak over the first cut set of `choices` where it is above
+    `budget` and the union of `choices` is known to reach the budget, else None (NOTE [ The
+    first set's floor skips its tables ]). Never for graphs with generator states."""
+    if len(choices) < 2 or info.rng_state_bytes:
+        return None
+    reached = known_least_over(info, choices, nested)
+    if reached is None or reached > budget:
+        return None
+    floor = least_peak_floor(info, choices[0], nested)
+    return floor if floor > budget else None
+
+
+# NOTE [ The first set's floor skips its tables ]
+# "min" is the least peak over the union of the cut choices (where the union pays), which is
+# often below the first set's: a 4-layer Qwen2 of 319 nodes reaches 6,433,284 B over the union
+# and 6,828,036 over the first set. The recompute tables over the first set then end in INF at
+# that budget (they find only plans whose modelled peak is at least the set's least peak: NOTE
+# [ Known least peaks skip the tables ]), and their BudgetError sends the budget to the
+# union's tables. Where the union's least peak is known to reach the budget and the first
+# set's floor (NOTE [ A floor under the least peak ]: a few hundredths of a second) is above
+# it, the first set's tables are not run (`first_floor_above`, which `optimal_plan` asks
+# before them): the same plan, without them (docs/planner.md has the times).
 
 
 def _remembered(info: GraphInfo) -> dict:
