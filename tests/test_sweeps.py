@@ -98,14 +98,20 @@ def test_run_key_ignores_bookkeeping_and_sees_every_measured_value():
 
 @pytest.mark.slow
 def test_a_sweep_run_again_skips_finished_jobs_and_redo_reruns_them(tmp_path):
-    args = ("sweep=block_size", "workload=synthetic_dag", *TINY, f"output_root={tmp_path}")
-    first = run_py(*args, "mode.block_size=1,0")
-    assert first.returncode == 1  # block_size=0 is rejected: recorded, the other job finished
+    args = (
+        "sweep=block_size",
+        "workload=synthetic_dag",
+        "mode=tiny",
+        *TINY,
+        f"output_root={tmp_path}",
+    )
+    first = run_py(*args, "mode.block_size=1", "mode.budget=min,100")
+    assert first.returncode == 1  # 100 bytes fit no plan: recorded, the other job finished
     assert "1 ran, 0 skipped" in first.stdout and "1 of 2 runs failed" in first.stderr
     sweep_dir = tmp_path / "sweeps" / "block_size"
     (failed,) = [p for p in sweep_dir.iterdir() if (p / "error.json").exists()]
     error = json.loads((failed / "error.json").read_text())
-    assert error["error_type"] == "ConfigError" and "mode.block_size" in error["error"]
+    assert error["error_type"] == "BudgetError" and "no plan fits" in error["error"]
     # a failed run says what a finished one says of itself: its key and the environment
     assert error["run_key"] and error["torch_version"] == torch.__version__ and "git_sha" in error
     (done,) = sweep_dir.glob("*/metrics.json")
@@ -195,3 +201,16 @@ def test_a_plan_cache_for_a_sweep_of_any_modes_is_read_by_the_next_run(tmp_path,
     assert (first["mode_plan_from_cache"], again["mode_plan_from_cache"]) == (False, True)
     assert again["peak_bytes"] == first["peak_bytes"] and again["run_key"] == first["run_key"]
     assert "read from the plan cache" in capsys.readouterr().out
+
+
+def test_a_bad_value_in_a_sweep_list_stops_the_command_before_anything_runs(tmp_path):
+    """NOTE [ Sweep lists checked up front ]: `mode.budget=0.5,abc` ran the 0.5 job, wrote
+    error.json for abc and exited 1; now one line, exit code 2, nothing written."""
+    done = run_py(
+        "-m", "workload=synthetic_dag", "mode=tiny", "mode.budget=0.5,abc", *TINY,
+        f"output_root={tmp_path}", f"hydra.sweep.dir={tmp_path}/sweeps/bad",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: mode.budget='abc' is not accepted")
+    assert not (tmp_path / "sweeps").exists()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hbp.bench.config import check_writable, resolve_device, validate
+from hbp.bench.config import check_sweep_lists, check_writable, resolve_device, validate
 from hbp.bench.rundir import default_run_dir, finished_run, remove_run_dir, run_key
 from hbp.bench.runner import run
 from hbp.bench.summary import format_summary
@@ -155,6 +155,12 @@ class RunGuard(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         self._check(config, config.hydra.sweep.dir)
+        try:  # NOTE [ Sweep lists checked up front ]
+            params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+            swept = [f"{key}={value}" for key, value in params.items()]  # a sweep config's
+            check_sweep_lists(config, [*swept, *config.hydra.overrides.task])
+        except HBPError as error:
+            _fail(str(error))
         self.started = time.time() - 1.0  # filesystem timestamps can be coarse
 
     def _check(self, config: DictConfig, out_dir: str) -> None:

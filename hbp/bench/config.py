@@ -168,3 +168,48 @@ def validate(cfg) -> None:
     resolve_config(cfg.workload.name, cfg.profile.name, **workload_overrides(cfg))
     build_mode(cfg.mode)
     check_writable(cfg.output_root)
+
+
+#: Config groups: a sweep over one changes the config's structure (not checked value by value).
+GROUPS = (
+    "framework",
+    "workload",
+    "mode",
+    "profile",
+    "logger",
+    "sweep",
+    "experiment",
+    "distributed",
+)
+
+
+def check_sweep_lists(cfg, overrides: list[str]) -> None:
+    """Check every value of a multirun's sweep lists over keys (`mode.budget=0.5,abc`,
+    `steps=0,3`) as a single run's config would be checked (`validate`), before the sweep
+    starts: a bad value is a ConfigError naming it, not a failed job among finished ones
+    (NOTE [ Sweep lists checked up front ])."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = [
+        o for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()
+    ]
+    swept_groups = {o.key_or_group for o in parsed if o.key_or_group in GROUPS}
+    base = OmegaConf.to_container(cfg, resolve=False)
+    base.pop("hydra", None)
+    for override in parsed:
+        key = override.key_or_group
+        if key in GROUPS or key.split(".")[0] in swept_groups or key.startswith("hydra."):
+            continue
+        for value in override.sweep_iterator():
+            one = OmegaConf.create(base)
+            OmegaConf.update(one, key, value, force_add=True)
+            validate(one)
+
+
+# NOTE [ Sweep lists checked up front ]
+# Hydra composes a multirun's config once, with the first value of each sweep list, so the
+# check before the sweep saw `mode.budget=0.5` of `mode.budget=0.5,abc`: the `abc` job ran,
+# wrote error.json and the sweep exited 1 after the others. Each value of a list over a key
+# is checked now as its own run's config would be, and a bad one stops the command with one
+# line and exit code 2 before anything is written. Lists over a config group
+# (`mode=naive,tiny`) change the structure and are checked per job, as before.
