@@ -217,8 +217,8 @@ def test_a_failing_job_leaves_the_rest_of_the_sweep_intact(tmp_path):
     result = run_py(
         "-m",
         "workload=synthetic_dag",
-        "mode=checkpoint",
-        "mode.segments=2,0,3",
+        "mode=tiny",
+        "mode.budget=min,100,1.0",  # 100 bytes: no plan fits, known only once the job runs
         *FAST,
         "logger=none",
         f"output_root={tmp_path}",
@@ -230,7 +230,7 @@ def test_a_failing_job_leaves_the_rest_of_the_sweep_intact(tmp_path):
     assert f"failed: {failed.name} " in result.stderr
     assert not (failed / "metrics.json").exists()
     error = json.loads((failed / "error.json").read_text())
-    assert error["error_type"] == "ConfigError" and "mode.segments=0" in error["error"]
+    assert error["error_type"] == "BudgetError" and "no plan fits" in error["error"]
     frame = collect(tmp_path)
-    assert list(frame["mode_num_segments"]) == [2, 3]
+    assert sorted(map(str, frame["config.mode.budget"])) == ["1.0", "min"]
     assert len(collect(tmp_path, include_errors=True)) == 3
