@@ -380,3 +380,19 @@ def test_kept_outputs_found_after_unseen_memory_are_planned_within_the_budget():
     assert ratios[0] > 1.01  # the float32 logits the plan cannot see
     assert any("the caller keeps output.cache" in str(w.message) for w in caught)
     assert ratios[1] <= 1.01 and ratios[2] <= 1.01, ratios
+
+
+def test_what_stays_unseen_beyond_the_budget_leaves_a_budget_no_plan_fits():
+    """NOTE [ Kept outputs after unseen memory ]: where what the closed loop did not see is the
+    whole budget or more (a teacher's forward inside the measured step), the budget left is a
+    byte, which no plan fits, so the caller takes the least plan; it was negative, and its
+    ConfigError ended the step."""
+    from types import SimpleNamespace
+
+    from hbp.integrations.torch.outputs import _less_what_stays_unseen
+
+    compiled = SimpleNamespace(unseen_bytes=5000)
+    graph = SimpleNamespace(node=lambda name: SimpleNamespace(output_bytes=100))
+    assert _less_what_stays_unseen(1000, compiled, graph, ["logits"]) == 1
+    assert _less_what_stays_unseen(10_000, compiled, graph, ["logits"]) == 5100
+    assert _less_what_stays_unseen("min", compiled, graph, ["logits"]) == "min"

@@ -121,6 +121,8 @@ def test_closed_loop_does_not_ask_for_loss_fn_when_the_loss_is_the_modules_own()
         measured = hc.measured_peak_bytes  # the measurement ends when it is read
     (message,) = [str(w.message) for w in record if "cannot be met" in str(w.message)]
     assert "loss_fn" not in message and "the caller allocates or keeps" in message
+    # at the caller's line (hbp/integrations/torch/warn.py), not inside hbp or torch
+    assert [w.filename for w in record if "cannot be met" in str(w.message)] == [__file__]
     assert measured > 1.05 * hc.compiled.budget_bytes
 
 

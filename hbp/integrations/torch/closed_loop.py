@@ -6,7 +6,6 @@ compiled kernels' buffers."""
 from __future__ import annotations
 
 import atexit
-import warnings
 import weakref
 
 import torch
@@ -22,6 +21,7 @@ from hbp.allocator import (
 )
 from hbp.errors import BudgetError
 from hbp.integrations.torch.outputs import grad_leaves
+from hbp.integrations.torch.warn import warn_at_caller
 from hbp.units import MIB
 
 # a measurement still recording when the process exits: a CPU profiler left running then
@@ -274,29 +274,23 @@ class ClosedLoop:
         )
         if target <= 0:  # what the plan did not see is the whole budget or more
             compiled.settled = True
-            warnings.warn(
+            warn_at_caller(
                 message + f"That is {unseen / MIB:.2f} MiB, no less than the budget: no plan "
                 f"can meet it this way; {advice}",
-                UserWarning,
-                stacklevel=4,
             )
             return
         try:
             self._replan(compiled, target)
         except BudgetError as err:
             compiled.settled = True
-            warnings.warn(
+            warn_at_caller(
                 message + f"No plan fits {target / MIB:.2f} MiB (the least is "
                 f"{err.minimum / MIB:.2f} MiB): the budget cannot be met this way; {advice}",
-                UserWarning,
-                stacklevel=4,
             )
             return
-        warnings.warn(
+        warn_at_caller(
             message + f"Planned again for {target / MIB:.2f} MiB; the next steps keep the budget "
             "(hc.measured_peak_bytes holds the measured figure).",
-            UserWarning,
-            stacklevel=4,
         )
 
 

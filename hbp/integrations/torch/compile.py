@@ -3,12 +3,11 @@ plan with each segment compiled on its own (NOTE [ torch.compile of an HCModule 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from hbp.errors import BudgetError
 from hbp.graph.torch.capture import MODULE
+from hbp.integrations.torch.warn import warn_at_caller
 from hbp.planner.plan import any_pinned
 from hbp.runtime.executors import make_executor
 from hbp.units import MIB
@@ -94,11 +93,9 @@ class CompiledSegments:
             self._replan(compiled, budget)
         except BudgetError as err:  # only pins reached it
             self._replan(compiled, "min")
-            warnings.warn(
+            warn_at_caller(
                 f"HCModule: compiled segments run without pinned values, and without them no "
                 f"plan fits {budget / MIB:.2f} MiB (the least is {err.minimum / MIB:.2f} MiB): "
                 "planned for the least instead.",
-                UserWarning,
-                stacklevel=5,
             )
         compiled.measure_again()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Mapping
 
 import torch
@@ -13,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError
+from hbp.integrations.torch.warn import warn_at_caller
 from hbp.units import MIB
 
 # NOTE [ Outputs the caller lets go ]
@@ -155,14 +155,12 @@ class WatchedOutputs:
         more = sorted(kept - held)
         previous, graph.held_outputs = graph.held_outputs, [o for o in graph.outputs if o in kept]
         if previous is not None:
-            warnings.warn(
+            warn_at_caller(
                 f"HCModule: the caller keeps {_described(more, compiled.output_paths)} alive "
                 "until backward ends; the last step counted them as let go and may have been "
                 "above the budget by their size. Planned again with them; keeps_outputs=True "
                 "counts them from the start; letting them go before backward saves their "
                 f"bytes{_cache_hint(more, compiled.output_paths)}.",
-                UserWarning,
-                stacklevel=5,
             )
         naive = simulate(graph).peak_bytes
         compiled.naive_peak_bytes = naive
@@ -174,14 +172,12 @@ class WatchedOutputs:
             # the loop cannot do better than the least plan; its next step is measured so
             # that `measured_peak_bytes` is this plan's, not the step before it
             compiled.measure_again(last=True)
-            warnings.warn(
+            warn_at_caller(
                 f"HCModule: with {_described(more, compiled.output_paths)} kept by the caller "
                 "until backward ends, no "
                 f"plan fits {err.budget / MIB:.2f} MiB (the least is {err.minimum / MIB:.2f} "
                 "MiB): planned for the least. Let them go before backward, or raise the budget"
                 f"{_cache_hint(more, compiled.output_paths)}.",
-                UserWarning,
-                stacklevel=5,
             )
             return True
         compiled.budget_bytes = budget if budget != "min" else compiled.plan.budget_bytes
@@ -210,4 +206,6 @@ def _less_what_stays_unseen(budget, compiled, graph, kept: list[str]):
     if budget == "min" or not compiled.unseen_bytes:
         return budget
     counted = sum(graph.node(name).output_bytes for name in kept)
-    return int(budget) - max(compiled.unseen_bytes - counted, 0)
+    # at least a byte: what stays unseen can be the whole budget or more (a teacher's forward
+    # inside the measured step), and no plan fits a byte, so the caller takes the least plan
+    return max(int(budget) - max(compiled.unseen_bytes - counted, 0), 1)

@@ -3,9 +3,7 @@ signature and cached (`Compiled`)."""
 
 from __future__ import annotations
 
-import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +19,7 @@ from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.integrations.torch.signature import signature, state_changes
+from hbp.integrations.torch.warn import warn_at_caller
 from hbp.planner.budget import BudgetKind
 from hbp.planner.cache import graph_fingerprint
 from hbp.planner.module_level import module_level_plan
@@ -129,7 +128,6 @@ class Planning:
                 "HCModule in eval mode with grad enabled runs the plain module: the budget is "
                 "not enforced. Use torch.no_grad() to evaluate, or HCModule(..., "
                 "plan_in_eval=True) to train in eval mode within the budget.",
-                stacklevel=6,  # the caller of hc(...), past nn.Module's call wrappers
             )
             return False
         return differentiable
@@ -222,7 +220,6 @@ class Planning:
                 "captured and planned again for it (a capture fixes the Python state its "
                 "forward reads). An attribute the forward does not read is not followed "
                 "under a name with a leading underscore.",
-                stacklevel=_outside_libraries(),
             )
 
     def _compile(
@@ -265,12 +262,10 @@ class Planning:
         compiled.device = step_device(root, args, kwargs)
         compiled.scratch_measured = scratch_measured
         if not scratch_measured:
-            warnings.warn(
+            warn_at_caller(
                 "HCModule: planned under a running profiler, which the measurement of kernel "
                 "workspace cannot nest in: this plan counts tensors only and may exceed the "
                 "budget. hbp measures and plans again at the first call outside the profiler.",
-                UserWarning,
-                stacklevel=6,
             )
         return compiled
 
@@ -545,10 +540,10 @@ class Planning:
         compiled.executor = make_executor(compiled.captured, plan, compiled.root or self.module)
         compiled.segments_compiled = None
 
-    def _warn_once(self, key: str, message: str, stacklevel: int = 4) -> None:
+    def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=stacklevel)
+            warn_at_caller(message)
 
 
 def _held_output_bytes(graph) -> int:
@@ -567,15 +562,3 @@ def _held_output_bytes(graph) -> int:
 # cannot fit without them either, and the error is raised without that second plan. (The
 # candidate cuts of the two graphs can differ a little, as their frontiers do: the bound
 # then holds for the plans both search, which is what the hint is about.)
-
-
-def _outside_libraries() -> int:
-    """The stack level of the first caller outside hbp and torch (a warning's `stacklevel`
-    from `HCModule._warn_once`, whichever of HCModule's or `hbp.enable`'s paths led here)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if not (name == "hbp" or name.startswith(("hbp.", "torch.", "torch"))):
-            return level + 1  # + 1: _warn_once's own frame
-        frame, level = frame.f_back, level + 1
-    return 2
