@@ -170,19 +170,6 @@ def validate(cfg) -> None:
     check_writable(cfg.output_root)
 
 
-#: Config groups: a sweep over one changes the config's structure (not checked value by value).
-GROUPS = (
-    "framework",
-    "workload",
-    "mode",
-    "profile",
-    "logger",
-    "sweep",
-    "experiment",
-    "distributed",
-)
-
-
 def check_sweep_lists(cfg, overrides: list[str]) -> None:
     """Check every value of a multirun's sweep lists over keys (`mode.budget=0.5,abc`,
     `steps=0,3`) as a single run's config would be checked (`validate`), before the sweep
@@ -193,12 +180,13 @@ def check_sweep_lists(cfg, overrides: list[str]) -> None:
     parsed = [
         o for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()
     ]
-    swept_groups = {o.key_or_group for o in parsed if o.key_or_group in GROUPS}
+    groups = set(OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {})
+    swept_groups = {o.key_or_group for o in parsed if o.key_or_group in groups}
     base = OmegaConf.to_container(cfg, resolve=False)
     base.pop("hydra", None)
     for override in parsed:
         key = override.key_or_group
-        if key in GROUPS or key.split(".")[0] in swept_groups or key.startswith("hydra."):
+        if key in groups or key.split(".")[0] in swept_groups or key.startswith("hydra"):
             continue
         for value in override.sweep_iterator():
             one = OmegaConf.create(base)
