@@ -34,21 +34,29 @@ def test_config_error_names_field_value_and_accepted_values():
         raise err
 
 
+TINY_BAD = [
+    ({"name": "tiny", "budget": "abc"}, "mode.budget", "abc"),
+    ({"name": "tiny", "budget": 1.5}, "mode.budget", 1.5),
+    ({"name": "tiny", "planner": "foo"}, "mode.planner", "foo"),
+]
+
+
 @pytest.mark.parametrize(
-    ("mode", "field", "value"),
+    ("mode", "field", "value", "framework"),
     [
-        ({"name": "tiny", "budget": "abc"}, "mode.budget", "abc"),
-        ({"name": "tiny", "budget": 1.5}, "mode.budget", 1.5),
-        ({"name": "tiny", "planner": "foo"}, "mode.planner", "foo"),
-        ({"name": "compile_budget", "budget": "abc"}, "mode.budget", "abc"),
+        *((*case, "torch") for case in TINY_BAD),
+        *((*case, "jax") for case in TINY_BAD),
+        ({"name": "compile_budget", "budget": "abc"}, "mode.budget", "abc", "torch"),
     ],
 )
-def test_a_bad_mode_value_is_named_by_its_config_key_before_anything_runs(mode, field, value):
+def test_a_bad_mode_value_is_named_by_its_config_key_before_anything_runs(
+    mode, field, value, framework
+):
     """Every mode's bad value is refused when the mode is built (the bench's `validate`, before
     a run directory or a model), under the key the user typed: tiny's budget was refused only
     once its run had started, and named `budget=`, where compile_budget's said `mode.budget=`."""
     from hbp.modes import build_mode
 
     with pytest.raises(ConfigError) as err:
-        build_mode(mode)
+        build_mode(mode, framework)
     assert (err.value.field, err.value.value) == (field, value)

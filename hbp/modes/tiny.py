@@ -9,8 +9,7 @@ from torch import nn
 
 from hbp.errors import ConfigError
 from hbp.integrations.torch import HCModule
-from hbp.planner import PLANNERS
-from hbp.planner.budget import Budget
+from hbp.modes.base import check_planner_options
 from hbp.workloads.base import Batch, Workload
 
 
@@ -34,14 +33,7 @@ class TinyMode:
         chunked_loss: bool = True,
         plan_cache: str | None = None,
     ):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError("mode.block_size", block_size, "an integer >= 1")
-        if planner not in PLANNERS:
-            raise ConfigError("mode.planner", planner, " or ".join(map(repr, PLANNERS)))
-        try:  # parsed here: a bad budget is refused before the run builds anything
-            Budget.parse(budget)
-        except ConfigError as error:
-            raise ConfigError("mode.budget", budget, error.accepted) from None
+        check_planner_options(budget, block_size, planner)
         self.budget = budget
         self.block_size = block_size
         self.planner = planner

@@ -10,6 +10,7 @@ hbp/integrations/jax/remat.py).
 from __future__ import annotations
 
 from hbp.errors import ConfigError
+from hbp.modes.base import check_planner_options
 from hbp.modes.jax.base import refuse_chunked_loss
 from hbp.workloads.jax.base import JaxWorkload
 
@@ -34,10 +35,7 @@ class JaxTinyMode:
             raise ConfigError(
                 "mode.plan_cache", plan_cache, "null with framework=jax (plans are not kept)"
             )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError("mode.block_size", block_size, "an integer >= 1")
-        if not isinstance(planner, str) or not planner:
-            raise ConfigError("mode.planner", planner, "a planner name such as 'optimal'")
+        check_planner_options(budget, block_size, planner)
         self.budget = budget
         self.block_size = block_size
         self.planner = planner
