@@ -126,10 +126,10 @@ SHA_CHARS = 10
 # A ratio to naive, a Pareto front and a table compare runs that differ in their mode only.
 # A directory may hold runs of one workload at two profiles, on two devices or of two of its
 # configurations (`workload=hf workload.arch=llama,bert`), with two seeds or thread counts,
-# from two code versions or on two processors: each such setting gets its own naive, front, table and
-# figure panel, labelled by what differs ("gpt2 (tiny)", "gpt2 (threads=2)"), so a bert run
-# is never divided by a llama's naive time, a 2-thread run by a 1-thread naive, nor pushed
-# off the front by a smaller profile's run. Labels name only what varies: a directory of one
+# from two code versions or on two processors: each such setting gets its own naive, front,
+# table and figure panel, labelled by what differs ("gpt2 (tiny)", "gpt2 (threads=2)"), so a
+# bert run is never divided by a llama's naive time, a 2-thread run by a 1-thread naive, nor
+# pushed off the front by a smaller profile's run. Labels name only what varies: a directory of one
 # setting keeps plain workload names.
 
 
@@ -144,13 +144,11 @@ def provenance(runs: pd.DataFrame) -> str:
     for name in PROVENANCE_FIELDS:
         if name not in runs:
             continue
-        column = runs[name]
-        if name == "git_sha":
-            column = column.map(lambda v: v[:SHA_CHARS] if isinstance(v, str) else v)
+        column = runs[name].dropna().map(lambda v, name=name: _setting_text(v, name))
         if name == "git_sha" and "git_dirty" in runs:
-            dirty = runs["git_dirty"].fillna(False).astype(bool)
-            column = column.where(~dirty, column.astype(str) + " (dirty)")
-        values = [str(v) for v in dict.fromkeys(column) if v is not None and v == v]
+            dirty = runs["git_dirty"].reindex(column.index).fillna(False).astype(bool)
+            column = column.where(~dirty, column + " (dirty)")
+        values = list(dict.fromkeys(column))
         if values:
             parts.append(f"{name} {', '.join(values)}")
     return "; ".join(parts)
