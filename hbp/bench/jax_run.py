@@ -38,6 +38,7 @@ import psutil
 from hbp.bench.jax_config import build_jax_workload, resolve_jax_device
 from hbp.bench.step import GRAD_TOLERANCE, MIB, Progress
 from hbp.telemetry.samplers import RssSampler
+from hbp.telemetry.tables import TIMED_PHASE
 
 
 def measure_jax(cfg) -> tuple[object, dict, pd.DataFrame]:
@@ -67,7 +68,7 @@ def measure_jax(cfg) -> tuple[object, dict, pd.DataFrame]:
         with RssSampler() as rss:
             first_growth, first_s, out = rss_growth(step, params, *batch)
             rows.append(_step_row(rows, "first", first_s, out))
-            for phase in ["warmup"] * cfg.warmup + ["timed"] * cfg.steps:
+            for phase in ["warmup"] * cfg.warmup + [TIMED_PHASE] * cfg.steps:
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(step(params, *batch))
                 rows.append(_step_row(rows, phase, time.perf_counter() - t0, out))
@@ -76,7 +77,7 @@ def measure_jax(cfg) -> tuple[object, dict, pd.DataFrame]:
             growth, measured_s, out = rss_growth(step, params, *batch)
             rows.append(_step_row(rows, "measured", measured_s, out))
         grads, loss = out
-        timed = [r["step_time_s"] for r in rows if r["phase"] == "timed"]
+        timed = [r["step_time_s"] for r in rows if r["phase"] == TIMED_PHASE]
         row = {
             "status": "ok",
             "framework": "jax",

@@ -17,6 +17,7 @@ import torch
 
 from hbp.bench.config import build_workload, workload_overrides
 from hbp.telemetry.samplers import GpuSampler, RssSampler
+from hbp.telemetry.tables import TIMED_PHASE
 from hbp.units import MIB
 
 log = logging.getLogger("hbp.bench")
@@ -114,7 +115,7 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
     label = f"{cfg.workload.name}/{cfg.mode.name}/{cfg.profile.name}"
     progress = Progress(cfg.warmup + cfg.steps + (1 if allocator else 2), label)
     # measured: the allocator's step (peak_bytes); instrumented: tracker + FLOP counter
-    phases = ["warmup"] * cfg.warmup + ["timed"] * cfg.steps + ["measured", "instrumented"]
+    phases = ["warmup"] * cfg.warmup + [TIMED_PHASE] * cfg.steps + ["measured", "instrumented"]
     rows: list[dict] = []
     process = psutil.Process()
 
@@ -148,7 +149,7 @@ def measure_steps(cfg, workload, module, batch, params, device, allocator: bool 
 
     steps = pd.DataFrame(rows)
     steps["loss"] = [float(v.detach()) for v in steps["loss"]]
-    timed = steps.index[steps["phase"] == "timed"]
+    timed = steps.index[steps["phase"] == TIMED_PHASE]
     steps.loc[timed, "step_time_s"] = measured.step_times  # the Timer's numbers (CUDA-synced)
     resources = rss.results() | (gpu.results() if gpu is not None else {})
     return measured, steps, resources

@@ -25,6 +25,9 @@ METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.json"
 CONFIG_FILE = "config.yaml"
 STEPS_FILE = "steps.parquet"
+#: The `phase` of steps.parquet's rows whose times are the run's own (`step_time_s` is their
+#: median; the others: "warmup", "measured", "instrumented").
+TIMED_PHASE = "timed"
 TIMELINE_FILE = "memory_timeline.parquet"
 
 

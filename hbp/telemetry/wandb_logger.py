@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from hbp.errors import ConfigError
-from hbp.telemetry.tables import jsonable
+from hbp.telemetry.tables import TIMED_PHASE, jsonable
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -163,19 +163,15 @@ def plan_rows(path: Path) -> pd.DataFrame | None:
     return pd.DataFrame(rows)
 
 
-#: The phase of the steps whose figures are the run's own (`step_time_s` is their median).
-TIMED = "timed"
-
-
 def history_records(steps: pd.DataFrame) -> list[dict]:
     """The per-step rows as wandb history: numbers only; a step of another phase than timed
     (warm-up, the measured and the instrumented step) has its figures under its phase
     (`warmup/step_time_s`), so a `step_time_s` chart shows the timed steps alone."""
-    phases = steps["phase"] if "phase" in steps else pd.Series(TIMED, index=steps.index)
+    phases = steps["phase"] if "phase" in steps else pd.Series(TIMED_PHASE, index=steps.index)
     numeric = steps.select_dtypes("number")
     records = []
     for phase, record in zip(phases, numeric.to_dict(orient="records")):
-        if phase != TIMED:
+        if phase != TIMED_PHASE:
             record = {k if k == "step" else f"{phase}/{k}": v for k, v in record.items()}
         records.append(record)
     return records
