@@ -291,3 +291,36 @@ def test_a_bound_between_the_stages_two_least_budgets_is_searched_just_below(mon
     assert ran == [] and budget == found[0]
     assert simulate(graph, segments).peak_bytes <= budget
     assert optimal_plan(graph, budget).predicted_peak_bytes <= budget
+
+
+def test_a_graph_with_a_stage_no_plan_fits_is_planned_without_stages():
+    """Found on transformers' RWKV (its time loop, from 16 tokens): a stage whose table is
+    infinite within its memory axis has no option, so no staged plan exists; the least
+    staged budget says so (`NO_STAGED_PLAN`) instead of failing on an empty stage, and the
+    step is planned over the whole graph with plain autograd's gradients."""
+    import copy
+
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    from hbp.planner.stages import NO_STAGED_PLAN, least_staged_budget
+
+    torch.manual_seed(0)
+    config = RwkvConfig(
+        vocab_size=256,
+        hidden_size=32,
+        attention_hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        context_length=64,
+    )
+    model = RwkvForCausalLM(config).train()
+    ids = torch.randint(0, 256, (2, 16))
+    plain = copy.deepcopy(model)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    hc = hbp.HCModule(model, budget="min")
+    hc(input_ids=ids, labels=ids).loss.backward()
+    assert hc.captured.granularity == "op"
+    info = GraphInfo.of(hc.captured.graph)
+    assert least_staged_budget(info, nested=False) == (NO_STAGED_PLAN, NO_STAGED_PLAN)
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)

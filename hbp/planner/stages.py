@@ -116,6 +116,11 @@ def staged_plan(
     return segments
 
 
+#: `least_staged_budget` where a stage has no option (its table is infinite within its slots):
+#: above every budget, so no caller looks for a staged plan.
+NO_STAGED_PLAN = 2**62
+
+
 def least_staged_budget(
     info: GraphInfo,
     *,
@@ -134,6 +139,8 @@ def least_staged_budget(
     budget ]))."""
     settings = _settings(stage_nodes, per_region, region, stage_slots, nested, levels, reuse, pins)
     options = _tables(info, settings)[3]
+    if not all(options):  # a stage with no plan within its memory axis: no staged plan
+        return NO_STAGED_PLAN, NO_STAGED_PLAN
     least = 0.0  # the least peak of the stages after, above what they are given
     for opts in reversed(options):
         least = min(max(o.need_bytes, o.kept_bytes + least) for o in opts)
