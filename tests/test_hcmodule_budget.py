@@ -158,6 +158,9 @@ def test_budget_fraction_min_bytes_and_size_strings():
         hc.prepare(x)
     minimum = info.value.minimum
     assert info.value.budget < minimum
+    # a fraction below the least peak names the budgets that always plan
+    assert "budget='min' plans for the least peak" in str(info.value)
+    assert "'50%act', the default" in str(info.value)
     assert (
         hbp.HCModule(hc.module, budget="min", block_size=2, calibrate=False).prepare(x).budget_bytes
         == minimum

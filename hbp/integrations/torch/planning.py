@@ -28,6 +28,11 @@ from hbp.runtime.executors import make_executor
 from hbp.runtime.executors.module_calls import per_call_plan
 from hbp.runtime.heap import heap_returned_after
 
+#: What a BudgetError of a fraction or a byte budget adds: the budgets that always plan.
+REACHABLE_BUDGETS = (
+    "budget='min' plans for the least peak, and a share of what checkpointing saves "
+    "('50%act', the default) is always within reach"
+)
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
 
@@ -307,7 +312,10 @@ class Planning:
                         err.minimum,
                         "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
                     ) from err
-                raise self._budget_error_without_outputs(graph, err) from err
+                said = self._budget_error_without_outputs(graph, err)
+                if budget.kind in (BudgetKind.FRACTION, BudgetKind.BYTES):
+                    said = said.with_detail(REACHABLE_BUDGETS)
+                raise said from err
         if cached is None:
             self._cache_plan(captured, pins, plan)
         compiled.plan_time_s = time.perf_counter() - start
