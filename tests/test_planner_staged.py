@@ -293,16 +293,33 @@ def test_a_bound_between_the_stages_two_least_budgets_is_searched_just_below(mon
     assert optimal_plan(graph, budget).predicted_peak_bytes <= budget
 
 
-def test_a_graph_with_a_stage_no_plan_fits_is_planned_without_stages():
-    """Found on transformers' RWKV (its time loop, from 16 tokens): a stage whose table is
-    infinite within its memory axis has no option, so no staged plan exists; the least
-    staged budget says so (`NO_STAGED_PLAN`) instead of failing on an empty stage, and the
-    step is planned over the whole graph with plain autograd's gradients."""
+def test_a_stage_without_options_means_no_staged_plan(monkeypatch):
+    """A stage whose table is infinite within its memory axis has no option (seen on
+    transformers' RWKV before its loop was kept whole): no staged plan exists, which the
+    least staged budget says (`NO_STAGED_PLAN`) instead of failing on an empty stage."""
+    from hbp.planner import stages
+
+    info = GraphInfo.of(synthetic.residual_net(12))
+    real = stages._tables(info, stages._settings(40, 6, 32, 128, False, 4, True, None))
+    emptied = (*real[:3], [real[3][0], [], *real[3][2:]])
+    monkeypatch.setattr(stages, "_tables", lambda info, settings: emptied)
+    assert stages.least_staged_budget(info, nested=False) == (
+        stages.NO_STAGED_PLAN,
+        stages.NO_STAGED_PLAN,
+    )
+    assert stages._allocate(emptied[3], 2**40, 64) is None
+
+
+def test_rwkv_trains_exactly_within_its_budget():
+    """transformers' RWKV on CPU writes each step of its recurrence into a slice of a buffer
+    (NOTE [ A write into a view reaches backward through its base ]): from 16 tokens every
+    budget raised ValueError in the stages, and the plain step measured a third above its
+    prediction. Now: plain autograd's gradients, the allocator's peak within the budget."""
     import copy
 
     from transformers import RwkvConfig, RwkvForCausalLM
 
-    from hbp.planner.stages import NO_STAGED_PLAN, least_staged_budget
+    from hbp.allocator import allocator_peak
 
     torch.manual_seed(0)
     config = RwkvConfig(
@@ -317,10 +334,12 @@ def test_a_graph_with_a_stage_no_plan_fits_is_planned_without_stages():
     ids = torch.randint(0, 256, (2, 16))
     plain = copy.deepcopy(model)
     plain(input_ids=ids, labels=ids).loss.backward()
-    hc = hbp.HCModule(model, budget="min")
+    hc = hbp.HCModule(model, budget=0.6)
     hc(input_ids=ids, labels=ids).loss.backward()
     assert hc.captured.granularity == "op"
-    info = GraphInfo.of(hc.captured.graph)
-    assert least_staged_budget(info, nested=False) == (NO_STAGED_PLAN, NO_STAGED_PLAN)
     for got, want in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+    model.zero_grad(set_to_none=True)
+    _, peak = allocator_peak(lambda: hc(input_ids=ids, labels=ids).loss.backward())
+    assert peak <= hc.budget_bytes
+    assert any(s.recompute for s in hc.plan.segments)

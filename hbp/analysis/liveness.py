@@ -45,6 +45,20 @@ from hbp.graph.ir import Graph
 # the engine's rule for every seed.
 
 
+# NOTE [ A write into a view reaches backward through its base ]
+# `out[:, t] = f(state)` in a loop (transformers' RWKV on CPU) is captured as a view of `out`
+# and an in-place `copy_` into it; the ops after the loop read `out` itself, not the write,
+# so by users alone the written values have no backward, and nothing the recurrence saves
+# was counted (RWKV: the plain step a third above the prediction, a budget missed by 27%).
+# An in-place write (an alias whose op name ends in `_`) has a backward where a later node
+# with one reads its storage root. Such a write also pins the plan: a recomputed segment that
+# starts after the written storage is made and holds the write would clone that storage to
+# run it again (`hbp.runtime.executors.segments`), memory no plan counts, so no cut falls
+# between a storage made in the graph and its last in-place write (`GraphInfo.no_cut`;
+# buffers, which are graph inputs, are not pinned). The loop is then one unit, recomputed
+# whole or kept.
+
+
 @dataclass
 class GraphInfo:
     """Index-based view of a graph (node i = graph.nodes[i]); sizes in bytes, costs in FLOPs.
@@ -91,6 +105,9 @@ class GraphInfo:
         rng_state_bytes: `Graph.rng_state_bytes`.
         next_save: per position t in [0, n], the first save event at or after t (n if none).
         random_before: per position t in [0, n], how many nodes before t draw random numbers.
+        no_cut: per position c in [0, n], whether a segment starting at c would write in place
+            into a storage made before it (NOTE [ A write into a view reaches backward through
+            its base ]): the planners never cut there.
     """
 
     n: int
@@ -126,6 +143,7 @@ class GraphInfo:
     rng_state_bytes: int
     next_save: np.ndarray
     random_before: np.ndarray
+    no_cut: np.ndarray
 
     @classmethod
     def of(cls, graph: Graph) -> GraphInfo:
@@ -201,10 +219,23 @@ class GraphInfo:
             seed_grad_held = grad_seed & scalar  # NOTE [ A loss's gradient lives through backward ]
         receives_grad = np.zeros(n, dtype=bool)
         has_backward = np.zeros(n, dtype=bool)
+        # NOTE [ A write into a view reaches backward through its base ]
+        writes = np.array(
+            [nd.alias_of is not None and nd.op.split(".")[0].endswith("_") for nd in nodes],
+            dtype=bool,
+        )
+        read_later = np.zeros(
+            n, dtype=bool
+        )  # by storage root: a later node with a backward reads it
         for i in range(n - 1, -1, -1):
-            if requires_grad[i] and (grad_seed[i] or any(has_backward[u] for u in users[i])):
+            flows = grad_seed[i] or any(has_backward[u] for u in users[i])
+            if not flows and writes[i]:
+                flows = bool(read_later[root[i]])
+            if requires_grad[i] and flows:
                 receives_grad[i] = True
                 has_backward[i] = not is_input[i]
+                for j in inputs[i]:
+                    read_later[root[j]] = True
         for i in range(n):
             if not has_backward[i]:
                 saved[i] = ()
@@ -244,6 +275,10 @@ class GraphInfo:
         next_save = np.full(n + 1, n, dtype=np.int64)
         for i in range(n - 1, -1, -1):
             next_save[i] = i if save_event[i] else next_save[i + 1]
+        no_cut = np.zeros(n + 1, dtype=bool)
+        for i in np.flatnonzero(writes).tolist():
+            if not is_input[root[i]]:
+                no_cut[root[i] + 1 : i + 1] = True
         return cls(
             n=n,
             names=[nd.name for nd in nodes],
@@ -278,6 +313,7 @@ class GraphInfo:
             rng_state_bytes=int(graph.rng_state_bytes) if draws_random.any() else 0,
             next_save=next_save,
             random_before=np.concatenate([[0], np.cumsum(draws_random)]).astype(np.int64),
+            no_cut=no_cut,
         )
 
     def keeps_rng_state(self, start: int, stop: int) -> bool:

@@ -101,6 +101,8 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
     )
     chosen, states = [], 0.0
     for k in ranked:
+        if info.no_cut[pos[k]]:  # NOTE [ A write into a view reaches backward through its base ]
+            continue
         states += held_sets(int(count[pos[k]]))
         if len(chosen) >= max_cuts or len(chosen) ** 2 * states > WORK_LIMIT:
             break
@@ -254,8 +256,9 @@ def window_cuts(
     for start, stop in zip(starts, [*starts[1:], n]):
         for lo in range(start, stop, region):
             block = list(range(lo, min(lo + region, stop)))
+            block = [c for c in block if not info.no_cut[c]]
             chosen.extend(_best_in(block, pos, w, count, per_region))
-    return sorted({0, *chosen, n})
+    return sorted({0, *(c for c in chosen if not info.no_cut[c]), n})
 
 
 def _best_in(block: list[int], pos: list[int], w, count, k: int) -> list[int]:
