@@ -46,17 +46,16 @@ from hbp.graph.ir import Graph
 
 
 # NOTE [ A write into a view reaches backward through its base ]
-# `out[:, t] = f(state)` in a loop (transformers' RWKV on CPU) is captured as a view of `out`
-# and an in-place `copy_` into it; the ops after the loop read `out` itself, not the write,
-# so by users alone the written values have no backward, and nothing the recurrence saves
-# was counted (RWKV: the plain step a third above the prediction, a budget missed by 27%).
-# An in-place write (an alias whose op name ends in `_`) has a backward where a later node
-# with one reads its storage root. Such a write also pins the plan: a recomputed segment that
-# starts after the written storage is made and holds the write would clone that storage to
-# run it again (`hbp.runtime.executors.segments`), memory no plan counts, so no cut falls
-# between a storage made in the graph and its last in-place write (`GraphInfo.no_cut`;
-# buffers, which are graph inputs, are not pinned). The loop is then one unit, recomputed
-# whole or kept.
+# `out[:, t] = f(state)` in a loop (transformers' RWKV on CPU) is captured as a view of `out` and
+# an in-place `copy_` into it; the ops after the loop read `out` itself, not the write, so by
+# users alone the written values have no backward, and nothing the recurrence saves was counted
+# (RWKV: the plain step a third above the prediction, a budget missed by 27%). An in-place write
+# (`Node.writes_in_place`, with `alias_of`) has a backward where a later node with one reads its
+# storage root. Such a write also pins the plan: a recomputed segment that starts after the
+# written storage is made and holds the write would clone that storage to run it again
+# (`hbp.runtime.executors.segments`), memory no plan counts, so no cut falls between a storage
+# made in the graph and its last in-place write (`GraphInfo.no_cut`; buffers, which are graph
+# inputs, are not pinned). The loop is then one unit, recomputed whole or kept.
 
 
 @dataclass
@@ -221,12 +220,10 @@ class GraphInfo:
         has_backward = np.zeros(n, dtype=bool)
         # NOTE [ A write into a view reaches backward through its base ]
         writes = np.array(
-            [nd.alias_of is not None and nd.op.split(".")[0].endswith("_") for nd in nodes],
-            dtype=bool,
+            [nd.writes_in_place and nd.alias_of is not None for nd in nodes], dtype=bool
         )
-        read_later = np.zeros(
-            n, dtype=bool
-        )  # by storage root: a later node with a backward reads it
+        # by storage root: whether a later node with a backward reads it
+        read_later = np.zeros(n, dtype=bool)
         for i in range(n - 1, -1, -1):
             flows = grad_seed[i] or any(has_backward[u] for u in users[i])
             if not flows and writes[i]:

@@ -89,6 +89,9 @@ class Node:
             a recomputed segment that contains it must replay the generator's state, which
             costs memory (NOTE [ Random state of recomputed segments ] in
             hbp/runtime/executors/checkpointing.py); segments without such ops replay nothing.
+        writes_in_place: the op writes into the storage of an input in place (`x.add_(y)`,
+            `out[:, t] = v`): with `alias_of`, a write its storage's later readers see (NOTE
+            [ A write into a view reaches backward through its base ] in hbp/analysis/liveness.py).
     """
 
     name: str
@@ -113,6 +116,7 @@ class Node:
     flops_after_last_save: float = 0.0
     output_after_last_save: bool = False
     draws_random: bool = False
+    writes_in_place: bool = False
 
     @property
     def gradient_bytes(self) -> int:

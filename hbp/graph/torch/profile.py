@@ -404,5 +404,6 @@ def _profile_fx_node(
         saved_extra_bytes=prof.saved_extra_bytes,
         alias_of=prof.alias_of,
         module=_module_label(node),
+        writes_in_place=bool(prof.mutated_inputs),
     )
     return ir_node, params, prof, mutated_attrs

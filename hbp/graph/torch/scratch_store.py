@@ -31,7 +31,7 @@ from hbp.files import kept_or_warned, write_text
 __all__ = ["SCRATCH_FORMAT", "ScratchStore", "Measured"]
 
 #: Bumped whenever what a measurement means changes: entries of another format are not read.
-SCRATCH_FORMAT = 1
+SCRATCH_FORMAT = 2
 
 #: (forward allocator peak, backward allocator peak, bytes; the strides of the gradient each
 #: tensor leaf of the op's arguments got, or None)
