@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from hbp.errors import BudgetError, CacheWarning, CaptureWarning, ConfigError
+from hbp.errors import BudgetError, CacheWarning, CaptureError, CaptureWarning, ConfigError
 
 __version__ = "0.1.0"
 
@@ -36,7 +36,7 @@ _LAZY = {
     "workloads": ("hbp.workloads", None),
 }
 
-__all__ = ["BudgetError", "CacheWarning", "CaptureWarning", "ConfigError", "__version__", *_LAZY]
+__all__ = ["BudgetError", "CacheWarning", "CaptureError", "CaptureWarning", "ConfigError", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -65,8 +65,23 @@ def _mib_apart(a: int, b: int) -> tuple[str, str]:
     return shown
 
 
+class CaptureError(HBPError, RuntimeError):
+    """hbp could not capture a training step at all: every op-level tracer failed, and so did
+    the module-level fallback. `HCModule` and `hbp.enable` then run the plain module for that
+    input signature, with a `CaptureWarning`; `hc.prepare` and `hbp.estimate` raise it.
+
+    Attributes:
+        reasons: why each attempt failed, in order, one line each.
+    """
+
+    def __init__(self, module: str, reasons: list[str]):
+        self.reasons = list(reasons)
+        super().__init__(f"hbp could not capture {module}: {'; '.join(self.reasons)}")
+
+
 class CaptureWarning(UserWarning):
-    """Op-level graph capture failed; hbp fell back to module-level cut points."""
+    """Op-level graph capture failed; hbp fell back to module-level cut points (or, where
+    that failed too, runs the plain module for that input signature)."""
 
 
 class CacheWarning(UserWarning):

@@ -22,10 +22,11 @@ from helpers.step import Case, assert_same_step, train_step
 from models.cases import CASE, images
 from models.real import wav2vec2_ctc
 from models.toy import CausalAttention, D, EncoderViT
-from models.traits import CountingCalls, DataDependentMLP, DataDependentNet
+from models.traits import CountingCalls, DataDependentMLP, DataDependentNet, SharedLogNet
 
 import hbp
-from hbp.errors import BudgetError, CaptureWarning
+from hbp.errors import BudgetError, CaptureError, CaptureWarning
+from hbp.integrations.torch import planning
 
 
 def test_vit_built_from_nn_transformer_encoder_is_traced_through():
@@ -105,6 +106,41 @@ def test_data_dependent_control_flow_falls_back_to_module_calls_with_a_warning()
     with pytest.raises(BudgetError) as info:
         hbp.HCModule(model, budget=hc.plan.predicted_peak_bytes - 4096, calibrate=False)(x)
     assert info.value.minimum == hc.plan.predicted_peak_bytes
+
+
+def test_a_step_no_capture_reaches_runs_the_plain_module_with_one_warning(monkeypatch):
+    """Op-level tracers and the module-level fallback all fail (NOTE [ A step no capture
+    reaches ]): the step is the plain module's, said once; the signature is not captured
+    again; a plan or a prediction asked for raises CaptureError with every attempt's reason."""
+    torch.manual_seed(0)
+    model = SharedLogNet()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    reference(x).square().sum().backward()
+    captures = []
+    real_capture = planning.capture
+    monkeypatch.setattr(
+        planning, "capture", lambda *a, **k: captures.append(1) or real_capture(*a, **k)
+    )
+    hc = hbp.HCModule(model, budget=0.5)
+    message = (
+        r"could not capture SharedLogNet: .*module-level cut points: AssertionError: a block "
+        r"runs after the ones before it, once\. HCModule runs this input signature as the "
+        r"plain module: nothing is checkpointed and the budget is not enforced"
+    )
+    with pytest.warns(CaptureWarning, match=message):
+        hc(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hc(x).square().sum().backward()  # said once, not captured again
+    assert captures == [1] and hc.captured is None
+    with pytest.raises(CaptureError) as info:
+        hc.prepare(x)
+    assert len(info.value.reasons) == 3 and info.value.reasons[-1].startswith("module-level")
+    with pytest.raises(CaptureError, match="could not capture SharedLogNet"):
+        hbp.estimate(model, x)
 
 
 def test_python_attribute_assigned_in_forward_falls_back_with_a_warning():

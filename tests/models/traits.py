@@ -159,6 +159,37 @@ class DataDependentNet(nn.Module):
         return self.body(h)
 
 
+class LoggingBlock(nn.Module):
+    def __init__(self, index: int, d: int):
+        super().__init__()
+        self.index = index
+        self.linear = nn.Linear(d, d)
+
+    def forward(self, x, log: list):
+        assert len(log) == self.index, "a block runs after the ones before it, once"
+        log.append(x)
+        return torch.tanh(self.linear(x))
+
+
+class SharedLogNet(nn.Module):
+    """Blocks that append to one list passed down the forward (as transformers' key/value
+    cache objects are), behind a data-dependent branch: no tracer captures it, and a block
+    call recorded for the module-level fallback does not run again alone (the list then
+    holds every block's entry)."""
+
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(LoggingBlock(i, d) for i in range(n))
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            x = -x
+        log: list = []
+        for block in self.blocks:
+            x = block(x, log)
+        return x
+
+
 class DataDependentTail(nn.Module):
     """Blocks behind a data-dependent branch: no tracer captures it (module-level fallback)."""
 

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hbp.errors import CaptureWarning
+from hbp.errors import CaptureError, CaptureWarning
 from hbp.graph.torch.calibrate import calibrate_scratch
 from hbp.graph.torch.captured import MODULE, OP, CapturedGraph
 from hbp.graph.torch.export import eager_shortcuts, export_trace
@@ -107,6 +107,16 @@ def capture(
         failures: list[str] = []
         captured = _op_level(module, bound, signature, args, kwargs, failures)
         if captured is None:
+            state = ModelState(module)
+            try:
+                captured = capture_modules(
+                    module, bound, signature, "; ".join(failures), args, kwargs
+                )
+            except Exception as err:  # noqa: BLE001 - NOTE [ A step no capture reaches ]
+                reason = f"module-level cut points: {_failure_reason(err)}"
+                raise CaptureError(type(module).__name__, [*failures, reason]) from None
+            finally:
+                state.restore()
             warnings.warn(
                 f"hbp could not capture {type(module).__name__} at operator level "
                 f"({'; '.join(failures)}); falling back to module-level cut points (child "
@@ -114,13 +124,6 @@ def capture(
                 CaptureWarning,
                 stacklevel=3,
             )
-            state = ModelState(module)
-            try:
-                captured = capture_modules(
-                    module, bound, signature, "; ".join(failures), args, kwargs
-                )
-            finally:
-                state.restore()
     _seed_backward_at_the_loss(captured)
     captured.graph.rng_state_bytes = _rng_state_bytes(module, bound.arguments)
     captured.capture_time_s = time.perf_counter() - start
@@ -130,6 +133,17 @@ def capture(
             calibrate_scratch(captured, args, kwargs, scratch_store) is not None
         )
     return captured
+
+
+# NOTE [ A step no capture reaches ]
+# Where every op-level tracer fails and the module-level fallback fails too (a child call
+# whose recorded inputs the rest of the forward changed: a transformers key/value cache
+# object that later layers append to, so the call does not run again alone), hbp has no
+# graph to plan. The capture raises `CaptureError` with every attempt's reason; HCModule
+# (and `hbp.enable`) run that input signature as the plain module, with a CaptureWarning
+# that says the budget is not enforced, instead of failing a step the plain model runs
+# (docs/architecture.md "Errors"). `hc.prepare` and `hbp.estimate`, asked for a plan or a
+# prediction, raise it.
 
 
 def _failure_reason(err: Exception) -> str:

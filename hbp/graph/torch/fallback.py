@@ -172,10 +172,7 @@ def capture_modules(
             calls, groups = _record_calls(module, args, kwargs or {}, None)
         recorded_fake = False
     if not calls:
-        raise RuntimeError(
-            f"hbp cannot capture {type(module).__name__}: op-level capture failed ({reason}) "
-            "and its forward calls no child modules to cut at"
-        )
+        raise RuntimeError("its forward calls no child modules to cut at")
     real_inputs = tensor_leaves((args, kwargs))
     input_requires_grad = any(t.requires_grad for t in real_inputs)
     nodes = [
@@ -270,8 +267,8 @@ def _profile_module_call(
 
     state = (*call.module.parameters(), *call.module.buffers())
     try:
+        args, kwargs = leaf_inputs(faker.fresh)  # real inputs are detached outside the mode
         with faker.mode:
-            args, kwargs = leaf_inputs(faker.fresh)
             return profile_call(
                 lambda *a, **k: call_module(faker, call.module, a, k),
                 args,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from hbp.errors import ConfigError
+from hbp.errors import CaptureError, CaptureWarning, ConfigError
 from hbp.graph.torch.capture import CapturedGraph
 from hbp.integrations.torch.closed_loop import ClosedLoop, StepPeakProbe
 from hbp.integrations.torch.compile import CompiledSegments, dynamo_callback_set
@@ -182,6 +182,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         self.keeps_outputs = keeps_outputs
         self.plan_cache = plan_cache
         self._compiled: dict[tuple, Compiled] = {}
+        self._uncaptured: dict[tuple, CaptureError] = {}  # signatures no capture reaches
         self._current: Compiled | None = None
         self._warned: set[str] = set()
         self.register_load_state_dict_pre_hook(_accept_unwrapped_keys)
@@ -280,7 +281,11 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if not self._plans_for(args, kwargs):
             return self._plain(*args, **kwargs)
         kwargs = training_kwargs(self.module, kwargs)
-        compiled = self._prepare(args, kwargs, compiled_segments=compiled_segments)
+        try:
+            compiled = self._prepare(args, kwargs, compiled_segments=compiled_segments)
+        except CaptureError as err:  # NOTE [ A step no capture reaches ] in capture.py
+            self._warn_running_plain(err)
+            return self._plain(*args, **kwargs)
         return self._run(compiled, args, kwargs, compiled_segments)
 
     def _plain(self, *args, **kwargs):
@@ -326,6 +331,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_compiled"], state["_current"] = {}, None  # rebuilt on the next call
+        state["_uncaptured"] = {}
         state["_probe"] = None  # a measurement in flight (a profiler) stays with the original
         state["_awaiting_backward"] = None  # (weak references to the last call's outputs)
         return state
@@ -354,8 +360,20 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if not self._plans_for(args, step_kwargs):
             return root(*step_args, **step_kwargs)
         step_kwargs = training_kwargs(self.module, step_kwargs)
-        compiled = self._prepare(step_args, step_kwargs, root, tag, compiled_segments)
+        try:
+            compiled = self._prepare(step_args, step_kwargs, root, tag, compiled_segments)
+        except CaptureError as err:  # NOTE [ A step no capture reaches ] in capture.py
+            self._warn_running_plain(err)
+            return root(*step_args, **step_kwargs)
         return self._run(compiled, step_args, step_kwargs, compiled_segments, root)
+
+    def _warn_running_plain(self, err: CaptureError) -> None:
+        self._warn_once(
+            f"uncaptured:{err}",
+            f"{err}. HCModule runs this input signature as the plain module: nothing is "
+            "checkpointed and the budget is not enforced.",
+            CaptureWarning,
+        )
 
     def _run(self, compiled, args, kwargs, compiled_segments: bool = False, root=None):
         """Run the executor (`compiled_segments`: a torch.compile(hc) call); measure the step

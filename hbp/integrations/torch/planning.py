@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from hbp.allocator import foreign_profiler_running
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
-from hbp.errors import BudgetError, ConfigError
+from hbp.errors import BudgetError, CaptureError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
@@ -148,6 +148,8 @@ class Planning:
         """The capture, plan and executor of this call's signature (made on first use);
         `compiled_segments`: the call runs its segments compiled (torch.compile(hc))."""
         key = (tag, self._signature(args, kwargs))
+        if key in self._uncaptured:  # NOTE [ A step no capture reaches ] in capture.py
+            raise self._uncaptured[key]
         compiled = self._compiled.get(key)
         if (
             compiled is not None
@@ -161,9 +163,12 @@ class Planning:
         with heap_returned_after():  # NOTE [ Planning's freed heap ]
             if compiled is None:
                 self._say_what_changed(key)
-                compiled = self._compiled[key] = self._compile(
-                    args, kwargs, root, compiled_segments
-                )
+                try:
+                    compiled = self._compile(args, kwargs, root, compiled_segments)
+                except CaptureError as err:
+                    self._uncaptured[key] = err
+                    raise
+                self._compiled[key] = compiled
                 # NOTE [ What the capture fixed ]: a forward that set its own attributes while
                 # it was traced (a cache's length) finds its capture under the state it left
                 self._compiled.setdefault((tag, self._signature(args, kwargs)), compiled)
@@ -548,10 +553,10 @@ class Planning:
         compiled.executor = make_executor(compiled.captured, plan, compiled.root or self.module)
         compiled.segments_compiled = None
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, category: type[Warning] = UserWarning) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warn_at_caller(message)
+            warn_at_caller(message, category)
 
 
 def _held_output_bytes(graph) -> int:
