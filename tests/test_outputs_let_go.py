@@ -105,6 +105,25 @@ def test_a_caller_that_keeps_the_outputs_is_counted_from_the_next_step():
     assert abs(hc.plan.predicted_peak_bytes - kept) <= 0.03 * kept
 
 
+def test_kept_outputs_are_planned_for_when_the_measured_peak_is_read_between_steps():
+    """NOTE [ A measured step read before the next call ]: `hc.measured_peak_bytes` read
+    after a step whose caller kept the logits plans for them, with the warning that names
+    them; not a warning that blames unseen memory and plans below the budget."""
+    torch.manual_seed(0)
+    hc = hbp.HCModule(TinyLM(), budget="9MiB")  # above the plain step that drops the logits
+    batch = _batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _keep(hc, *batch)
+            measured = hc.measured_peak_bytes
+    said = [str(w.message) for w in caught]
+    assert any("the caller keeps output.logits (head) alive" in m for m in said), said
+    assert not any("did not see" in m or "outside the module" in m for m in said), said
+    assert hc.budget_bytes == hc.plan.budget_bytes == 9 * 2**20
+    assert measured <= hc.budget_bytes
+
+
 def test_keeps_outputs_fixes_the_assumption():
     torch.manual_seed(0)
     batch = _batch()

@@ -223,7 +223,31 @@ class ClosedLoop:
         whose backward never ran."""
         measured = self._stop_probe()
         if measured is not None:
+            self._read_step(measured[0], measured)
+
+    def _read_step(self, compiled, measured) -> None:
+        """What the last step showed of `compiled`'s plan: the outputs the caller kept
+        through its backward, then its measured peak (`measured`: (compiled, peak) or None)
+        (NOTE [ A measured step read before the next call ])."""
+        peak = measured[1] if measured is not None and measured[0] is compiled else None
+        if peak is not None and compiled.outputs_seen is not None:
+            # NOTE [ Kept outputs after unseen memory ]: the outputs' plan nets them out
+            compiled.unseen_bytes = max(peak - compiled.plan.predicted_peak_bytes, 0)
+        if self._outputs_observed(compiled) and peak is not None:
+            self._measured_peak_bytes = peak  # planned again for them: measured anew
+            return
+        if measured is not None:
             self._step_measured(*measured)
+
+    # NOTE [ A measured step read before the next call ]
+    # A step's measurement is read with the outputs the caller kept through that step's
+    # backward (NOTE [ Outputs the caller lets go ]), at the next call or where
+    # `hc.measured_peak_bytes` is read between the steps, in one order: the outputs are
+    # planned for, with what the measured peak held beyond them and the plan (NOTE [ Kept
+    # outputs after unseen memory ]). The read between steps took the measurement alone
+    # first: it blamed "memory the plan did not see", told the caller to raise the budget,
+    # and planned below the budget for the kept outputs' bytes. The next call dropped the
+    # measurement: memory beyond the outputs cost a second step over the budget.
 
     def _stop_probe(self):
         """(compiled, peak) of a measured step whose backward has ended, else None; the

@@ -382,11 +382,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         Where a guard of the graph fails, run `root` (the module, or the module with its
         loss) plainly instead (NOTE [ A failed guard ])."""
         self._warn_if_called_before_backward()
-        measured = self._stop_probe()
-        if self._outputs_observed(compiled) and measured and measured[0] is compiled:
-            measured = None  # planned again for the outputs the caller keeps: measure anew
-        if measured is not None:
-            self._step_measured(*measured)
+        self._read_step(compiled, self._stop_probe())
         if compiled_segments and compiled.pins:
             self._plan_without_pins(compiled)
         executor = self._executor(compiled, compiled_segments)
