@@ -36,7 +36,15 @@ _LAZY = {
     "workloads": ("hbp.workloads", None),
 }
 
-__all__ = ["BudgetError", "CacheWarning", "CaptureError", "CaptureWarning", "ConfigError", "__version__", *_LAZY]
+__all__ = [
+    "BudgetError",
+    "CacheWarning",
+    "CaptureError",
+    "CaptureWarning",
+    "ConfigError",
+    "__version__",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str):
