@@ -318,6 +318,18 @@ def test_hooks_and_attributes_changed_after_the_first_step_are_captured_anew(cou
     assert len(captures) == 4  # the hook, the scale, the flag; then the first state again
 
 
+def test_a_first_call_budget_error_names_no_earlier_signature():
+    """A forward that sets an attribute while traced has its one capture under two keys
+    (NOTE [ What the capture fixed ]); a BudgetError at its first call is not "a new input
+    signature after 1 planned before"."""
+    torch.manual_seed(0)
+    hc = hbp.HCModule(ScaledBlocks(), budget=4096, calibrate=False)
+    with pytest.raises(hbp.BudgetError) as info:
+        hc(torch.randn(256, D))
+    assert "input signature" not in str(info.value)
+    assert len(hc._compiled) == 2  # the keys before and after the traced call
+
+
 class FunctionalDropout(torch.nn.Module):
     """Hands its `nn.Dropout`'s rate to a functional call, as transformers' attention does
     (`dropout_p=self.dropout.p` into scaled_dot_product_attention)."""

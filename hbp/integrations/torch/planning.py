@@ -196,7 +196,7 @@ class Planning:
     def _budget_error_at_these_inputs(self, err: BudgetError, args, kwargs) -> BudgetError:
         """`err`, naming this call's input shapes where other signatures were planned before
         (variable-length batches: a longer one can need more than the budget gives)."""
-        others = len(self._compiled) - 1
+        others = len({id(c) for c in self._compiled.values()}) - 1  # one capture, two keys
         if others < 1:
             return err
         named = [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
