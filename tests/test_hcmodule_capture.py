@@ -22,7 +22,14 @@ from helpers.step import Case, assert_same_step, train_step
 from models.cases import CASE, images
 from models.real import wav2vec2_ctc
 from models.toy import CausalAttention, D, EncoderViT
-from models.traits import CountingCalls, DataDependentMLP, DataDependentNet, SharedLogNet
+from models.traits import (
+    CountingCalls,
+    DataDependentMLP,
+    DataDependentNet,
+    ReshapesInPlace,
+    ReshapesInPlaceExported,
+    SharedLogNet,
+)
 
 import hbp
 from hbp.errors import BudgetError, CaptureError, CaptureWarning
@@ -106,6 +113,30 @@ def test_data_dependent_control_flow_falls_back_to_module_calls_with_a_warning()
     with pytest.raises(BudgetError) as info:
         hbp.HCModule(model, budget=hc.plan.predicted_peak_bytes - 4096, calibrate=False)(x)
     assert info.value.minimum == hc.plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("model_class", [ReshapesInPlace, ReshapesInPlaceExported])
+def test_an_in_place_view_op_is_captured_at_operator_level(model_class):
+    """NOTE [ In-place view ops stay in place ]: `unsqueeze_` on an activation ran twice in
+    the profile, the broadcast after it failed in both tracers, and the model fell back to
+    module level (its step 2.4x over the budget). Op level now, by fx and by export: the
+    plain model's gradients, the measured step within the budget."""
+    torch.manual_seed(0)
+    model = model_class()
+    reference = copy.deepcopy(model)
+    x = torch.randn(256, 64)
+    reference(x).square().sum().backward()
+    hc = hbp.HCModule(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        hc(x).square().sum().backward()
+    assert hc.captured.granularity == "op"
+    assert hc.captured.tracer == ("fx" if model_class is ReshapesInPlace else "export")
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    model.zero_grad()
+    hc(x).square().sum().backward()
+    assert hc.measured_peak_bytes <= hc.budget_bytes
 
 
 def test_a_step_no_capture_reaches_runs_the_plain_module_with_one_warning(monkeypatch):

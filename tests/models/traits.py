@@ -159,6 +159,34 @@ class DataDependentNet(nn.Module):
         return self.body(h)
 
 
+class ReshapesInPlace(nn.Module):
+    """An in-place view op (`unsqueeze_`) on an activation in each block, whose new shape a
+    broadcast then reads (BigBird-Pegasus' block-sparse attention does this)."""
+
+    def __init__(self, d=64, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        # a spread of its own width per block: what reads the new shape differs per block
+        self.spreads = nn.ParameterList(torch.randn(1, i + 2, 1) for i in range(n))
+
+    def forward(self, x):
+        for layer, spread in zip(self.layers, self.spreads):
+            g = layer(x) + 1.0
+            g.unsqueeze_(1)  # (B, 1, D)
+            x = x + (g * spread).sum(1)
+        return x
+
+
+class ReshapesInPlaceExported(ReshapesInPlace):
+    """The same, with a forward that only the export tracer captures (`torch.is_tensor` on an
+    argument, as transformers' forwards ask)."""
+
+    def forward(self, x):
+        if not torch.is_tensor(x):
+            raise TypeError("x must be a tensor")
+        return super().forward(x)
+
+
 class LoggingBlock(nn.Module):
     def __init__(self, index: int, d: int):
         super().__init__()

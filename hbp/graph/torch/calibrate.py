@@ -54,6 +54,7 @@ from hbp.graph.torch.captured import CapturedGraph
 from hbp.graph.torch.fallback import buffers_restored
 from hbp.graph.torch.measure_op import Strides, fetch_attr, measure_op, run_node
 from hbp.graph.torch.op_profile import PROFILED_LIKE
+from hbp.graph.torch.normalise import changes_metadata
 from hbp.graph.torch.op_signature import graph_key, signature
 from hbp.graph.torch.scratch_store import ScratchStore
 
@@ -417,11 +418,16 @@ def _stand_ins(captured: CapturedGraph, nodes: list[fx.Node]) -> dict[fx.Node, f
     if any(n.meta.get(REAL_RESULTS) or n.target is guard for n in nodes):
         return {}
     by_name = {n.name: n for n in nodes}
+    # a value an in-place view op reshapes is one tensor per node: its stand-in would be
+    # reshaped twice (NOTE [ In-place view ops stay in place ] in normalise.py)
+    reshaped = {n.args[0] for n in nodes if n.args and changes_metadata(n)}
     out = {}
     for node in nodes:
         first = by_name.get(node.meta.get(PROFILED_LIKE, ""))
         if first is None or _measurable(captured, node) is None:
             continue  # a view, an in-place op, or no IR node
+        if node in reshaped or first in reshaped:
+            continue
         out[node] = first
     return out
 

@@ -90,7 +90,7 @@ def out_of_place(
     IR nodes in `by_name`, their fake values in `values`) is read after it; later readers of
     the mutated value are redirected to the op's result."""
     mutated = profile.mutated_inputs
-    if len(mutated) != 1 or ir_node.alias_of != mutated[0]:
+    if len(mutated) != 1 or ir_node.alias_of != mutated[0] or changes_metadata(node):
         return False
 
     def root(name: str) -> str:
@@ -117,6 +117,32 @@ def out_of_place(
         if user is not node and order[user] > order[node]:
             user.replace_input_with(value, node)
     return True
+
+
+def changes_metadata(node: fx.Node) -> bool:
+    """Whether `node` is an in-place view op (`unsqueeze_`, `transpose_`, `t_`, ...: ATen's
+    `inplace_view` tag), which changes its input's shape or strides rather than its values
+    (NOTE [ In-place view ops stay in place ])."""
+    if node.op == "call_method" and isinstance(node.target, str):
+        packet = getattr(torch.ops.aten, node.target, None)
+        op = getattr(packet, "default", None)
+    elif node.op == "call_function":
+        op = node.target
+        if not isinstance(op, torch._ops.OpOverload):
+            packet = getattr(torch.ops.aten, getattr(op, "__name__", ""), None)
+            op = getattr(packet, "default", None)
+    else:
+        return False
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.inplace_view in op.tags
+
+
+# NOTE [ In-place view ops stay in place ]
+# An in-place op made out of place is run again, on the value it already ran on. A value op
+# (`add_`) wrote into the fake input's data, which fake tensors do not have; an in-place view
+# op changed the input's shape or strides, which the second run then saw: BigBird-Pegasus'
+# `unsqueeze_` ran twice, gave a (2, 1, 1, 12, 16, 48) tensor where the forward has (2, 1, 12,
+# 16, 48), a later `add_` failed to broadcast, and the whole model fell back to module level.
+# Such ops stay in place: every holder of the tensor sees the new shape, as in the forward.
 
 
 def _storages(value: Any) -> set[int] | None:
