@@ -53,8 +53,8 @@ from hbp.graph.torch.breaks import REAL_RESULTS, guard
 from hbp.graph.torch.captured import CapturedGraph
 from hbp.graph.torch.fallback import buffers_restored
 from hbp.graph.torch.measure_op import Strides, fetch_attr, measure_op, run_node
-from hbp.graph.torch.op_profile import PROFILED_LIKE
 from hbp.graph.torch.normalise import changes_metadata
+from hbp.graph.torch.op_profile import PROFILED_LIKE
 from hbp.graph.torch.op_signature import graph_key, signature
 from hbp.graph.torch.scratch_store import ScratchStore
 
