@@ -669,6 +669,34 @@ def test_the_floor_is_never_above_the_least_peak(graph):
         assert 0 < floor <= least_peak_cached(info, cuts, True)[0]
 
 
+@pytest.mark.parametrize(
+    "graph",
+    [
+        *(
+            synthetic.random_dag(n, seed=s, skip_prob=0.3, max_skip=6)
+            for n in (8, 14)
+            for s in (0, 1)
+        ),
+        synthetic.residual_net(2),
+        synthetic.encoder_decoder_net(1),
+    ],
+)
+def test_the_least_peak_value_is_the_least_peak_dps(graph):
+    """NOTE [ A plan at the floor ]: the least peak had without the DP, where a plan of the
+    DP's own reaches the floor, is the DP's least peak over every cut set (where the plan
+    falls short, the DP runs on the floor's tables: the same value). A decoder where the
+    plan reaches the floor: tests/test_planner_staged.py."""
+    from hbp.planner.dp.least_peak import least_peak_cached, least_peak_value, union_of
+
+    info = GraphInfo.of(graph)
+    choices = cut_choices(info)
+    for cuts in (choices[0], union_of(choices)):
+        forget_least_peaks()
+        value = least_peak_value(info, cuts, True)
+        forget_least_peaks()
+        assert value == least_peak_cached(info, cuts, True)[0]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_dp_equals_brute_force_with_out_of_place_parameter_gradient_sums(seed):
     """A parameter read by several nodes whose held gradient cannot take the next one in

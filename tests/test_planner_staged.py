@@ -343,3 +343,32 @@ def test_rwkv_trains_exactly_within_its_budget():
     _, peak = allocator_peak(lambda: hc(input_ids=ids, labels=ids).loss.backward())
     assert peak <= hc.budget_bytes
     assert any(s.recompute for s in hc.plan.segments)
+
+
+def test_a_decoders_least_peak_at_the_floor_is_had_without_the_dp():
+    """NOTE [ A plan at the floor ]: a 4-layer transformers Llama at batch 1, its captured
+    step with the loss the outputs it holds: the chain of recomputed layers reaches the floor
+    over the first cut set, so its least peak is had without the least-peak DP, and it is
+    the DP's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hbp.graph.torch.capture import capture
+    from hbp.planner.cuts import cut_choices
+    from hbp.planner.dp import least_peak as peaks
+
+    config = LlamaConfig(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, intermediate_size=344,
+        vocab_size=2048, num_hidden_layers=4, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (1, 128))
+    graph = capture(LlamaForCausalLM(config), (ids,), {"labels": ids, "use_cache": False}).graph
+    graph.held_outputs = sorted(graph.backward_seeds(), key=graph.index)  # as HCModule
+    info = GraphInfo.of(graph)
+    cuts = cut_choices(info)[0]
+    peaks.forget_least_peaks()
+    value = peaks.least_peak_value(info, cuts, True)
+    assert ("value", tuple(cuts), True) in peaks._remembered(info)  # no DP ran
+    assert (tuple(cuts), True) not in peaks._remembered(info)
+    peaks.forget_least_peaks()
+    assert value == peaks.least_peak_cached(info, cuts, True)[0]

@@ -108,7 +108,9 @@ def _plan(graph, info, budget, block_size, planner, pins, schedules, options: di
         nested = planner != "one_level"
 
         def least() -> int:
-            return min_feasible_peak(graph, block_size=block_size, nested=nested, info=info)[0]
+            return min_feasible_peak(
+                graph, block_size=block_size, nested=nested, info=info, value_only=True
+            )[0]
 
         budget = Budget.parse(budget).resolve(naive.peak_bytes, least)
     if budget == "min":
@@ -176,7 +178,9 @@ def _is_relative(budget) -> bool:
 def least_peak(graph: Graph, *, block_size: int = 1, planner: str = "optimal") -> int:
     """The least peak, in bytes, a plan of `graph` by `planner` reaches: what `plan(graph,
     "min", ...)` plans for and a BudgetError's `.minimum`."""
-    return min_feasible_peak(graph, block_size=block_size, nested=planner != "one_level")[0]
+    return min_feasible_peak(
+        graph, block_size=block_size, nested=planner != "one_level", value_only=True
+    )[0]
 
 
 def _cached_plan(graph: Graph, budget, cache, options: dict) -> Plan:

@@ -31,6 +31,7 @@ from hbp.planner.dp.least_peak import (
     least_known,
     least_peak_cached,
     least_peak_over,
+    least_peak_value,
     reach_cuts,
     top_level,
     union_floor,
@@ -105,10 +106,11 @@ def _solve(
             return _Solved(solver.top_plan(slots), slots, slot_bytes, "dp", recompute)
         if tables_only:
             return None
-        minimum, segments = least_peak_cached(info, cuts, nested)
+        minimum = least_peak_value(info, cuts, nested)  # NOTE [ A plan at the floor ]
         if minimum > budget_bytes:
             raise BudgetError(budget_bytes, minimum, _plans_over(info, cuts, nested))
         # the slot rounding rejected a feasible budget: the least-peak plan fits
+        _, segments = least_peak_cached(info, cuts, nested)
         return _Solved(segments, slots, slot_bytes, "min-peak")
 
 
@@ -549,12 +551,15 @@ def min_feasible_peak(
     info: GraphInfo | None = None,
     staged: str | None = None,
     pins: bool | None = None,
-) -> tuple[int, list[Segment]]:
+    value_only: bool = False,
+) -> tuple[int, list[Segment] | None]:
     """The least budget `optimal_plan` (same arguments) finds a plan for, and that plan's
     top-level segments: the smallest simulated peak over the whole-graph DP's cut sets
     (`cut_choices`: NOTE [ Least peak over other cut choices ] in hbp.planner.cuts) or, where
     `optimal_plan` also plans in stages and they reach less, the least budget a staged plan
-    is found for (its plan simulates at or below it)."""
+    is found for (its plan simulates at or below it). `value_only`: the segments may be None
+    (the whole graph's least peak without its plan: NOTE [ A plan at the floor ] in
+    hbp.planner.dp.least_peak)."""
     info = info or GraphInfo.of(graph)
     with stage_tables_kept(info):
         choices = cut_choices(info, block_size, max_cuts)
@@ -569,7 +574,7 @@ def min_feasible_peak(
             found = staged_below(graph, info, pins, union_floor(info, choices, nested))
             if found is not None:
                 return found[0], found[1][0]
-        best = least_peak_over(info, choices, nested)
+        best = least_peak_over(info, choices, nested, value_only)
         if stages:
             found = staged_minimum(graph, info, pins, best[0])
             if found is not None:

@@ -34,6 +34,7 @@ __all__ = [
     "least_peak_floor",
     "least_peak_over",
     "least_peak_plan",
+    "least_peak_value",
     "reach_cuts",
     "top_level",
     "union_floor",
@@ -61,11 +62,14 @@ def top_level(info: GraphInfo, segments: list[Segment]) -> list[Segment]:
     return absorb_inputs(info, simplify(segments) or [Segment(0, info.n)])
 
 
-def least_peak_plan(info: GraphInfo, model: CostModel, nested: bool) -> tuple[int, list[Segment]]:
-    """The least-peak plan (`PeakSolver`) and its peak. Where the graph keeps generator states,
-    the simulated peak: the DP does not see every copy (NOTE [ Generator states of
-    checkpoints ] in hbp.analysis.simulate), so the minimum is one that a plan reaches."""
-    solver = PeakSolver(model, nested)
+def least_peak_plan(
+    info: GraphInfo, model: CostModel, nested: bool, solver: PeakSolver | None = None
+) -> tuple[int, list[Segment]]:
+    """The least-peak plan (`PeakSolver`; `solver`: one over `model` with tables made) and its
+    peak. Where the graph keeps generator states, the simulated peak: the DP does not see
+    every copy (NOTE [ Generator states of checkpoints ] in hbp.analysis.simulate), so the
+    minimum is one that a plan reaches."""
+    solver = solver or PeakSolver(model, nested)
     peak = int(solver.top(0, frozenset()).peak)
     segments = solver.top_plan()
     if info.rng_state_bytes:
@@ -75,15 +79,18 @@ def least_peak_plan(info: GraphInfo, model: CostModel, nested: bool) -> tuple[in
 
 
 def least_peak_over(
-    info: GraphInfo, choices: list[list[int]], nested: bool
-) -> tuple[int, list[Segment]]:
+    info: GraphInfo, choices: list[list[int]], nested: bool, value_only: bool = False
+) -> tuple[int, list[Segment] | None]:
     """The least peak over the union of the cut sets of `choices` (NOTE [ Least peak over
-    other cut choices ] in hbp.planner.cuts) and its top-level plan."""
+    other cut choices ] in hbp.planner.cuts) and its top-level plan; `value_only`: the
+    peak alone, the plan None (NOTE [ A plan at the floor ])."""
     cuts = choices[0]
     if len(choices) > 1:
         first = None if info.rng_state_bytes else known_least_peak(info, cuts, nested)
         if first is None or first > lower_bound(info):  # no set goes below the lower bound
             cuts = reach_cuts(info, choices, nested)
+    if value_only and not info.rng_state_bytes:
+        return least_peak_value(info, cuts, nested), None
     peak, segments = least_peak_cached(info, cuts, nested)
     if info.rng_state_bytes and cuts != choices[0]:  # NOTE [ Simulated least peaks ]
         first_peak, first_segments = least_peak_cached(info, choices[0], nested)
@@ -121,7 +128,7 @@ def reach_cuts(info: GraphInfo, choices: list[list[int]], nested: bool) -> list[
         for cuts in choices:
             if best is not None and least_peak_floor(info, cuts, nested) >= best:
                 continue  # it reaches no less than `best`, and comes after it
-            peak = least_peak_cached(info, cuts, nested)[0]
+            peak = least_peak_value(info, cuts, nested)
             if best is None or peak < best:
                 best, reach = peak, cuts
         known[key] = reach
@@ -185,6 +192,44 @@ def least_peak_cached(info: GraphInfo, cuts: list[int], nested: bool):
             known[key] = least_peak_plan(info, model, nested)
     peak, segments = known[key]
     return peak, copy.deepcopy(segments)
+
+
+def least_peak_value(info: GraphInfo, cuts: list[int], nested: bool) -> int:
+    """`least_peak_cached(info, cuts, nested)[0]`, without the least-peak DP where a plan
+    reaches the floor (NOTE [ A plan at the floor ]). Remembered."""
+    exact = known_least_peak(info, cuts, nested)
+    if exact is not None:
+        return exact
+    if info.rng_state_bytes:
+        return least_peak_cached(info, cuts, nested)[0]
+    model = cost_model(info, cuts)
+    known = _remembered(info)
+    with planning(len(model.cuts)):
+        solver = PeakSolver(model, nested)
+        pairs = list(zip(model.cuts[:-1], model.cuts[1:]))
+        floor = max((int(solver.rec(e, f).peak) for e, f in pairs), default=0)
+        known.setdefault(("floor", tuple(cuts), nested), floor)
+        chain = solver.chain_peak() if pairs else None
+        if chain is not None and int(chain) == floor:
+            known[("value", tuple(cuts), nested)] = floor
+            return floor
+        # the DP, on the tables the floor made (what `least_peak_cached` remembers)
+        known[(tuple(cuts), nested)] = least_peak_plan(info, model, nested, solver)
+    return known[(tuple(cuts), nested)][0]
+
+
+# NOTE [ A plan at the floor ]
+# The floor (NOTE [ A floor under the least peak ]) is at most the least peak; a plan whose
+# modelled peak equals it proves that it is the least peak, without the least-peak DP. The
+# plan tried is one of the DP's own options: every interval between adjacent cuts a
+# recomputed top-level child, each with its least-peak T(e, f) (the floor's tables) inside,
+# valued by the same arithmetic (`PeakSolver.chain_peak`). On stacks of layers the largest
+# interval's recompute is what the least peak is, and the chain reaches it: a 32-layer Llama
+# at batch 1, 27,492,872 B both ways. Where it does not, the DP runs as before. Only the value
+# is had this way: callers that need the least-peak plan itself (a "min-peak" fallback, the
+# plan over other cut choices) still run the DP, so no plan changes; "min", "N%act" and a
+# BudgetError's minimum ask for the value. Graphs with generator states are left out (their
+# least peak is a simulated one).
 
 
 def least_peak_floor(info: GraphInfo, cuts: list[int], nested: bool) -> int:
@@ -302,8 +347,12 @@ def _remembered(info: GraphInfo) -> dict:
 def known_least_peak(info: GraphInfo, cuts: list[int], nested: bool) -> int | None:
     """The least peak over `cuts` where `least_peak_cached` already has it, else None."""
     known = _LEAST_PEAKS.get(id(info))
-    found = None if known is None else known.get((tuple(cuts), nested))
-    return None if found is None else found[0]
+    if known is None:
+        return None
+    found = known.get((tuple(cuts), nested))
+    if found is None:  # NOTE [ A plan at the floor ]: the value alone
+        return known.get(("value", tuple(cuts), nested))
+    return found[0]
 
 
 # NOTE [ Known least peaks skip the tables ]

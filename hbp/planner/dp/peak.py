@@ -147,6 +147,32 @@ class PeakSolver(Recursion):
                         best_choice = Choice(f, mode, extent, H2, flag2)
         return PeakValue(best_peak, best_cost, best_choice)
 
+    def chain_peak(self) -> float | None:
+        """The modelled peak of one plan: every interval between adjacent cuts a recomputed
+        top-level child, each with its least-peak T(e, f) inside; the value `top(0, {})`
+        gives that option path, by `_fill`'s arithmetic (NOTE [ A plan at the floor ] in
+        hbp.planner.dp.least_peak). None where an interval is no candidate end."""
+        m = self.model
+        states, e, H = [], 0, frozenset()
+        while e < m.n:
+            prof = ChildProfile.of(m, e, H, REC, True)
+            p = prof.at(m.stop_of(e))
+            if not p.f_list:
+                return None
+            i = 0  # the nearest candidate end: the next cut
+            f = p.f_list[i]
+            kept, need, _, _ = p.peak_lists or _peak_lists(p)
+            states.append((e, f, kept[i], need[FULL][i]))
+            e, H = f, prof.held_list(p.d)[i]
+        peak = float(m.pos_after[m.n])  # top(n, H)
+        for e, f, kept, need in reversed(states):
+            rest = kept + peak
+            own = kept + self.rec(e, f).peak
+            if f <= m.own_tail_until(None):  # it counts its tail itself
+                own = max(own, kept + m.tail_need(e, f))
+            peak = max(need, rest, own)
+        return peak
+
     # rebuilding the plan ---------------------------------------------------------------------
     def _choose(self, d, e, H, flag, top, budget, row) -> tuple[Choice, int]:
         value = self.top(e, H) if top else self.tail(d, e, H, flag)
