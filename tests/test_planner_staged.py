@@ -55,6 +55,22 @@ def test_staged_quality_does_not_fall_with_depth():
     assert ratios[1] <= 1.05 * ratios[0]
 
 
+def test_stage_bounds_go_on_past_a_span_without_cuts():
+    """NOTE [ A stage past a span without cuts ]: no cut within reach of the last bound (in
+    place writes into one buffer forbid them) ends that stage at the first cut after the
+    span; the bounds went no further, and the rest of the graph was one stage."""
+    graph = synthetic.residual_net(12)
+    info = GraphInfo.of(graph)
+    gap = range(60, 200)  # no cut may fall here
+    cuts = [c for c in range(info.n + 1) if c not in gap]
+    bounds = stage_bounds(info, cuts, stage_nodes=40)
+    assert set(bounds) <= set(cuts)
+    after = [b for b in bounds if b >= gap.stop]
+    assert after[0] == gap.stop  # the stage over the span ends at the first cut after it
+    spans = [b - a for a, b in zip(after, after[1:])]
+    assert len(spans) > 3 and max(spans) <= 2 * 40  # the rest is split as before
+
+
 def test_stage_bounds_fall_between_layers():
     graph = synthetic.residual_net(6)
     info = GraphInfo.of(graph)
