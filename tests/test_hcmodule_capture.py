@@ -156,7 +156,7 @@ def test_a_step_no_capture_reaches_runs_the_plain_module_with_one_warning(monkey
     hc = hbp.HCModule(model, budget=0.5)
     message = (
         r"could not capture SharedLogNet: .*module-level cut points: AssertionError: a block "
-        r"runs after the ones before it, once\. HCModule runs this input signature as the "
+        r"runs after the ones before it, once\. hbp runs this input signature as the "
         r"plain module: nothing is checkpointed and the budget is not enforced"
     )
     with pytest.warns(CaptureWarning, match=message):

@@ -370,7 +370,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     def _warn_running_plain(self, err: CaptureError) -> None:
         self._warn_once(
             f"uncaptured:{err}",
-            f"{err}. HCModule runs this input signature as the plain module: nothing is "
+            f"{err}. hbp runs this input signature as the plain module: nothing is "
             "checkpointed and the budget is not enforced.",
             CaptureWarning,
         )
