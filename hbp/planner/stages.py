@@ -77,9 +77,10 @@ def stage_bounds(info: GraphInfo, cuts: list[int], stage_nodes: int) -> list[int
             break
         window = [c for c in inner[k:] if lo <= c <= hi]
         if not window:  # NOTE [ A stage past a span without cuts ]
-            window = [c for c in inner[k:] if c > hi][:1]
-            if not window:
+            after = next((c for c in inner[k:] if c > hi), None)
+            if after is None:
                 break
+            window = [after]
         best = min(window, key=lambda c: (count[c], w[c], abs(c - last - stage_nodes)))
         bounds.append(best)
         k = inner.index(best) + 1

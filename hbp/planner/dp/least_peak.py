@@ -206,10 +206,9 @@ def least_peak_value(info: GraphInfo, cuts: list[int], nested: bool) -> int:
     known = _remembered(info)
     with planning(len(model.cuts)):
         solver = PeakSolver(model, nested)
-        pairs = list(zip(model.cuts[:-1], model.cuts[1:]))
-        floor = max((int(solver.rec(e, f).peak) for e, f in pairs), default=0)
+        floor = solver.floor()
         known.setdefault(("floor", tuple(cuts), nested), floor)
-        chain = solver.chain_peak() if pairs else None
+        chain = solver.chain_peak() if len(model.cuts) > 1 else None
         if chain is not None and int(chain) == floor:
             known[("value", tuple(cuts), nested)] = floor
             return floor
@@ -244,9 +243,7 @@ def least_peak_floor(info: GraphInfo, cuts: list[int], nested: bool) -> int:
     if key not in known:
         model = cost_model(info, cuts)
         with planning(len(model.cuts)):
-            solver = PeakSolver(model, nested)
-            pairs = zip(model.cuts[:-1], model.cuts[1:])
-            known[key] = max((int(solver.rec(e, f).peak) for e, f in pairs), default=0)
+            known[key] = PeakSolver(model, nested).floor()
     return known[key]
 
 

@@ -147,6 +147,13 @@ class PeakSolver(Recursion):
                         best_choice = Choice(f, mode, extent, H2, flag2)
         return PeakValue(best_peak, best_cost, best_choice)
 
+    def floor(self) -> int:
+        """The largest least peak of recomputing one interval between adjacent cuts alone: a
+        lower bound of `top(0, {})` (NOTE [ A floor under the least peak ] in
+        hbp.planner.dp.least_peak)."""
+        cuts = self.model.cuts
+        return max((int(self.rec(e, f).peak) for e, f in zip(cuts[:-1], cuts[1:])), default=0)
+
     def chain_peak(self) -> float | None:
         """The modelled peak of one plan: every interval between adjacent cuts a recomputed
         top-level child, each with its least-peak T(e, f) inside; the value `top(0, {})`
@@ -161,7 +168,9 @@ class PeakSolver(Recursion):
                 return None
             i = 0  # the nearest candidate end: the next cut
             f = p.f_list[i]
-            kept, need, _, _ = p.peak_lists or _peak_lists(p)
+            if p.peak_lists is None:
+                p.peak_lists = _peak_lists(p)
+            kept, need, _, _ = p.peak_lists
             states.append((e, f, kept[i], need[FULL][i]))
             e, H = f, prof.held_list(p.d)[i]
         peak = float(m.pos_after[m.n])  # top(n, H)
