@@ -1,5 +1,6 @@
-"""Encoder-decoder models (transformers): BART, Marian (sinusoidal positions) and Whisper
-(a conv front end over log-mel frames), each trained through `.loss` on shifted labels.
+"""Encoder-decoder models (transformers): BART, Marian (sinusoidal positions), Whisper (a
+conv front end over log-mel frames) and BigBird-Pegasus (block-sparse attention), each
+trained through `.loss` on shifted labels.
 
 Builders return `(model, step)` as in `decoders.py`."""
 
@@ -94,11 +95,38 @@ def whisper():
     ).loss.backward()
 
 
+def bigbird_pegasus():
+    """BigBird-Pegasus: block-sparse encoder attention (gathers of random blocks, an in-place
+    `unsqueeze_`, writes into one buffer), a dense decoder with cross-attention."""
+    import transformers as t
+
+    config = t.BigBirdPegasusConfig(
+        vocab_size=512,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        attention_type="block_sparse",
+        block_size=16,
+        num_random_blocks=2,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    model = t.BigBirdPegasusForConditionalGeneration(config)
+    ids, labels = tokens(2, 256), tokens(2, 16)
+    return model, lambda m: m(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+
+
 MODELS = {
     f.__name__: f
     for f in (
         bart,
         marian,
         whisper,
+        bigbird_pegasus,
     )
 }
