@@ -15,6 +15,8 @@ Checks (experiments/gpu_checks/sizes.py; each in its own process, under its own 
   chunked_ce      hbp.ops.chunked_cross_entropy against the plain loss (vocab 50257, 8k tokens)
   bf16_autocast   hbp@0.5 under bf16 autocast against plain autograd under it
   ddp             DDP(HCModule) over NCCL when two or more devices are visible, else skipped
+  trainer         hbp.enable(model) at its default budget under transformers' Trainer against
+                  the plain Trainer run: losses, then one step's peak and gradients
   compile         torch.compile(HCModule(model, 0.5)) against plain eager autograd
 
 Writes `gpu_check.json` and `gpu_check.md` under --out (gpu_checks/report.py says how each row
@@ -237,7 +239,7 @@ def _worker(name: str, device: str, rows_path: Path) -> int:
 
             models.run_model_check(check.model, device, steps, record)
         else:
-            from gpu_checks import extras
+            from gpu_checks import extras, trainer
 
             run = {
                 "chunked_ce": lambda: extras.run_chunked_ce_check(
@@ -246,6 +248,7 @@ def _worker(name: str, device: str, rows_path: Path) -> int:
                 "bf16": lambda: extras.run_bf16_check(check.model, device, steps, record),
                 "compile": lambda: extras.run_compile_check(check.model, device, steps, record),
                 "ddp": lambda: extras.run_ddp_check(check.model, device, steps, record),
+                "trainer": lambda: trainer.run_trainer_check(check.model, device, steps, record),
             }
             run[check.kind]()
     except Exception as error:  # noqa: BLE001 - the check's own error, beside its rows

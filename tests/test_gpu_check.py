@@ -87,6 +87,24 @@ def test_rows_fail_on_gradient_mismatch_nan_and_peak_over_budget():
     assert report.row_failures(_row(status="error", error="RuntimeError: boom"))
 
 
+def test_every_hbp_row_is_held_to_a_budget_in_bytes_but_min():
+    """A fraction of the naive row's measured peak, bytes as given, an "N%act" budget as hbp
+    resolved it; "min" has none. The bf16 and compile checks pass their fraction, not their
+    variant's name (a name gave no budget, and their peaks went unjudged)."""
+    from types import SimpleNamespace
+
+    from gpu_checks import extras
+    from gpu_checks.models import plan_fields
+
+    plan = SimpleNamespace(predicted_peak_bytes=90, predicted_recompute_flops=0, budget_bytes=95)
+    hc = SimpleNamespace(plan=plan, budget_bytes=100)
+    naive = {"peak_bytes": 1000}
+    budgets = {extras.BUDGET: 1000 * extras.BUDGET, 0.3: 300, 4096: 4096, "50%act": 100}
+    for budget, expected in budgets.items():
+        assert plan_fields(hc, budget, naive)["budget_bytes"] == expected, budget
+    assert plan_fields(hc, "min", naive)["budget_bytes"] is None
+
+
 def test_a_check_fails_on_its_own_error_and_on_unmeasured_kernel_workspace(tmp_path):
     workspace = {"granularity": "op", "ops": {}, "unmeasured": ["Conv2d (conv_1)"]}
     document = {
@@ -114,20 +132,23 @@ def test_a_check_fails_on_its_own_error_and_on_unmeasured_kernel_workspace(tmp_p
 
 @pytest.mark.slow
 def test_cpu_run_measures_and_writes_json_and_table(tmp_path):
-    """Three checks on CPU (tiny shapes; the full --cpu run takes minutes on a shared machine):
+    """Four checks on CPU (tiny shapes; the full --cpu run takes minutes on a shared machine):
     GPT-2 under every variant with gradients equal to plain autograd's, hbp's peak within its
     budget (at the uniform checkpointing's peak with less recompute) and every kernel's
-    workspace measured; the chunked loss against the plain one; DDP
-    skipped with a line saying why."""
-    done = _run("--cpu", "--only", "gpt2_small", "chunked_ce", "ddp", "--out", str(tmp_path))
+    workspace measured; the chunked loss against the plain one; DDP skipped with a line saying
+    why; Trainer on `hbp.enable(model)` with the plain Trainer's losses and gradients, its
+    peak within the default budget's bytes."""
+    only = ("gpt2_small", "chunked_ce", "ddp", "trainer")
+    done = _run("--cpu", "--only", *only, "--out", str(tmp_path))
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     document = json.loads((tmp_path / "gpu_check.json").read_text())
     assert document["ok"] and document["failed"] == [] and document["device"] == "cpu"
     checks = document["checks"]
-    assert list(checks) == ["gpt2_small", "chunked_ce", "ddp"]
+    assert list(checks) == list(only)
     rows = {r["variant"]: r for r in checks["gpt2_small"]["rows"]}
     assert list(rows) == [
-        "naive", "checkpoint", "library", "hbp@0.5", "hbp@0.3", "hbp@min", "hbp@baseline",
+        "naive", "checkpoint", "library", "hbp@0.5", "hbp@0.3", "hbp@min", "hbp@50%act",
+        "hbp@baseline",
     ]  # fmt: skip
     naive = rows["naive"]
     assert naive["status"] == "ok" and naive["peak_bytes"] > 0 and naive["flops"] > 0
@@ -141,6 +162,10 @@ def test_cpu_run_measures_and_writes_json_and_table(tmp_path):
     assert hc["budget_bytes"] == int(0.5 * naive["peak_bytes"])
     assert 0 < hc["predicted_peak_bytes"] and hc["peak_bytes"] <= 1.05 * hc["budget_bytes"]
     assert rows["hbp@0.3"]["status"] in ("ok", "infeasible")
+    default = rows["hbp@50%act"]  # held to the bytes hbp resolved its default budget to
+    assert default["status"] == "ok" and default["grad_diff"] == 0
+    assert rows["hbp@min"]["peak_bytes"] < default["budget_bytes"] < naive["peak_bytes"]
+    assert default["peak_bytes"] <= 1.05 * default["budget_bytes"]
     # held to the uniform checkpointing's measured peak, hbp recomputes less than it
     at_baseline, checkpoint = rows["hbp@baseline"], rows["checkpoint"]
     assert at_baseline["status"] == "ok" and at_baseline["grad_diff"] == 0
@@ -155,6 +180,11 @@ def test_cpu_run_measures_and_writes_json_and_table(tmp_path):
     assert chunked["grad_diff"] <= report.TOLERANCE["float32"]
     (ddp,) = checks["ddp"]["rows"]
     assert ddp["status"] == "skipped" and "DDP over NCCL needs 2 or more" in ddp["note"]
+    plain, enabled = checks["trainer"]["rows"]
+    assert [plain["variant"], enabled["variant"]] == ["Trainer plain", "Trainer hbp.enable"]
+    assert len(enabled["losses"]) == 3 and enabled["loss_diff"] < 1e-5
+    assert enabled["status"] == "ok" and enabled["grad_diff"] <= report.TOLERANCE["float32"]
+    assert enabled["peak_bytes"] <= 1.05 * enabled["budget_bytes"] < plain["peak_bytes"]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.startswith("# gpu check: PASSED") and "| gpt2_small |" in table
     assert "DDP over NCCL needs 2 or more" in table and "Failures:\n- none" in table

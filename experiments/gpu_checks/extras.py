@@ -66,7 +66,7 @@ def _plain_then_hbp(spec, device, timed_steps, record, dtype, context, compiled:
             )
             row.update(measured.fields())
             if hc is not None:
-                row.update(plan_fields(hc, f"hbp@{BUDGET}", reference))
+                row.update(plan_fields(hc, BUDGET, reference))
                 row["grad_diff"] = grad_diff(measured.grads, reference["grads"])
                 if count and reference.get("flops") is not None:
                     row["recompute_flops"] = row["flops"] - reference["flops"]

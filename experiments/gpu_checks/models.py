@@ -5,8 +5,9 @@ each budget, as `hc.budget = ...` does), measured (step.py) and compared with pl
     naive        plain autograd: the reference gradients and the budgets' base
     checkpoint   uniform checkpointing over the workload's blocks (hbp.modes.checkpoint)
     library      the library's own checkpointing (transformers' gradient_checkpointing_enable)
-    hbp@0.5, hbp@0.3, hbp@min
-                 hbp.HCModule(model, budget=...): predicted peak and recompute from `hc.plan`
+    hbp@0.5, hbp@0.3, hbp@min, hbp@50%act
+                 hbp.HCModule(model, budget=...): predicted peak and recompute from `hc.plan`;
+                 "50%act" is the default budget, held to the bytes hbp resolved it to
     hbp@baseline hbp.HCModule with a budget in bytes of the checkpoint or library row's
                  measured peak: hbp's recompute where the checkpointing users have holds
 
@@ -114,8 +115,8 @@ def run_model_check(spec: ModelSpec, device: str, timed_steps: int, record: Call
 
 def plan_fields(hc: hbp.HCModule, budget: float | int | str, reference: dict | None) -> dict:
     """What hbp predicted (`hc.plan`) and the budget the measured peak is held to: bytes as
-    given, a fraction of the naive step's measured peak (the same process, the same batch);
-    "min" has none."""
+    given, a fraction of the naive step's measured peak (the same process, the same batch), the
+    bytes hbp resolved an "N%act" budget to (`hc.budget_bytes`); "min" has none."""
     plan = hc.plan
     fields = {
         "predicted_peak_bytes": plan.predicted_peak_bytes,
@@ -125,6 +126,8 @@ def plan_fields(hc: hbp.HCModule, budget: float | int | str, reference: dict | N
     }
     if isinstance(budget, int):
         fields["budget_bytes"] = budget
+    elif isinstance(budget, str) and budget.endswith("%act"):
+        fields["budget_bytes"] = hc.budget_bytes
     elif isinstance(budget, float) and reference is not None and reference.get("peak_bytes"):
         fields["budget_bytes"] = int(budget * reference["peak_bytes"])
     return fields
@@ -156,7 +159,7 @@ def _budget_of(variant: str, baseline_peak: int | None) -> float | int | str | N
             raise NotApplicable("no checkpointing row measured a peak to hold hbp to")
         return int(baseline_peak)
     budget = variant.split("@", 1)[1]
-    return "min" if budget == "min" else float(budget)
+    return budget if budget == "min" or budget.endswith("%act") else float(budget)
 
 
 def _with_model(workload, model):

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: The hbp budgets every model check runs: fractions of the naive step's peak, and "min".
-BUDGETS: tuple[float | str, ...] = (0.5, 0.3, "min")
+#: The hbp budgets every model check runs: fractions of the naive step's peak, "min", and
+#: hbp's default ("50%act": the least peak plus half of what checkpointing can save).
+BUDGETS: tuple[float | str, ...] = (0.5, 0.3, "min", "50%act")
 #: Untimed steps before measuring (the first hbp step captures, calibrates and plans; on CUDA
 #: the second may plan again from the allocator's measurement).
 WARMUP_STEPS = 2
@@ -76,7 +77,7 @@ def checks(device: str) -> list[Check]:
         # The limits add up to more than the run's deadline: most checks end well inside
         # theirs, and the deadline cuts the last ones (compile first) if they do not.
         limits = dict(pytest=60, small=45, unet=200, llama=100, ce=30, bf16=45, medium=150, ddp=60)
-        limits["compile"] = 120
+        limits.update(trainer=120, compile=120)
     else:
         gpt2_small = ModelSpec("gpt2", "tiny", {"batch_size": 8, "seq_len": 64})
         gpt2_medium = ModelSpec("gpt2", "tiny", {"n_layer": 1, "batch_size": 8, "seq_len": 64})
@@ -85,7 +86,7 @@ def checks(device: str) -> list[Check]:
         ce = {"tokens": 512, "dim": 32, "vocab": 2048}
         # Generous: on CPU the limits only stop a hang (a shared machine may be slow).
         limits = dict(pytest=600, small=600, unet=600, llama=600, ce=300, bf16=600, medium=600)
-        limits.update(ddp=60, compile=600)
+        limits.update(ddp=60, trainer=600, compile=600)
     return [
         Check("pytest_gpu", "pytest", limits["pytest"]),
         Check("gpt2_small", "model", limits["small"], gpt2_small),
@@ -94,6 +95,7 @@ def checks(device: str) -> list[Check]:
         Check("chunked_ce", "chunked_ce", limits["ce"], options=ce),
         Check("bf16_autocast", "bf16", limits["bf16"], gpt2_small),
         Check("ddp", "ddp", limits["ddp"], gpt2_small),
+        Check("trainer", "trainer", limits["trainer"], llama),
         Check("gpt2_medium", "model", limits["medium"], gpt2_medium),
         Check("compile", "compile", limits["compile"], gpt2_small),
     ]
