@@ -260,6 +260,56 @@ def test_cuda_control_flow_allocator_step_runs_without_dispatch_modes(monkeypatc
     assert modes == [None] and m.peak_bytes == 5000 and m.flops is None and m.timeline is None
 
 
+def test_a_cuda_window_is_not_lowered_by_older_garbage_and_collects_nothing(monkeypatch):
+    """The CUDA branch of `allocator_peaks`, run on CPU with the allocator statistics faked
+    (NOTE [ No cycle collection inside a CUDA window ]): garbage from before the window, in a
+    reference cycle, is not freed inside it by the cycle collector (its free would lower the
+    level the window's allocation is measured from), and no full collection runs for it (one
+    walks every object the process tracks). The collector is on again after it."""
+    import gc
+
+    from hbp.allocator import allocator_peaks
+
+    allocated = {"now": 10_000, "peak": 10_000}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(
+        torch.cuda,
+        "reset_peak_memory_stats",
+        lambda device=None: allocated.update(peak=allocated["now"]),
+    )
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+    collect, collections = gc.collect, []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
+
+    class Garbage:  # holds 4,000 bytes until the cycle collector frees it
+        def __init__(self):
+            self.cycle = self
+
+        def __del__(self):
+            allocated["now"] -= 4_000
+
+    def allocate_1000_bytes():
+        gc.set_threshold(1)  # a collection at the next container allocation, were one due
+        kept = [[] for _ in range(5_000)]
+        allocated["now"] += 1_000
+        allocated["peak"] = max(allocated["peak"], allocated["now"])
+        return len(kept)
+
+    thresholds = gc.get_threshold()
+    collect()
+    gc.set_threshold(1_000_000)  # no collection before the window
+    Garbage()
+    try:
+        (kept,), (peak,) = allocator_peaks(allocate_1000_bytes, device="cuda")
+    finally:
+        gc.set_threshold(*thresholds)
+    assert (kept, peak) == (5_000, 1_000)
+    assert collections == [] and gc.isenabled()
+    collect()  # the garbage goes after the window
+    assert allocated["now"] == 10_000 + 1_000 - 4_000
+
+
 @pytest.mark.gpu
 def test_measure_step_on_cuda_uses_allocator_peak():
     layer = nn.Linear(1024, 1024, device="cuda")
