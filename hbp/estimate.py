@@ -39,6 +39,7 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.torch.scratch_store import ScratchStore
+from hbp.integrations.torch.module import DEFAULT_BUDGET
 from hbp.planner import min_feasible_peak
 from hbp.planner import plan as make_plan
 from hbp.planner.budget import Budget
@@ -47,8 +48,9 @@ from hbp.units import MIB
 
 __all__ = ["Estimate", "FrontierPoint", "estimate", "main"]
 
-#: Budgets of the default frontier, as fractions of the naive peak ("min" is always added).
-DEFAULT_BUDGETS = (1.0, 0.75, 0.5)
+#: Budgets of the default frontier: fractions of the naive peak and the default budget of
+#: `hbp.enable` and `HCModule` ("min" is always added).
+DEFAULT_BUDGETS = (1.0, 0.75, 0.5, DEFAULT_BUDGET)
 
 
 @dataclass
@@ -114,6 +116,8 @@ class Estimate:
             lines.append(
                 f"  {str(budget):>10} {nbytes / MIB:9.2f}   does not fit (below the least)"
             )
+        if any(str(p.budget) == DEFAULT_BUDGET for p in self.frontier):
+            lines.append(f"  ({DEFAULT_BUDGET}: the default budget of hbp.enable and HCModule)")
         return "\n".join(lines)
 
 

@@ -70,6 +70,24 @@ def test_a_budget_below_the_least_is_listed_as_not_fitting():
     assert "1KiB" in str(est) and "does not fit" in str(est)
 
 
+def test_the_default_frontier_holds_the_default_budget_as_hcmodule_resolves_it():
+    """Without `budgets`, the frontier has the default budget of `hbp.enable` and HCModule
+    ("50%act") among the fractions, at the bytes HCModule resolves it to, and says so."""
+    model, x, y = setup()
+    est = hbp.estimate(model, x, loss_fn=F.cross_entropy, targets=y)
+    by_budget = {p.budget: p for p in est.frontier}
+    assert {1.0, 0.75, "50%act", "min"} <= set(by_budget)
+    assert [p.budget_bytes for p in est.frontier] == sorted(
+        (p.budget_bytes for p in est.frontier), reverse=True
+    )
+    hc = hbp.HCModule(model, loss_fn=F.cross_entropy)
+    hc.prepare(x, targets=y)
+    default = by_budget["50%act"]
+    assert default.budget_bytes == hc.budget_bytes
+    assert default.predicted_peak_bytes == hc.plan.predicted_peak_bytes <= hc.budget_bytes
+    assert "50%act: the default budget of hbp.enable and HCModule" in str(est)
+
+
 def test_estimate_without_loss_and_module_state_kept():
     model, x, _ = setup()
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -131,7 +131,8 @@ class Plan:
             f"{_size(self.budget_bytes)}, naive {_size(self.naive_peak_bytes)}, "
             f"{ratio:.2f}x naive)",
             f"  predicted recompute {self.predicted_recompute_flops:.4g} FLOPs "
-            f"({100 * self.predicted_recompute_ratio:.1f}% of naive step FLOPs); "
+            f"({100 * self.predicted_recompute_ratio:.1f}% of naive step FLOPs; torch's FLOP "
+            f"counter counts matmuls, convolutions and attention, no elementwise op); "
             f"kept {_size(self.kept_bytes)}",
         ]
         if "solve_time_s" in self.meta:
