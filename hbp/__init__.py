@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import importlib
 
-from hbp.errors import BudgetError, CacheWarning, CaptureError, CaptureWarning, ConfigError
+from hbp.errors import (
+    BudgetError,
+    BudgetWarning,
+    CacheWarning,
+    CaptureError,
+    CaptureWarning,
+    ConfigError,
+)
 
 __version__ = "0.1.0"
 
@@ -38,6 +45,7 @@ _LAZY = {
 
 __all__ = [
     "BudgetError",
+    "BudgetWarning",
     "CacheWarning",
     "CaptureError",
     "CaptureWarning",

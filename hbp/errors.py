@@ -84,6 +84,13 @@ class CaptureWarning(UserWarning):
     that failed too, runs the plain module for that input signature)."""
 
 
+class BudgetWarning(UserWarning):
+    """A step was measured above its budget, or may be: what the plan did not see (a loss
+    outside the module, outputs the caller keeps), a plan made under a running profiler. hbp
+    says so once and plans again where it can; `warnings.filterwarnings("error",
+    category=hbp.BudgetWarning)` turns each into an error."""
+
+
 class CacheWarning(UserWarning):
     """A plan or a measured workspace could not be written to the cache directory (`plan_cache=`);
     the run goes on and plans or measures it again next time."""

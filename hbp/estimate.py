@@ -37,7 +37,7 @@ from torch import nn
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
-from hbp.errors import BudgetError, ConfigError
+from hbp.errors import BudgetError, BudgetWarning, ConfigError
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.module import DEFAULT_BUDGET
 from hbp.planner import min_feasible_peak
@@ -194,7 +194,7 @@ def estimate(
                 "hbp.estimate: a profiler is running, which the measurement of kernel "
                 "workspace cannot nest in; the estimate counts tensors only (call it outside "
                 "the profiler)",
-                UserWarning,
+                BudgetWarning,
                 stacklevel=2,
             )
     capture_time = time.perf_counter() - start

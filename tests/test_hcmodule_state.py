@@ -141,7 +141,7 @@ def test_eval_mode_fine_tuning_plans_only_when_asked(count_captures):
     has the plain eval step's gradients within the budget."""
     x = torch.randn(256, 64)
     hc = hbp.HCModule(BatchNormMLP(), budget=0.5, calibrate=False).eval()
-    with pytest.warns(UserWarning, match="plan_in_eval=True") as record:
+    with pytest.warns(hbp.BudgetWarning, match="plan_in_eval=True") as record:
         hc(x).sum().backward()
         hc(x).sum().backward()
     assert len([w for w in record if "plan_in_eval" in str(w.message)]) == 1

@@ -97,7 +97,9 @@ def test_a_caller_that_keeps_the_outputs_is_counted_from_the_next_step():
     low = hc.plan.predicted_peak_bytes
     _keep(hc, *batch)
     # named where the caller holds it, with its graph name
-    with pytest.warns(UserWarning, match=r"the caller keeps output\.logits \(head\) alive until"):
+    with pytest.warns(
+        hbp.BudgetWarning, match=r"the caller keeps output\.logits \(head\) alive until"
+    ):
         _keep(hc, *batch)
     assert hc.captured.graph.held_outputs is None or len(hc.captured.graph.held_outputs) == 2
     kept = _measured(hc, _keep, *batch)

@@ -285,7 +285,7 @@ def test_a_first_step_inside_a_profiler_is_planned_again_outside_it():
     reference = hbp.HCModule(module, 0.7).prepare(x, y)
     hc = hbp.HCModule(module, 0.7)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        with pytest.warns(UserWarning, match="running profiler"):
+        with pytest.warns(hbp.BudgetWarning, match="running profiler"):
             hc(x, y).backward()
         inside = hc.plan
         hc(x, y).backward()
@@ -304,7 +304,7 @@ def test_a_first_step_inside_a_profiler_is_planned_again_outside_it():
 def test_estimate_inside_a_profiler_says_the_workspace_is_not_counted():
     module, (x, y) = models()["convnet"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        with pytest.warns(UserWarning, match="counts tensors only"):
+        with pytest.warns(hbp.BudgetWarning, match="counts tensors only"):
             hbp.estimate(module, x, y)
 
 

@@ -61,7 +61,7 @@ def test_closed_loop_meets_the_budget_from_the_second_step():
     model = TiedLM()
     idx, targets = batch()
     hc = hbp.HCModule(model, 0.8)
-    with pytest.warns(UserWarning, match="Planned again"):
+    with pytest.warns(hbp.BudgetWarning, match="Planned again"):
         entropy_regularised_loss(hc(idx), targets).backward()
         first = hc.measured_peak_bytes
     budget = hc.budget_bytes
@@ -84,7 +84,7 @@ def test_closed_loop_says_when_the_callers_loss_makes_the_budget_infeasible():
     model = TiedLM()
     idx, targets = batch()
     hc = hbp.HCModule(model, "min", calibrate=True)
-    with pytest.warns(UserWarning, match="cannot be met this way; pass loss_fn=") as record:
+    with pytest.warns(hbp.BudgetWarning, match="cannot be met this way; pass loss_fn=") as record:
         entropy_regularised_loss(hc(idx), targets).backward()
         measured = hc.measured_peak_bytes
     budget = hc.compiled.budget_bytes
@@ -139,7 +139,7 @@ def test_closed_loop_says_when_what_the_plan_did_not_see_exceeds_the_whole_budge
         logits, _ = output
         return (logits[..., None] * torch.ones(4)).tanh().square().mean()
 
-    with pytest.warns(UserWarning, match="no less than the budget: no plan can meet it"):
+    with pytest.warns(hbp.BudgetWarning, match="no less than the budget: no plan can meet it"):
         wide_loss(hc(idx)).backward()
         unseen = hc.measured_peak_bytes - hc.compiled.plan.predicted_peak_bytes
     assert unseen >= hc.compiled.budget_bytes

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import jax
 
-from hbp.errors import ConfigError
+from hbp.errors import BudgetWarning, ConfigError
 from hbp.graph.jax_capture import CapturedFunction, Program, abstractify, capture_program
 from hbp.integrations.jax.pieces import PiecesExecutor
 from hbp.integrations.jax.remat import PARTIAL_READS, taken_whole
@@ -165,7 +165,7 @@ def _warn_on_stacked_weights(compiled: Compiled, executor: str, args) -> None:
                 "recomputed segments, whose backward returns a gradient of its full size: "
                 "under jax.jit the compiled step can exceed the plan. Keep per-layer weights "
                 "in a list or pytree of layers (docs/jax.md).",
-                UserWarning,
+                BudgetWarning,
                 stacklevel=5,  # the caller of the gradient function, when called as is
             )
             return

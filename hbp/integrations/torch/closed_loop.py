@@ -19,7 +19,7 @@ from hbp.allocator import (
     release_results,
     without_kineto_lines,
 )
-from hbp.errors import BudgetError
+from hbp.errors import BudgetError, BudgetWarning
 from hbp.integrations.torch.outputs import grad_leaves
 from hbp.integrations.torch.warn import warn_at_caller
 from hbp.units import MIB
@@ -216,6 +216,7 @@ class ClosedLoop:
             "twice per step): the activations of both calls are live together, and the "
             "budget holds per call, so the step's peak can reach the sum of the calls' "
             "peaks. Give each call its share of the budget, or run the inputs as one batch.",
+            BudgetWarning,
         )
 
     def _finish_probe(self) -> None:
@@ -301,6 +302,7 @@ class ClosedLoop:
             warn_at_caller(
                 message + f"That is {unseen / MIB:.2f} MiB, no less than the budget: no plan "
                 f"can meet it this way; {advice}",
+                BudgetWarning,
             )
             return
         try:
@@ -310,11 +312,13 @@ class ClosedLoop:
             warn_at_caller(
                 message + f"No plan fits {target / MIB:.2f} MiB (the least is "
                 f"{err.minimum / MIB:.2f} MiB): the budget cannot be met this way; {advice}",
+                BudgetWarning,
             )
             return
         warn_at_caller(
             message + f"Planned again for {target / MIB:.2f} MiB; the next steps keep the budget "
             "(hc.measured_peak_bytes holds the measured figure).",
+            BudgetWarning,
         )
 
 

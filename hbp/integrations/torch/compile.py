@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hbp.errors import BudgetError
+from hbp.errors import BudgetError, BudgetWarning
 from hbp.graph.torch.capture import MODULE
 from hbp.integrations.torch.warn import warn_at_caller
 from hbp.planner.plan import any_pinned
@@ -97,5 +97,6 @@ class CompiledSegments:
                 f"HCModule: compiled segments run without pinned values, and without them no "
                 f"plan fits {budget / MIB:.2f} MiB (the least is {err.minimum / MIB:.2f} MiB): "
                 "planned for the least instead.",
+                BudgetWarning,
             )
         compiled.measure_again()

@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from hbp.analysis.simulate import simulate
-from hbp.errors import BudgetError
+from hbp.errors import BudgetError, BudgetWarning
 from hbp.integrations.torch.warn import warn_at_caller
 from hbp.units import MIB
 
@@ -161,6 +161,7 @@ class WatchedOutputs:
                 "above the budget by their size. Planned again with them; keeps_outputs=True "
                 "counts them from the start; letting them go before backward saves their "
                 f"bytes{_cache_hint(more, compiled.output_paths)}.",
+                BudgetWarning,
             )
         naive = simulate(graph).peak_bytes
         compiled.naive_peak_bytes = naive
@@ -178,6 +179,7 @@ class WatchedOutputs:
                 f"plan fits {err.budget / MIB:.2f} MiB (the least is {err.minimum / MIB:.2f} "
                 "MiB): planned for the least. Let them go before backward, or raise the budget"
                 f"{_cache_hint(more, compiled.output_paths)}.",
+                BudgetWarning,
             )
             return True
         compiled.budget_bytes = budget if budget != "min" else compiled.plan.budget_bytes

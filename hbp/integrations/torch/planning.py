@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from hbp.allocator import foreign_profiler_running
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
-from hbp.errors import BudgetError, CaptureError, ConfigError
+from hbp.errors import BudgetError, BudgetWarning, CaptureError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
@@ -133,6 +133,7 @@ class Planning:
                 "HCModule in eval mode with grad enabled runs the plain module: the budget is "
                 "not enforced. Use torch.no_grad() to evaluate, or HCModule(..., "
                 "plan_in_eval=True) to train in eval mode within the budget.",
+                BudgetWarning,
             )
             return False
         return differentiable
@@ -276,6 +277,7 @@ class Planning:
                 "HCModule: planned under a running profiler, which the measurement of kernel "
                 "workspace cannot nest in: this plan counts tensors only and may exceed the "
                 "budget. hbp measures and plans again at the first call outside the profiler.",
+                BudgetWarning,
             )
         return compiled
 
