@@ -119,12 +119,12 @@ _SPLIT_BYTES = 3
 # from before the window (tensors held in reference cycles) changes that only where the
 # cycle collector frees it inside the window: the level drops, and what the window allocates
 # is then measured from below where it started. A full `gc.collect()` before each window
-# ruled that out, but it walks every object the process tracks: on the H200 machine, with
-# transformers imported, 0.17 s a call, and the scratch calibration opens one window per op
-# signature (the U-Net's 145 took 24 s of its 34 s first step). Instead the collector is off
-# inside the window and back on after it (as the caller had it): garbage from before stays
-# allocated through the window, which leaves the level and the peak above it alone. The
-# window's own frees are reference counting's, and run as ever.
+# ruled that out, but it walks every object the process tracks, and the scratch calibration
+# opens one window per op signature: on a GPU machine most of a first step went to it
+# (docs/results.md "CUDA"). Instead the collector is off inside the window and back on after
+# it (as the caller had it): garbage from before stays allocated through the window, which
+# leaves the level and the peak above it alone. The window's own frees are reference
+# counting's, and run as ever.
 
 
 @contextmanager

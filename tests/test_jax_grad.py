@@ -156,9 +156,13 @@ def test_infeasible_budget_raises_budget_error_with_minimum(mlp):
     with pytest.raises(hbp.BudgetError) as info:
         grad_fn(params, x)
     assert info.value.minimum > 16
-    assert "MiB" in str(info.value)
+    assert "MiB" in str(info.value) and "'50%act', the default) is always within reach" in str(
+        info.value
+    )  # the way out, as HCModule's says it
     # The reported minimum is feasible.
     assert hj.height_compressed_grad(mlp_loss, budget=info.value.minimum).get_plan(params, x)
+    with pytest.raises(hbp.BudgetError, match="a fraction is of hbp's simulated plain step"):
+        hj.height_compressed_grad(mlp_loss, budget=0.01)(params, x)
 
 
 @pytest.mark.parametrize("budget", [0.0, -1, 1.5, "lots", None, True])
@@ -400,8 +404,9 @@ def test_a_loop_over_stacked_weights_warns_and_its_gradients_are_right():
         warnings.simplefilter("always")
         got = hj.height_compressed_grad(stacked, budget="min")(w, x)
     (warned,) = [c for c in caught if "stacked weights" in str(c.message)]
-    assert "args[0] (shape (6, 32, 32))" in str(warned.message)  # where, in the caller's terms
-    assert warned.filename == __file__  # the caller's line
+    said = str(warned.message)  # where it is, in the caller's terms
+    assert "args[0] (shape (6, 32, 32), sliced 6 times)" in said, said
+    assert warned.category is hbp.BudgetWarning and warned.filename == __file__  # the caller's
     assert_trees_close(got, jax.grad(stacked)(w, x))
     ws = list(w)
     with warnings.catch_warnings(record=True) as caught:
@@ -409,3 +414,33 @@ def test_a_loop_over_stacked_weights_warns_and_its_gradients_are_right():
         got = hj.height_compressed_grad(listed, budget="min")(ws, x)
     assert not any("stacked weights" in str(c.message) for c in caught)
     assert_trees_close(got, jax.grad(listed)(ws, x))
+
+
+def test_recomputed_convolutions_under_the_fenced_executor_on_cpu_warn_once():
+    """NOTE [ Convolutions inside a conditional on XLA:CPU ]: recomputed convolutions run in
+    the fenced executor's conditional, XLA:CPU's slow path; hbp says so and names the way out.
+    strategy="remat" has no conditional, and says nothing."""
+    import warnings
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    ws = [jax.random.normal(k, (8, 8 if i else 3, 3, 3)) / 8 for i, k in enumerate(keys)]
+    x = jax.random.normal(jax.random.PRNGKey(5), (4, 3, 16, 16))
+
+    def convnet(ws, x):
+        for w in ws:
+            x = jnp.tanh(
+                jax.lax.conv_general_dilated(
+                    x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW")
+                )
+            )
+        return jnp.mean(x**2)
+
+    for strategy, warns in (("auto", True), ("remat", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grad = hj.height_compressed_grad(convnet, budget="min", strategy=strategy)
+            got = grad(ws, x) if strategy == "auto" else hj.jit(grad)(ws, x)
+        said = [str(c.message) for c in caught if "convolution(s) are recomputed" in str(c.message)]
+        assert len(said) == int(warns), (strategy, said)
+        assert not warns or 'strategy="remat" under hbp.jax.jit' in said[0]
+        assert_trees_close(got, jax.grad(convnet)(ws, x))

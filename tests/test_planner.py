@@ -516,6 +516,21 @@ def test_plan_prints_segments_and_predictions():
     assert Plan.from_dict(p.to_dict()).segments == p.segments
 
 
+def test_a_plans_text_says_what_counted_its_flops():
+    """torch's FLOP counter counts matmuls, convolutions and attention (a recompute of
+    elementwise ops is 0 FLOPs there): a plan of a torch capture says so; JAX's counts every
+    equation, and its plan does not."""
+    from hbp.planner.plan import TORCH_FLOPS
+
+    for framework, said in (("torch", True), ("jax", False), (None, False)):
+        graph = synthetic.residual_net(2)
+        if framework is not None:
+            graph.meta["framework"] = framework
+        p = plan(graph, 0.3, max_cuts=24)
+        assert p.meta.get("framework") == framework
+        assert (TORCH_FLOPS in str(p)) == said, framework
+
+
 @pytest.mark.parametrize(
     "budget, expected",
     [

@@ -99,7 +99,10 @@ def plan(
         )
     info = GraphInfo.of(graph)
     with stage_tables_kept(info):  # "min" and the plan share them
-        return _plan(graph, info, budget, block_size, planner, pins, schedules, options)
+        result = _plan(graph, info, budget, block_size, planner, pins, schedules, options)
+    if "framework" in graph.meta:  # what counted its FLOPs (the plan's text says)
+        result.meta.setdefault("framework", graph.meta["framework"])
+    return result
 
 
 def _plan(graph, info, budget, block_size, planner, pins, schedules, options: dict) -> Plan:

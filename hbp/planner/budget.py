@@ -31,10 +31,16 @@ from enum import Enum
 
 from hbp.errors import ConfigError
 
-__all__ = ["ACCEPTED", "FIT_MARGIN", "Budget", "BudgetKind", "parse_budget"]
+__all__ = ["ACCEPTED", "FIT_MARGIN", "REACHABLE_BUDGETS", "Budget", "BudgetKind", "parse_budget"]
 
 #: The accepted forms, as error messages name them.
 ACCEPTED = "a fraction in (0, 1], 'N%act', bytes (an int or '64MiB'), 'min' or 'fit'"
+
+#: What a BudgetError of a fraction or a byte budget adds: the budgets that always plan.
+REACHABLE_BUDGETS = (
+    "budget='min' plans for the least peak, and a share of what checkpointing saves "
+    "('50%act', the default) is always within reach"
+)
 
 #: "fit" leaves this fraction of the free memory to everything else.
 FIT_MARGIN = 0.1

@@ -75,6 +75,11 @@ def any_pinned(segments: list[Segment]) -> bool:
     return any(s.pinned or any_pinned(s.children) for s in segments)
 
 
+#: What a plan's text adds to the FLOPs of a torch capture: the ops torch's FLOP counter
+#: counts (a recompute of elementwise ops alone is 0 FLOPs there; JAX's counts every op).
+TORCH_FLOPS = "; torch's FLOP counter counts matmuls, convolutions and attention"
+
+
 @dataclass
 class Plan:
     """A plan with its predictions (bytes, FLOPs).
@@ -131,8 +136,8 @@ class Plan:
             f"{_size(self.budget_bytes)}, naive {_size(self.naive_peak_bytes)}, "
             f"{ratio:.2f}x naive)",
             f"  predicted recompute {self.predicted_recompute_flops:.4g} FLOPs "
-            f"({100 * self.predicted_recompute_ratio:.1f}% of naive step FLOPs; torch's FLOP "
-            f"counter counts matmuls, convolutions and attention, no elementwise op); "
+            f"({100 * self.predicted_recompute_ratio:.1f}% of naive step FLOPs"
+            f"{TORCH_FLOPS if self.meta.get('framework') == 'torch' else ''}); "
             f"kept {_size(self.kept_bytes)}",
         ]
         if "solve_time_s" in self.meta:

@@ -27,8 +27,9 @@ class MemoryReport:
         temp_bytes / output_bytes / argument_bytes: of the program (pieces: of the piece at
             the peak).
         n_pieces: compiled programs that ran.
-        rss_growth_bytes: process max-RSS during the measured run minus RSS before it (-1
-            when the high-water mark could not be reset: then it is a lower bound only).
+        rss_growth_bytes: process max-RSS during the measured run minus RSS before it (0
+            where memory released after the baseline kept it below; -1 when the high-water
+            mark could not be reset: then it is a lower bound only).
         wall_s: seconds of the measured run.
         pieces: the per-piece records (pieces strategy).
     """
@@ -96,7 +97,9 @@ def rss_growth(fn, *args) -> tuple[int, float, Any]:
     """(process max-RSS growth in bytes, seconds, the output) of one call of `fn(*args)` as
     it is (warm it up first: compilation counts too), from the resident size once memory
     still being released has been (NOTE [ RSS baseline after a previous call ]). The growth
-    is -1 where the high-water mark cannot be reset (then only a lower bound is known)."""
+    is -1 where the high-water mark cannot be reset (then only a lower bound is known), and
+    0 where the process held less throughout the call than at the baseline (memory still
+    being released after it was read)."""
     gc.collect()
     rss_before = _settled_rss()
     reset = _reset_rss_peak()
@@ -104,7 +107,7 @@ def rss_growth(fn, *args) -> tuple[int, float, Any]:
     out = fn(*args)
     jax.block_until_ready(out)
     wall = time.perf_counter() - start
-    growth = _max_rss() - rss_before if reset else -1
+    growth = max(0, _max_rss() - rss_before) if reset else -1
     return growth, wall, out
 
 

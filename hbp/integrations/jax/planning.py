@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import jax
 
-from hbp.errors import BudgetWarning, ConfigError
+from hbp.errors import BudgetError, BudgetWarning, ConfigError
 from hbp.graph.jax_capture import CapturedFunction, Program, abstractify, capture_program
 from hbp.integrations.jax.pieces import PiecesExecutor
 from hbp.integrations.jax.remat import PARTIAL_READS, taken_whole
 from hbp.integrations.jax.segments import SegmentInfo, check_segments, resolve_segments
-from hbp.planner.budget import Budget
+from hbp.planner.budget import REACHABLE_BUDGETS, Budget, BudgetKind
 from hbp.planner.plan import Plan
 from hbp.runtime.heap import heap_returned_after
 
@@ -110,6 +110,8 @@ class Planned:
         )
         if self.strategy != "pieces":  # the pieces add each cotangent into one running sum
             _warn_on_stacked_weights(compiled, self.strategy, avals)
+        if self.strategy in ("auto", "fenced"):
+            _warn_on_convolutions_in_conditionals(compiled)
         # Closed-over tracers (fun called inside someone's jit) belong to this trace only.
         if not any(isinstance(c, jax.core.Tracer) for c in captured.program.consts):
             self._cache[key] = compiled
@@ -119,15 +121,24 @@ class Planned:
     def _make_plan(self, captured: CapturedFunction) -> Plan:
         fixed = self._fixed_plan
         if fixed is None:
+            budget = Budget.parse(self.budget)
             target = resolve_budget(
-                captured.graph,
-                Budget.parse(self.budget),
-                block_size=self.block_size,
-                planner=self.planner,
+                captured.graph, budget, block_size=self.block_size, planner=self.planner
             )
-            return make_plan(
-                captured.graph, target, block_size=self.block_size, planner=self.planner
-            )
+            try:
+                return make_plan(
+                    captured.graph, target, block_size=self.block_size, planner=self.planner
+                )
+            except BudgetError as err:
+                if budget.kind not in (BudgetKind.FRACTION, BudgetKind.BYTES):
+                    raise
+                fraction = (
+                    "a fraction is of hbp's simulated plain step, not of what XLA compiles "
+                    "for jax.grad; "
+                    if budget.kind is BudgetKind.FRACTION
+                    else ""
+                )
+                raise err.with_detail(fraction + REACHABLE_BUDGETS) from err
         return fixed if isinstance(fixed, Plan) else Plan(segments=list(fixed))
 
     eager_auto = EAGER_AUTO  # what "auto" runs on concrete arrays
@@ -154,21 +165,61 @@ def _warn_on_stacked_weights(compiled: Compiled, executor: str, args) -> None:
         whole = {v for info in compiled.infos if info.recompute for v in info.diff_in}
     else:
         whole = taken_whole(compiled.infos)
-    for k, v in enumerate(program.invars):
-        if v in program.needs_grad and sliced.get(v, 0) >= 2 and v in whole:
-            aval = program.avals[v]
-            paths = jax.tree_util.tree_leaves_with_path(args)
-            where = f"args{jax.tree_util.keystr(paths[k][0])}" if k < len(paths) else "an argument"
-            warnings.warn(
-                f"hbp.jax: {where} (shape {tuple(aval.shape)}) is sliced {sliced[v]} times "
-                "(a lax.scan or loop over stacked weights) and read whole by nested "
-                "recomputed segments, whose backward returns a gradient of its full size: "
-                "under jax.jit the compiled step can exceed the plan. Keep per-layer weights "
-                "in a list or pytree of layers (docs/jax.md).",
-                BudgetWarning,
-                stacklevel=5,  # the caller of the gradient function, when called as is
-            )
-            return
+    paths = jax.tree_util.tree_leaves_with_path(args)
+    found = [
+        f"{f'args{jax.tree_util.keystr(paths[k][0])}' if k < len(paths) else 'an argument'} "
+        f"(shape {tuple(program.avals[v].shape)}, sliced {sliced[v]} times)"
+        for k, v in enumerate(program.invars)
+        if v in program.needs_grad and sliced.get(v, 0) >= 2 and v in whole
+    ]
+    if found:
+        listed = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+        warnings.warn(
+            f"hbp.jax: {listed} {'is' if len(found) == 1 else 'are'} sliced in a lax.scan or "
+            "loop over stacked weights and read whole by nested recomputed segments, whose "
+            "backward returns a gradient of its full size: under jax.jit the compiled step "
+            "can exceed the plan. Keep per-layer weights in a list or pytree of layers "
+            "(docs/jax.md).",
+            BudgetWarning,
+            stacklevel=5,  # the caller of the gradient function, when called as is
+        )
+
+
+#: Primitives XLA:CPU runs on a slow path inside a conditional (NOTE [ Convolutions inside
+#: a conditional on XLA:CPU ]).
+SLOW_IN_CONDITIONALS = ("conv_general_dilated",)
+
+
+def _warn_on_convolutions_in_conditionals(compiled: Compiled) -> None:
+    """Warn once where the fenced executor would recompute a convolution on XLA:CPU."""
+    if jax.default_backend() != "cpu":
+        return
+    recomputed = [
+        op.eqn.primitive.name
+        for info in compiled.infos
+        if info.recompute
+        for op in info.ops
+        if op.eqn.primitive.name in SLOW_IN_CONDITIONALS
+    ]
+    if recomputed:
+        warnings.warn(
+            f"hbp.jax: {len(recomputed)} convolution(s) are recomputed, and with their "
+            "gradients run inside the conditional the fenced executor recomputes in, where "
+            "XLA:CPU runs convolutions several times slower than in plain jax.grad. On CPU, "
+            'strategy="remat" under hbp.jax.jit keeps them on the fast path (docs/jax.md).',
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+# NOTE [ Convolutions inside a conditional on XLA:CPU ]
+# The fenced executor recomputes each segment, and runs its backward, inside a `lax.cond`
+# (NOTE [ Recomputation under the caller's jax.jit ]). XLA:CPU rewrites a convolution into its
+# fast layout outside a conditional's branches only: inside one, the convolutions of a
+# recomputed segment and their gradients run several times slower than in plain `jax.grad`,
+# and a conv net's step can compile to more memory than plain (docs/jax.md gives the
+# figures). `strategy="remat"` under `hbp.jax.jit` has no conditional. hbp says so once per
+# signature on CPU; other backends are not known to do this.
 
 
 # NOTE [ Loops over stacked weights ]

@@ -20,7 +20,7 @@ from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.integrations.torch.signature import signature, state_changes
 from hbp.integrations.torch.warn import warn_at_caller
-from hbp.planner.budget import BudgetKind
+from hbp.planner.budget import REACHABLE_BUDGETS, BudgetKind
 from hbp.planner.cache import graph_fingerprint
 from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
@@ -28,11 +28,6 @@ from hbp.runtime.executors import make_executor
 from hbp.runtime.executors.module_calls import per_call_plan
 from hbp.runtime.heap import heap_returned_after
 
-#: What a BudgetError of a fraction or a byte budget adds: the budgets that always plan.
-REACHABLE_BUDGETS = (
-    "budget='min' plans for the least peak, and a share of what checkpointing saves "
-    "('50%act', the default) is always within reach"
-)
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
 
