@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from step_profile import profiling_device  # beside this script
 
 import hbp
 from hbp.workloads import build
@@ -48,10 +49,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    if not cuda:
-        torch.set_num_threads(1)
+    device = profiling_device()
+    cuda = device == "cuda"
     overrides = dict(_option(text) for text in args.overrides)
     workload = build(args.workload, args.profile, seed=0, **overrides)
     batch = workload.make_batch(0).to(device)

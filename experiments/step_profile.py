@@ -32,6 +32,15 @@ from hbp.modes.checkpoint import CheckpointMode
 from hbp.workloads import build
 
 
+def profiling_device() -> str:
+    """ "cuda" where a CUDA device is visible, else "cpu" with one torch thread (the profiles
+    of this folder run alone on a GPU machine, beside other jobs on a CPU one)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    torch.set_num_threads(1)
+    return "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -41,10 +50,8 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="*", default=["0.5", "min"])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    if not cuda:
-        torch.set_num_threads(1)
+    device = profiling_device()
+    cuda = device == "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
     workload = build("gpt2", args.profile or ("small" if cuda else "tiny"), seed=0)
     batch = workload.make_batch(0).to(device)
