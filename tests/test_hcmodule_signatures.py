@@ -7,6 +7,7 @@ one is captured and planned again."""
 from __future__ import annotations
 
 import copy
+import itertools
 from collections import OrderedDict
 
 import pytest
@@ -355,3 +356,51 @@ def test_a_dropout_rate_changed_between_steps_is_the_one_the_step_uses():
     out = hc(x)
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), rtol=0, atol=0)  # no mask drawn
+
+
+_SEEDS = itertools.count(1)
+
+
+class _SeededBlock(torch.nn.Module):
+    """Writes a fresh seed on itself at every call, as Reformer's layers do (theirs from
+    `torch.seed()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.seed = torch.nn.Linear(D, D), None
+
+    def forward(self, x):
+        self.seed = next(_SEEDS)
+        return torch.tanh(self.lin(x))
+
+
+class _SeededNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_SeededBlock() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x if x.sum() > 0 else -x  # both sides run: no tracer captures it
+
+
+def test_a_module_level_capture_is_not_captured_again_for_the_state_its_forward_writes(
+    count_captures,
+):
+    """NOTE [ Module calls fix no Python state ]: a module-level capture runs the modules' own
+    forwards at every step, so an attribute a forward writes at every call (a fresh seed) is
+    no new signature: one capture for every step, each the plain model's step."""
+    torch.manual_seed(0)
+    model = _SeededNet()
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget="min", calibrate=False)
+    x = torch.randn(64, D)
+    captures = count_captures()
+    with pytest.warns(hbp.CaptureWarning, match="operator level"):
+        for _ in range(4):
+            torch.manual_seed(1)
+            got = run_step(hc, model, (x,))
+            torch.manual_seed(1)
+            assert_same_step(run_step(reference, reference, (x,)), got)
+    assert hc.captured.granularity == "module" and len(captures) == 1

@@ -183,6 +183,9 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         self.plan_cache = plan_cache
         self._compiled: dict[tuple, Compiled] = {}
         self._uncaptured: dict[tuple, CaptureError] = {}  # signatures no capture reaches
+        #: module-level captures by signature less the Python state (NOTE [ Module calls fix
+        #: no Python state ] in signature.py)
+        self._module_calls: dict[tuple, Compiled] = {}
         self._current: Compiled | None = None
         self._warned: set[str] = set()
         self.register_load_state_dict_pre_hook(_accept_unwrapped_keys)
@@ -331,7 +334,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_compiled"], state["_current"] = {}, None  # rebuilt on the next call
-        state["_uncaptured"] = {}
+        state["_uncaptured"], state["_module_calls"] = {}, {}
         state["_probe"] = None  # a measurement in flight (a profiler) stays with the original
         state["_awaiting_backward"] = None  # (weak references to the last call's outputs)
         return state

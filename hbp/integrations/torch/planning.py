@@ -18,7 +18,7 @@ from hbp.errors import BudgetError, BudgetWarning, CaptureError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
-from hbp.integrations.torch.signature import signature, state_changes
+from hbp.integrations.torch.signature import signature, state_changes, without_python_state
 from hbp.integrations.torch.warn import warn_at_caller
 from hbp.planner.budget import REACHABLE_BUDGETS, BudgetKind
 from hbp.planner.cache import graph_fingerprint
@@ -144,9 +144,11 @@ class Planning:
         """The capture, plan and executor of this call's signature (made on first use);
         `compiled_segments`: the call runs its segments compiled (torch.compile(hc))."""
         key = (tag, self._signature(args, kwargs))
-        if key in self._uncaptured:  # NOTE [ A step no capture reaches ] in capture.py
-            raise self._uncaptured[key]
-        compiled = self._compiled.get(key)
+        stateless = (tag, without_python_state(key[1]))  # NOTE [ Module calls fix no Python state ]
+        if key in self._uncaptured or stateless in self._uncaptured:
+            # NOTE [ A step no capture reaches ] in capture.py
+            raise self._uncaptured.get(key) or self._uncaptured[stateless]
+        compiled = self._compiled.get(key) or self._module_calls.get(stateless)
         if (
             compiled is not None
             and not compiled.scratch_measured
@@ -162,9 +164,11 @@ class Planning:
                 try:
                     compiled = self._compile(args, kwargs, root, compiled_segments)
                 except CaptureError as err:
-                    self._uncaptured[key] = err
+                    self._uncaptured[key] = self._uncaptured[stateless] = err
                     raise
                 self._compiled[key] = compiled
+                if compiled.captured.granularity == MODULE:
+                    self._module_calls[stateless] = compiled
                 # NOTE [ What the capture fixed ]: a forward that set its own attributes while
                 # it was traced (a cache's length) finds its capture under the state it left
                 self._compiled.setdefault((tag, self._signature(args, kwargs)), compiled)

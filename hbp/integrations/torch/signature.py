@@ -13,7 +13,14 @@ from torch.utils._pytree import tree_flatten
 
 from hbp.graph.torch.capture import ambient_modes
 
-__all__ = ["PLAIN_VALUES", "global_hooks", "python_state", "signature", "state_changes"]
+__all__ = [
+    "PLAIN_VALUES",
+    "global_hooks",
+    "python_state",
+    "signature",
+    "state_changes",
+    "without_python_state",
+]
 
 
 def signature(module: nn.Module, training: bool, args, kwargs) -> tuple:
@@ -43,6 +50,23 @@ def signature(module: nn.Module, training: bool, args, kwargs) -> tuple:
         state.append(python_state(m, i, configs))
     parts += [tuple(params), tuple(buffers), tuple(flags), tuple(state), global_hooks()]
     return tuple(parts)
+
+
+def without_python_state(key: tuple) -> tuple:
+    """A signature (`signature`) less the modules' Python state: the key under which a capture
+    that fixes none of it (NOTE [ Module calls fix no Python state ]) is found."""
+    return key[:-2] + key[-1:]
+
+
+# NOTE [ Module calls fix no Python state ]
+# A module-level capture checkpoints whole calls of the repeated blocks and runs every
+# module's own forward at each step; a signature no capture reaches runs the plain module.
+# Neither fixes the Python state a forward reads: it is read anew at every call. So a change
+# of that state alone is no new signature for them, and they are found under the signature
+# less it (`without_python_state`). Reformer, which falls back to module level, writes fresh
+# hash seeds on its layers at every call: each step was a new signature, captured and
+# planned again. The plan's memory is the state of its first call's, as the closed loop
+# measured it.
 
 
 #: Attribute values a forward can branch on, compared from step to step (NOTE [ What the
