@@ -70,6 +70,14 @@ __all__ = [
 ]
 
 
+def module_name(module: nn.Module) -> str:
+    """The class name a message gives `module`: a wrapper of hbp's that says so
+    (`wraps_module = True`, the step with its loss) gives the module it wraps."""
+    while getattr(type(module), "wraps_module", False):
+        module = module.module
+    return type(module).__name__
+
+
 def capture(
     module: nn.Module,
     args: tuple = (),
@@ -114,11 +122,11 @@ def capture(
                 )
             except Exception as err:  # noqa: BLE001 - NOTE [ A step no capture reaches ]
                 reason = f"module-level cut points: {_failure_reason(err)}"
-                raise CaptureError(type(module).__name__, [*failures, reason]) from None
+                raise CaptureError(module_name(module), [*failures, reason]) from None
             finally:
                 state.restore()
             warnings.warn(
-                f"hbp could not capture {type(module).__name__} at operator level "
+                f"hbp could not capture {module_name(module)} at operator level "
                 f"({'; '.join(failures)}); falling back to module-level cut points (child "
                 "module calls): the plan is coarser and its memory prediction approximate.",
                 CaptureWarning,

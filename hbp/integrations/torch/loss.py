@@ -31,6 +31,8 @@ class WithLoss(nn.Module):
     """`loss_fn(module(*inputs, **kwargs), *targets)` as one module: the first `n_inputs`
     positional arguments are the module's, the rest the targets."""
 
+    wraps_module = True  # messages name `module` (hbp.graph.torch.capture.module_name)
+
     def __init__(self, module: nn.Module, loss_fn, n_inputs: int):
         super().__init__()
         self.module = module
