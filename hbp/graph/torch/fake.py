@@ -48,11 +48,32 @@ _CPU_UNREDUCED_LOSSES = {
 _CPU_WRONG_META_SIZES = {_aten.mkldnn_rnn_layer.default}
 
 
+# Ops whose real kernels (CPU and CUDA) return their first output laid out as
+# `empty_like(input, input.suggest_memory_format())`, where the decomposition fake tensors run
+# keeps the input's strides (NOTE [ A batch norm's output layout ]).
+_SUGGESTED_LAYOUT_OUTPUTS = {
+    _aten.native_batch_norm.default,
+    _aten._native_batch_norm_legit.default,
+    _aten._native_batch_norm_legit.no_stats,
+    _aten._native_batch_norm_legit_no_training.default,
+}
+
+
+# NOTE [ A batch norm's output layout ]
+# A batch norm of a transposed input (a (batch, channels, length) view of (batch, length,
+# channels) values, as time-series and audio models write it) returns a contiguous output
+# from the real kernels, but a fake one with the input's strides. The op after it sees
+# another layout than the real step: a linear on the transposed-back output then reshapes it
+# by a view where the real step copies it, and saves the copy (a whole activation) for its
+# backward. So the profile re-makes such an output in the layout the real kernel gives it.
+
+
 class RealStorageSizes(TorchDispatchMode):
     """Where fake kernels allocate other sizes than the real ones (see above): records the
     real size of unreduced loss buffers, and re-makes the outputs of `_CPU_WRONG_META_SIZES`
     ops at their real sizes (learnt by running the real kernel once on zeros of the same
-    shapes), so that what they save and hold is charged right."""
+    shapes), so that what they save and hold is charged right; and the first output of a batch
+    norm in the layout its real kernel gives it (NOTE [ A batch norm's output layout ])."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,6 +86,8 @@ class RealStorageSizes(TorchDispatchMode):
             t.device.type == "cpu" for t in tensor_leaves(args)
         ):
             return _resized_like_real(func, args, kwargs, out)
+        if func in _SUGGESTED_LAYOUT_OUTPUTS:
+            return _laid_out_as_suggested(args[0], out)
         position = _CPU_UNREDUCED_LOSSES.get(func)
         if position is not None:
             x = args[0]
@@ -72,6 +95,20 @@ class RealStorageSizes(TorchDispatchMode):
             if x.device.type == "cpu" and reduction != 0:
                 self.sizes[storage_key(out)] = x.numel() * x.element_size()
         return out
+
+
+def _laid_out_as_suggested(x: torch.Tensor, out: tuple) -> tuple:
+    """`out` with its first tensor re-made empty in `x`'s suggested memory format (the
+    channels-last format its strides are in, else contiguous), where it is not."""
+    first = out[0]
+    layout = torch.contiguous_format
+    if x.dim() in (4, 5) and not x.is_contiguous():
+        candidate = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        if x.is_contiguous(memory_format=candidate):
+            layout = candidate
+    if first.is_contiguous(memory_format=layout):
+        return out
+    return (torch.empty_like(first, memory_format=layout), *out[1:])
 
 
 def _resized_like_real(func, args, kwargs, fake_out):
