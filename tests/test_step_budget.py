@@ -246,3 +246,43 @@ def test_backward_inside_the_autocast_region_holds_the_budget():
     # the caller's `.sum()` is outside the module and its plan: its float32 scalar may be
     # alive at the peak
     assert peak <= hc.plan.budget_bytes + 4, (peak, hc.plan.budget_bytes)
+
+
+class _HiddenScratch(torch.autograd.Function):
+    """Identity whose backward holds a temporary four times its input's size: memory that a
+    module-level plan cannot see (as Reformer's reversible layers recompute in theirs)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        scratch = grad.repeat(4, 1)
+        return grad + scratch[: grad.shape[0]] * 0
+
+
+class _BranchingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = _HiddenScratch.apply(torch.tanh(block(x)))
+        return x if x.sum() > 0 else -x  # both sides run: no tracer captures it
+
+
+def test_closed_loop_names_what_a_module_level_plan_does_not_predict():
+    """A module-level plan's prediction is approximate: the closed loop's warning says what
+    such a plan does not predict, not that the caller's loss is outside the module."""
+    torch.manual_seed(0)
+    hc = hbp.HCModule(_BranchingNet(), budget="50%act")
+    x = torch.randn(512, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hc(x).square().mean().backward()
+        hc.measured_peak_bytes
+    assert hc.captured.granularity == "module"
+    said = [str(w.message) for w in caught if issubclass(w.category, hbp.BudgetWarning)]
+    assert said and all("module-level plan did not predict" in m for m in said), said
