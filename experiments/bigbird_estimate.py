@@ -18,6 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: `real_models`
 
+from real_models.seq2seq import bigbird_pegasus_config  # noqa: E402
+
 import hbp  # noqa: E402
 from hbp.allocator import allocator_peak  # noqa: E402
 from hbp.analysis.simulate import simulate  # noqa: E402
@@ -31,12 +33,7 @@ def model(attention: str, encoder_layers: int = 2):
 
     t.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = t.BigBirdPegasusConfig(
-        vocab_size=512, d_model=64, encoder_layers=encoder_layers, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-        decoder_ffn_dim=128, attention_type=attention, block_size=16, num_random_blocks=2,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-    )  # fmt: skip
+    config = bigbird_pegasus_config(attention, encoder_layers)
     return t.BigBirdPegasusForConditionalGeneration(config)
 
 

@@ -33,6 +33,7 @@ import hbp
 from hbp.graph.torch import calibrate
 from hbp.modes.checkpoint import CheckpointMode
 from hbp.modes.library_checkpoint import enable_library_checkpointing
+from hbp.planner.budget import Budget, BudgetKind
 from hbp.workloads import build
 
 from .sizes import BUDGETS, ModelSpec
@@ -126,7 +127,7 @@ def plan_fields(hc: hbp.HCModule, budget: float | int | str, reference: dict | N
     }
     if isinstance(budget, int):
         fields["budget_bytes"] = budget
-    elif isinstance(budget, str) and budget.endswith("%act"):
+    elif isinstance(budget, str) and Budget.parse(budget).kind is BudgetKind.ACTIVATIONS:
         fields["budget_bytes"] = hc.budget_bytes
     elif isinstance(budget, float) and reference is not None and reference.get("peak_bytes"):
         fields["budget_bytes"] = int(budget * reference["peak_bytes"])
@@ -159,7 +160,7 @@ def _budget_of(variant: str, baseline_peak: int | None) -> float | int | str | N
             raise NotApplicable("no checkpointing row measured a peak to hold hbp to")
         return int(baseline_peak)
     budget = variant.split("@", 1)[1]
-    return budget if budget == "min" or budget.endswith("%act") else float(budget)
+    return float(budget) if Budget.parse(budget).kind is BudgetKind.FRACTION else budget
 
 
 def _with_model(workload, model):

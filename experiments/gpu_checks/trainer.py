@@ -64,8 +64,7 @@ def run_trainer_check(spec: ModelSpec, device: str, timed_steps: int, record: Ca
                 reference = row | {"grads": measured.grads}
             else:
                 engine = hbp.engine_of(model)
-                row.update(plan_fields(engine, engine.budget, reference))
-                row["budget_bytes"] = engine.budget_bytes  # the default budget, in bytes
+                row.update(plan_fields(engine, engine.budget, reference))  # in bytes as resolved
                 row["grad_diff"] = grad_diff(measured.grads, reference["grads"])
                 row["loss_diff"] = max(
                     abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])

@@ -95,28 +95,34 @@ def whisper():
     ).loss.backward()
 
 
-def bigbird_pegasus():
-    """BigBird-Pegasus: block-sparse encoder attention (gathers of random blocks, an in-place
-    `unsqueeze_`, writes into one buffer), a dense decoder with cross-attention."""
+def bigbird_pegasus_config(attention: str = "block_sparse", encoder_layers: int = 2):
+    """The zoo's BigBird-Pegasus config (also experiments/bigbird_estimate.py's)."""
     import transformers as t
 
-    config = t.BigBirdPegasusConfig(
+    return t.BigBirdPegasusConfig(
         vocab_size=512,
         d_model=64,
-        encoder_layers=2,
+        encoder_layers=encoder_layers,
         decoder_layers=2,
         encoder_attention_heads=4,
         decoder_attention_heads=4,
         encoder_ffn_dim=128,
         decoder_ffn_dim=128,
-        attention_type="block_sparse",
+        attention_type=attention,
         block_size=16,
         num_random_blocks=2,
         dropout=0.0,
         attention_dropout=0.0,
         activation_dropout=0.0,
     )
-    model = t.BigBirdPegasusForConditionalGeneration(config)
+
+
+def bigbird_pegasus():
+    """BigBird-Pegasus: block-sparse encoder attention (gathers of random blocks, an in-place
+    `unsqueeze_`, writes into one buffer), a dense decoder with cross-attention."""
+    import transformers as t
+
+    model = t.BigBirdPegasusForConditionalGeneration(bigbird_pegasus_config())
     ids, labels = tokens(2, 256), tokens(2, 16)
     return model, lambda m: m(input_ids=ids, labels=labels, use_cache=False).loss.backward()
 

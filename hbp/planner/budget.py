@@ -112,6 +112,13 @@ class Budget:
     def is_min(self) -> bool:
         return self.kind is BudgetKind.MIN
 
+    def way_out(self) -> str | None:
+        """What a `BudgetError` of this budget adds: the budgets that always plan, for a
+        caller's number (a fraction, bytes); None for the forms that name their own."""
+        if self.kind in (BudgetKind.FRACTION, BudgetKind.BYTES):
+            return REACHABLE_BUDGETS
+        return None
+
     def resolve(
         self, naive_peak_bytes: int, least_peak: Callable[[], int], device=None
     ) -> int | str:

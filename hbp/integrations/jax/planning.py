@@ -12,7 +12,7 @@ from hbp.graph.jax_capture import CapturedFunction, Program, abstractify, captur
 from hbp.integrations.jax.pieces import PiecesExecutor
 from hbp.integrations.jax.remat import PARTIAL_READS, taken_whole
 from hbp.integrations.jax.segments import SegmentInfo, check_segments, resolve_segments
-from hbp.planner.budget import REACHABLE_BUDGETS, Budget, BudgetKind
+from hbp.planner.budget import Budget, BudgetKind
 from hbp.planner.plan import Plan
 from hbp.runtime.heap import heap_returned_after
 
@@ -130,7 +130,7 @@ class Planned:
                     captured.graph, target, block_size=self.block_size, planner=self.planner
                 )
             except BudgetError as err:
-                if budget.kind not in (BudgetKind.FRACTION, BudgetKind.BYTES):
+                if budget.way_out() is None:
                     raise
                 fraction = (
                     "a fraction is of hbp's simulated plain step, not of what XLA compiles "
@@ -138,7 +138,7 @@ class Planned:
                     if budget.kind is BudgetKind.FRACTION
                     else ""
                 )
-                raise err.with_detail(fraction + REACHABLE_BUDGETS) from err
+                raise err.with_detail(fraction + budget.way_out()) from err
         return fixed if isinstance(fixed, Plan) else Plan(segments=list(fixed))
 
     eager_auto = EAGER_AUTO  # what "auto" runs on concrete arrays

@@ -282,13 +282,18 @@ class ClosedLoop:
         compiled.unseen_bytes = max(unseen, 0)  # NOTE [ Kept outputs after unseen memory ]
         target = min(compiled.budget_bytes - unseen, compiled.plan.budget_bytes - excess)
         loss_inside = loss_in_graph(compiled)
-        module_level = compiled.captured.granularity == MODULE
-        if module_level:  # its prediction is approximate: the CaptureWarning said why
+        advice = "raise the budget."
+        if compiled.captured.granularity == MODULE:  # approximate: the CaptureWarning said why
             unseen_said = (
                 "memory the module-level plan did not predict (the Python between its block "
                 "calls, custom autograd Functions' own backward, kernel workspace) or the "
                 "caller's loss outside the module. "
             )
+            if not loss_inside:
+                advice = (
+                    "raise the budget (or pass loss_fn= where the loss is computed outside "
+                    "the module)."
+                )
         elif loss_inside:
             unseen_said = (
                 "memory the plan did not see (what the caller allocates or keeps during the "
@@ -299,18 +304,11 @@ class ClosedLoop:
                 "memory outside the module (the caller's loss and its backward), kernel "
                 "workspace or compiled kernels' buffers the plan did not see. "
             )
+            advice = "pass loss_fn= so that hbp plans the loss too, or raise the budget."
         message = (
             f"HCModule: the measured step peaked at {peak / MIB:.2f} MiB (allocator), "
             f"{excess / MIB:.2f} MiB above the budget of {compiled.budget_bytes / MIB:.2f} MiB: "
             + unseen_said
-        )
-        advice = (
-            "raise the budget."
-            if loss_inside
-            else "raise the budget (or pass loss_fn= where the loss is computed outside the "
-            "module)."
-            if module_level
-            else "pass loss_fn= so that hbp plans the loss too, or raise the budget."
         )
         if target <= 0:  # what the plan did not see is the whole budget or more
             compiled.settled = True

@@ -20,7 +20,7 @@ from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.integrations.torch.signature import signature, state_changes, without_python_state
 from hbp.integrations.torch.warn import warn_at_caller
-from hbp.planner.budget import REACHABLE_BUDGETS, BudgetKind
+from hbp.planner.budget import BudgetKind
 from hbp.planner.cache import graph_fingerprint
 from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
@@ -319,8 +319,8 @@ class Planning:
                         "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
                     ) from err
                 said = self._budget_error_without_outputs(graph, err)
-                if budget.kind in (BudgetKind.FRACTION, BudgetKind.BYTES):
-                    said = said.with_detail(REACHABLE_BUDGETS)
+                if budget.way_out() is not None:
+                    said = said.with_detail(budget.way_out())
                 raise said from err
         if cached is None:
             self._cache_plan(captured, pins, plan)
