@@ -417,3 +417,71 @@ def test_a_calibrated_graph_kept_whole_is_read_back_without_running_it(tmp_path,
     channels_last = x.contiguous(memory_format=torch.channels_last)
     capture(module, (channels_last, y), calibrate=True, scratch_store=store)
     assert ran  # another input layout: its ops run (and are measured where new)
+
+
+def test_a_measured_op_is_not_run_again_and_the_graph_is_the_same(monkeypatch):
+    """An op the calibration measures hands its output on to the graph run (NOTE [ A measured
+    op's output is its value ]): each such op runs once less than where every op is run for
+    its value (or runs in neither, after the last op a layout pass measures), and the calibrated
+    graph is the same."""
+    from collections import Counter
+
+    ids = torch.randint(0, 120, (2, 16))
+    handed_on, runs, hand_on = [], [], [True]
+    measure, run_node = calibrate.measure_op, calibrate.run_node
+
+    def counted_measure(gm, node, args, kwargs, cat_dim, strides, value=None):
+        out = measure(gm, node, args, kwargs, cat_dim, strides, value if hand_on[0] else None)
+        if value:
+            handed_on.append(node)
+        return out
+
+    monkeypatch.setattr(calibrate, "measure_op", counted_measure)
+    monkeypatch.setattr(
+        calibrate, "run_node", lambda gm, node, *a: runs.append(node) or run_node(gm, node, *a)
+    )
+
+    def calibrated() -> tuple[list[str], Counter, Counter]:
+        torch.manual_seed(0)
+        model = HFStyleLM(depth=2)
+        captured = capture(model, (ids,), {"labels": ids})
+        calibrate.clear_cache()
+        handed_on.clear()
+        runs.clear()
+        calibrate.calibrate_scratch(captured, (ids,), {"labels": ids})
+        names = [repr(n) for n in captured.graph.nodes]
+        return names, Counter(n.name for n in runs), Counter(n.name for n in handed_on)
+
+    graph, reused_runs, reused = calibrated()
+    hand_on[0] = False  # every op run for its value
+    every_graph, every_runs, none = calibrated()
+    assert graph == every_graph
+    saved = every_runs - reused_runs  # a layout pass stops after the last op it measures
+    assert not none and sum(saved.values()) > 10
+    assert all(0 < saved[name] <= reused[name] for name in saved)
+    assert not reused_runs - every_runs
+
+
+def test_a_measured_output_handed_on_leaves_the_backward_measurement_alone():
+    """The output handed on is held through the backward: the measurement is the same as
+    without it, on an op whose backward frees its saved output before its next autograd node
+    allocates (NOTE [ A measured op's output is its value ])."""
+    import torch.fx as fx
+
+    from hbp.graph.torch.measure_op import measure_op
+
+    def saved_then_freed(x, w):  # sigmoid saves its output; mm's backward allocates after
+        return torch.sigmoid(torch.mm(x, w))
+
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    node = graph.call_function(saved_then_freed, (x, w))
+    graph.output(node)
+    gm = fx.GraphModule(nn.Module(), graph)
+    args = (torch.randn(256, 2048, requires_grad=True), torch.randn(2048, 16, requires_grad=True))
+    plain = measure_op(gm, node, args, {})
+    value = []
+    handed_on = measure_op(gm, node, args, {}, None, None, value)
+    assert handed_on == plain
+    assert torch.equal(value[0], saved_then_freed(*args).detach())
+    assert not value[0].requires_grad

@@ -186,9 +186,13 @@ def _calibrate_pass(
         for strides in seeds:
             key = (facts.signature, cat_dim, strides)
             if key not in _CACHE and not _stored(run, key, args, kwargs):
-                measured = measure_op(gm, node, args, kwargs, cat_dim, strides)
+                takes = view is None and values is not None and values.takes_measured
+                value = [] if takes else None
+                measured = measure_op(gm, node, args, kwargs, cat_dim, strides, value)
                 if measured is None:
                     continue
+                if value:  # NOTE [ A measured op's output is its value ] in measure_op.py
+                    values.env.setdefault(node, value[0])
                 _CACHE[key] = measured
                 if run.store is not None:  # measured: it has a tensor argument
                     run.store.put(key, _device(args, kwargs), measured)
@@ -322,9 +326,12 @@ def clear_cache() -> None:
 class _Values:
     """The real values of the fx nodes run so far, and their measurement copies."""
 
-    def __init__(self, gm: fx.GraphModule, captured: CapturedGraph):
+    def __init__(self, gm: fx.GraphModule, captured: CapturedGraph, takes_measured: bool):
         self.gm, self.captured = gm, captured
         self.env: dict[fx.Node, Any] = {}
+        #: whether an op measured on these values hands the run its output (NOTE [ A measured
+        #: op's output is its value ] in measure_op.py): where no value decides a branch
+        self.takes_measured = takes_measured
 
     def prepare(self, arg: Any) -> Any:
         """An argument for a measured run: a node's value with its tensors detached and
@@ -363,11 +370,11 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
     user; with `until` (fx nodes), only as far as the last of them. A node profiled like an
     earlier one takes that one's value instead of running (NOTE [ Calibration runs one
     block ])."""
-    values = _Values(gm, captured)
-    env = values.env
     nodes = list(gm.graph.nodes)
     if until is not None:
         nodes = nodes[: max((i for i, n in enumerate(nodes) if n in until), default=-1) + 1]
+    values = _Values(gm, captured, takes_measured=not _branches_on_data(nodes))
+    env = values.env
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
@@ -389,8 +396,9 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
             if first in kept:
                 env[node] = kept[first]
             else:
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-                env[node] = run_node(gm, node, args, kwargs)
+                if node not in env:  # else the caller's measurement of it ran it
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                    env[node] = run_node(gm, node, args, kwargs)
                 if node in last_stand_in and _floating(env[node]):
                     kept[node] = env[node]
             if first is not None and last_stand_in.get(first) == i:
@@ -415,7 +423,7 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
 
 def _stand_ins(captured: CapturedGraph, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     """fx node -> the earlier fx node whose value stands in for its own."""
-    if any(n.meta.get(REAL_RESULTS) or n.target is guard for n in nodes):
+    if _branches_on_data(nodes):
         return {}
     by_name = {n.name: n for n in nodes}
     # a value an in-place view op reshapes is one tensor per node: its stand-in would be
@@ -430,6 +438,12 @@ def _stand_ins(captured: CapturedGraph, nodes: list[fx.Node]) -> dict[fx.Node, f
             continue
         out[node] = first
     return out
+
+
+def _branches_on_data(nodes: list[fx.Node]) -> bool:
+    """Whether the graph depends on its values, not only their layouts: a graph break's
+    sizes or a guard's check."""
+    return any(n.meta.get(REAL_RESULTS) or n.target is guard for n in nodes)
 
 
 def _floating(value: Any) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from hbp.allocator import allocator_peaks
 from hbp.graph.torch.modes import MODES, enter_modes
@@ -30,12 +30,15 @@ def measure_op(
     kwargs,
     cat_dim: int | None = None,
     strides: Strides | None = None,
+    value: list | None = None,
 ) -> tuple[int, int, tuple[Strides | None, ...]] | None:
     """(forward, backward, grad_strides) of one run of `node` on `args`: the allocator peaks
     above the level before each, bytes, and for each tensor leaf of (args, kwargs) the
     strides of the gradient the backward returned for it (None: none, or one that is not
     dense); None when the op cannot run alone. `strides`: the output gradient's (else the
-    output's own layout, or a slice of a `torch.cat`'s gradient)."""
+    output's own layout, or a slice of a `torch.cat`'s gradient). `value`: where given, the
+    forward's output, detached, is appended to it (NOTE [ A measured op's output is its
+    value ]); nothing where the op cannot run alone."""
     leaves = tree_leaves((args, kwargs))
     device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
     if device is None:
@@ -53,6 +56,8 @@ def measure_op(
         state["outputs"] = [
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
+        if value is not None:  # NOTE [ A measured op's output is its value ]
+            state["value"] = tree_map(_detached, out)
         if not state["outputs"] or not grad_inputs:
             state["out"] = out
 
@@ -91,8 +96,26 @@ def measure_op(
         backward = max(0, backward - sum(seed_bytes))  # the step holds its gradient already
     except Exception:  # noqa: BLE001 - an op that cannot run alone keeps the fake estimate
         return None
+    if value is not None:
+        value.append(state["value"])
     by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
     return forward, backward, tuple(_layout(by_id.get(id(t))) for t in leaves)
+
+
+# NOTE [ A measured op's output is its value ]
+# The calibration runs the graph forward to hand each op its inputs, and measures each new op
+# signature by running it again, forward and backward, under the allocator: a measured op ran
+# twice, and on a large model the ops measured are its largest (GPT-2's LM head and its loss,
+# a sixth of the calibration). The measured forward's output is the value the graph run
+# needs, so the run takes it (`measure_op(..., value=)`), detached. Holding it from the end of
+# the forward changes nothing measured: the output gradients' maker (`_SeededGradients`,
+# through its closure) holds the outputs through the backward already, and the output's
+# other tensors (indices) would be freed at the end of the forward, after its peak; held,
+# they raise the backward's starting level and each point after it by the same bytes.
+
+
+def _detached(t: Any) -> Any:
+    return t.detach() if isinstance(t, torch.Tensor) else t
 
 
 class _SeededGradients(torch.autograd.Function):
