@@ -214,3 +214,45 @@ def test_the_tracer_after_the_module_level_fallback_has_a_name():
         warnings.simplefilter("ignore", CaptureWarning)
         hc(torch.randn(4, 8)).sum().backward()
     assert hc.captured.granularity == "module" and hc.captured.tracer == "module"
+
+
+def test_an_autocast_forward_set_before_enable_runs_around_the_training_step():
+    """NOTE [ A forward wrapped before enable ]: a forward set on the instance as the class's
+    forward inside `torch.autocast` (what accelerate's mixed precision does) keeps its autocast
+    in the enabled model's training steps: the plain wrapped model's losses and gradients, not
+    the fp32 ones."""
+    torch.manual_seed(0)
+    fp32, _, kwargs = gpt2()
+    plain, model = copy.deepcopy(fp32), copy.deepcopy(fp32)
+    for net in (plain, model):
+        net.forward = torch.autocast("cpu", dtype=torch.bfloat16)(net.forward)
+    hbp.enable(model, budget="min")
+    for step in range(2):
+        loss = _step(model, kwargs, step)
+        assert torch.equal(_step(plain, kwargs, step), loss)
+        assert not torch.equal(_step(fp32, kwargs, step), loss)  # bf16 it is
+        _same_grads(plain, model)
+    assert hbp.engine_of(model).plan.predicted_recompute_flops > 0
+
+
+def test_an_unknown_forward_set_before_enable_is_named_in_a_warning():
+    """A forward another library or the user set on the instance, which hbp does not know,
+    is not guessed at: enable says the training steps run the class's forward without it, and
+    calls without grad still run it."""
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    original, calls = model.forward, []
+
+    def logged(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.forward = logged
+    with pytest.warns(UserWarning, match=r"replaced by .*logged before hbp.enable.*before the"):
+        hbp.enable(model, budget="min")
+    _step(model, kwargs)
+    assert calls == []
+    with torch.no_grad():
+        model(**kwargs)
+    assert calls == [1]
+    assert hbp.disable(model).forward is logged

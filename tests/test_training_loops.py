@@ -134,6 +134,38 @@ def test_accelerate_with_gradient_accumulation_and_generate_between_steps():
 
 
 @pytest.mark.slow
+def test_enabled_after_accelerates_bf16_prepare_trains_in_bf16():
+    """hbp.enable after `accelerator.prepare` with mixed precision: the training steps run in
+    the autocast accelerate put around the forward (NOTE [ A forward wrapped before enable ]),
+    the plain prepared model's losses and parameters, not fp32's."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    _quiet()
+    batch, losses, models = _batch(), {}, {}
+    for name in ("fp32", "plain", "hbp"):
+        AcceleratorState._reset_state(True)  # one precision per process otherwise
+        accelerator = Accelerator(cpu=True, mixed_precision="no" if name == "fp32" else "bf16")
+        net = tiny_llama()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        net, optimizer = accelerator.prepare(net, optimizer)
+        if name == "hbp":
+            hbp.enable(net, budget="min")
+        losses[name], models[name] = [], net
+        for _ in range(3):
+            loss = net(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+    AcceleratorState._reset_state(True)
+    assert losses["hbp"] == losses["plain"] and losses["hbp"][1:] != losses["fp32"][1:]
+    for a, b in zip(models["plain"].parameters(), models["hbp"].parameters()):
+        assert torch.equal(a, b)
+    assert hbp.engine_of(models["hbp"]).plan.predicted_recompute_flops > 0
+
+
+@pytest.mark.slow
 def test_bf16_autocast_step():
     plain = tiny_llama()
     model = hbp.enable(copy.deepcopy(plain), budget="min")

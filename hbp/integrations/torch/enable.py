@@ -13,8 +13,10 @@ reads to keep a batch's columns) and hands training calls to an engine, an HCMod
 model kept in `model.__dict__` (not a submodule: no state_dict key, no `.modules()` entry).
 Calls without grad (`generate`, evaluation under `torch.no_grad()`) run the original forward.
 The engine's capture and its module-level executor call the model again; those inner calls
-(the engine is `inside`) run the original forward too, and the capture runs without the model's
-own forward hooks (they run once, around the enabled forward, as nn.Module calls them).
+(the engine is `inside`) run the class's forward, inside the layers of a forward set before
+(NOTE [ A forward wrapped before enable ] in wrapped_forward.py), and the capture runs without
+the model's own forward hooks (they run once, around the enabled forward, as nn.Module calls
+them).
 `disable` puts back the forward the instance had (none, or one set by another library before).
 Enabling an enabled model with the same budget and options does nothing; with another budget,
 block_size or planner only, the engine plans its captures again (NOTE [ Options changed after
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ from torch import nn
 from hbp.errors import ConfigError
 from hbp.integrations.torch.compile import dynamo_callback_set
 from hbp.integrations.torch.module import DEFAULT_BUDGET, ENGINE_ATTR, HCModule
+from hbp.integrations.torch.wrapped_forward import ForwardLayers, layers_of
 
 __all__ = ["EnabledForward", "disable", "enable", "engine_of", "is_enabled"]
 
@@ -48,14 +52,43 @@ class _Engine(HCModule):
         self.previous_forward = previous_forward  # an instance forward set before, or None
         self.options = (budget, options)
         self.inside = False
+        # NOTE [ A forward wrapped before enable ] in wrapped_forward.py
+        self.layers = ForwardLayers()
+        if previous_forward is not None:
+            self.layers = layers_of(previous_forward, model)
+        if self.layers.unknown is not None:
+            warnings.warn(
+                f"hbp.enable: {type(model).__name__}'s forward was replaced by "
+                f"{self.layers.unknown} before hbp.enable; its training steps run the class's "
+                "forward without that wrapper (calls without grad still run it). Call "
+                "hbp.enable before the library that set it.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def original_forward(self, *args, **kwargs):
+        """The forward the instance had before enable: calls without grad."""
         if self.previous_forward is not None:
             return self.previous_forward(*args, **kwargs)
+        return self.class_forward(*args, **kwargs)
+
+    def class_forward(self, *args, **kwargs):
+        """The class's forward: the engine's own calls, inside the training call's layers."""
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def _plain(self, *args, **kwargs):
-        return self.original_forward(*args, **kwargs)
+        return self.class_forward(*args, **kwargs)
+
+    def train_call(self, args, kwargs, compiled_segments: bool = False):
+        """`enter` inside the layers of the forward the instance had before (NOTE [ A
+        forward wrapped before enable ] in wrapped_forward.py)."""
+        if not self.layers.rewraps:
+            return self.enter(args, kwargs, compiled_segments)
+
+        def call(*args, **kwargs):
+            return self.enter(args, kwargs, compiled_segments)
+
+        return self.layers.around(call)(*args, **kwargs)
 
     @torch.compiler.disable(reason="hbp runs its plan outside Dynamo")
     def enter(self, args, kwargs, compiled_segments: bool = False):
@@ -104,11 +137,13 @@ class EnabledForward:
 
     def __call__(self, *args, **kwargs):
         engine = self.engine
-        if engine.inside or not torch.is_grad_enabled():
+        if engine.inside:
+            return engine.class_forward(*args, **kwargs)
+        if not torch.is_grad_enabled():
             return engine.original_forward(*args, **kwargs)
         # asked here: inside `enter`, which Dynamo does not trace, torch.compile is not seen
         compiling = torch.compiler.is_compiling() or dynamo_callback_set()
-        return engine.enter(args, kwargs, compiling)
+        return engine.train_call(args, kwargs, compiling)
 
 
 def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Module:
