@@ -219,20 +219,24 @@ def test_the_tracer_after_the_module_level_fallback_has_a_name():
 def test_an_autocast_forward_set_before_enable_runs_around_the_training_step():
     """NOTE [ A forward wrapped before enable ]: a forward set on the instance as the class's
     forward inside `torch.autocast` (what accelerate's mixed precision does) keeps its autocast
-    in the enabled model's training steps: the plain wrapped model's losses and gradients, not
-    the fp32 ones."""
+    in the enabled model's training steps, and in an HCModule's over it: the plain wrapped
+    model's losses and gradients, not the fp32 ones."""
     torch.manual_seed(0)
     fp32, _, kwargs = gpt2()
-    plain, model = copy.deepcopy(fp32), copy.deepcopy(fp32)
-    for net in (plain, model):
+    plain, model, wrapped = (copy.deepcopy(fp32) for _ in range(3))
+    for net in (plain, model, wrapped):
         net.forward = torch.autocast("cpu", dtype=torch.bfloat16)(net.forward)
     hbp.enable(model, budget="min")
+    hc = hbp.HCModule(wrapped, budget="min")  # an HCModule over it runs the layers too
     for step in range(2):
         loss = _step(model, kwargs, step)
         assert torch.equal(_step(plain, kwargs, step), loss)
         assert not torch.equal(_step(fp32, kwargs, step), loss)  # bf16 it is
         _same_grads(plain, model)
+        assert torch.equal(_step(hc, kwargs, step), loss)
+        _same_grads(plain, wrapped)
     assert hbp.engine_of(model).plan.predicted_recompute_flops > 0
+    assert hc.plan.predicted_recompute_flops > 0
 
 
 def test_an_unknown_forward_set_before_enable_is_named_in_a_warning():

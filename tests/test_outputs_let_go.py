@@ -126,6 +126,31 @@ def test_kept_outputs_are_planned_for_when_the_measured_peak_is_read_between_ste
     assert measured <= hc.budget_bytes
 
 
+def test_the_budget_read_after_a_measured_step_is_the_one_its_measurement_gives():
+    """`hc.budget_bytes` read after a measured step's backward reads that measurement first,
+    as `hc.measured_peak_bytes` does: the same budget whichever is read first (the least peak
+    rises once the kept logits are planned for). Read between the forward and the backward,
+    it leaves the step's measurement alone."""
+    torch.manual_seed(0)
+    batch = _batch()
+    budgets = {}
+    for order in ("budget first", "peak first"):
+        hc = hbp.HCModule(TinyLM(), budget="min")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hbp.BudgetWarning)
+            out = hc(*batch)
+            during = hc.budget_bytes  # before backward: the measurement goes on
+            out.loss.backward()
+            if order == "budget first":
+                budgets[order] = (hc.budget_bytes, hc.measured_peak_bytes, hc.budget_bytes)
+            else:
+                peak = hc.measured_peak_bytes
+                budgets[order] = (hc.budget_bytes, peak, hc.budget_bytes)
+        assert budgets[order][1] is not None  # the first step was measured
+    assert budgets["budget first"] == budgets["peak first"]
+    assert budgets["budget first"][0] > during  # planned again for the kept logits
+
+
 def test_keeps_outputs_fixes_the_assumption():
     torch.manual_seed(0)
     batch = _batch()

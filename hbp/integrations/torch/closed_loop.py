@@ -89,6 +89,11 @@ class StepPeakProbe:
             self._end_marker = torch.empty(1, dtype=torch.uint8)
             self._end_ptr = self._end_marker.data_ptr()
 
+    @property
+    def ended(self) -> bool:
+        """Whether the step's backward has ended."""
+        return self._peak is not None or self._end_ptr is not None
+
     def stop(self) -> int | None:
         """The measured peak (None if the step's backward never ended); stops the profiler."""
         if self._profiler is None:
@@ -219,6 +224,12 @@ class ClosedLoop:
             "peaks. Give each call its share of the budget, or run the inputs as one batch.",
             BudgetWarning,
         )
+
+    def _finish_ended_probe(self) -> None:
+        """`_finish_probe` where the measured step's backward has ended (else the step goes
+        on being measured)."""
+        if self._probe is not None and self._probe[0].ended:
+            self._finish_probe()
 
     def _finish_probe(self) -> None:
         """Read a measured step whose backward has ended (see `StepPeakProbe`); drop one

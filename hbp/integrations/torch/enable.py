@@ -79,6 +79,9 @@ class _Engine(HCModule):
     def _plain(self, *args, **kwargs):
         return self.class_forward(*args, **kwargs)
 
+    def _instance_layers(self) -> ForwardLayers:
+        return ForwardLayers()  # the instance forward is the enabled one: `train_call` has them
+
     def train_call(self, args, kwargs, compiled_segments: bool = False):
         """`enter` inside the layers of the forward the instance had before (NOTE [ A
         forward wrapped before enable ] in wrapped_forward.py)."""

@@ -5,6 +5,7 @@ place (enable.py). What happens at a call: NOTE [ A call of HCModule ] below."""
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from hbp.integrations.torch.guards import has_guards, run_or_plain
 from hbp.integrations.torch.loss import training_kwargs, with_loss
 from hbp.integrations.torch.outputs import WatchedOutputs
 from hbp.integrations.torch.planning import Compiled, Planning, plan_summary
+from hbp.integrations.torch.wrapped_forward import ForwardLayers, layers_of
 from hbp.planner import PLANNERS
 from hbp.planner.budget import Budget
 from hbp.planner.cache import PlanCache, save_plan
@@ -245,7 +247,10 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         """The budget, in bytes, the most recent call's input signature must meet: the one
         to compare a measured peak with. `plan.budget_bytes` is what its plan was made for,
         lower where the first step's measurement planned again below the budget for memory
-        the plan did not see."""
+        the plan did not see. Read after a measured step's backward, that measurement is read
+        first, as `measured_peak_bytes` reads it (the budget of "min" rises with kept
+        outputs)."""
+        self._finish_ended_probe()
         return self._current.budget_bytes if self._current else None
 
     @property
@@ -274,7 +279,34 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         # NOTE [ torch.compile of an HCModule ]
         if torch.compiler.is_compiling() or dynamo_callback_set():
             return self._forward_with_compiled_segments(*args, **kwargs)
+        layers = self._instance_layers()
+        if layers.rewraps:  # NOTE [ A forward wrapped before enable ] in wrapped_forward.py
+
+            def step(*args, **kwargs):
+                return self._step(args, kwargs, compiled_segments=False)
+
+            return layers.around(step)(*args, **kwargs)
         return self._step(args, kwargs, compiled_segments=False)
+
+    def _instance_layers(self) -> ForwardLayers:
+        """The layers of a forward set on the wrapped module's instance (accelerate's mixed
+        precision), read once per such forward; one hbp does not know is named in a warning."""
+        forward = self.module.__dict__.get("forward")
+        if forward is None:
+            return ForwardLayers()
+        known = self.__dict__.get("_instance_forward")
+        if known is None or known[0] is not forward:
+            known = self.__dict__["_instance_forward"] = (forward, layers_of(forward, self.module))
+            if known[1].unknown is not None:
+                warnings.warn(
+                    f"HCModule: {type(self.module).__name__}'s forward was replaced by "
+                    f"{known[1].unknown}; its training steps run the class's forward without "
+                    "that wrapper (calls without grad still run it). Wrap the model before the "
+                    "library that set it.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        return known[1]
 
     def _step(self, args, kwargs, compiled_segments: bool):
         """The call as a training step: captured, planned (once per signature) and run by the
