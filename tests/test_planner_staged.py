@@ -410,7 +410,7 @@ def test_a_staged_candidate_is_found_once_per_budget_in_a_plan_call(monkeypatch)
     kept = plan(graph, "min", staged="always")
     assert solved and len(solved) == len(set(solved))
     solved.clear()
-    monkeypatch.setattr(staged_search, "kept_candidates", lambda info: None)  # none kept
+    monkeypatch.setattr(staged_search, "kept_for_plan_call", lambda info, key, make: make())
     again = plan(graph, "min", staged="always")
     assert len(solved) > len(set(solved))  # the budget found, solved again
     assert [kept.predicted_peak_bytes, kept.segments] == [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.plan_call import kept_for_plan_call
 
 # DP work grows like cuts^3 x the number of held sets per cut (`held_sets`); this bound keeps
 # planning at 1-3 s of CPU (56 cuts with 1-2 groups crossing each).
@@ -82,15 +83,20 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
     block size k is a subset of the set for block size 1, so the planner and its minimum are
     never worse at block size 1 than at a coarser one.
     """
+    key = ("candidate cuts", block_size, max_cuts)  # NOTE [ Facts kept for one plan call ]
+    return list(kept_for_plan_call(info, key, lambda: _candidate_cuts(info, block_size, max_cuts)))
+
+
+def _candidate_cuts(info: GraphInfo, block_size: int, max_cuts: int) -> tuple[int, ...]:
     n = info.n
     if n == 0:
-        return [0]
+        return (0,)
     first = 0
     while first < n and info.is_input[first]:
         first += 1
     pos = list(range(max(first, 1), n))
     if not pos:
-        return [0, n]
+        return (0, n)
     w, count = _frontier(info)
     wp = [int(w[c]) for c in pos]
     minima = _minima(pos, wp)
@@ -114,7 +120,7 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
             if k not in window or w[c] <= w[window[k]]:
                 window[k] = c
         chosen = list(window.values())
-    return sorted({0, *chosen, n})
+    return tuple(sorted({0, *chosen, n}))
 
 
 def cut_choices(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> list[list[int]]:
@@ -122,7 +128,7 @@ def cut_choices(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> lis
     as many (NOTE [ Least peak over other cut choices ]), `max_cuts`'s first."""
     out: list[list[int]] = []
     for k in (max_cuts, max_cuts * 3 // 2, max_cuts * 2):
-        cuts = candidate_cuts(info, block_size, k)
+        cuts = candidate_cuts(info, block_size, k)  # each kept for the plan call
         if cuts not in out:
             out.append(cuts)
     return out

@@ -235,20 +235,11 @@ def stage_tables_kept(info: GraphInfo) -> Iterator[None]:
     [ Stage tables do not depend on the budget ])."""
     # one scope for both per-call caches: NOTE [ One cost model per cut set in a plan call ]
     with cost_models_shared(info) as outermost:
-        if outermost:  # NOTE [ A staged candidate found once per plan call ] in staged_search
-            info.__dict__["_staged_candidates"] = {}
         try:
             yield
         finally:
             if outermost:  # the outermost drops them
                 info.__dict__.pop("_stage_tables", None)
-                info.__dict__.pop("_staged_candidates", None)
-
-
-def kept_candidates(info: GraphInfo) -> dict | None:
-    """The staged candidates of `info` found in the current `stage_tables_kept` scope, by
-    (budget, pins); None outside one."""
-    return info.__dict__.get("_staged_candidates")
 
 
 # NOTE [ Identical stages are solved once ]

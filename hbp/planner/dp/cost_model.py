@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.plan_call import kept_for_plan_call, plan_call_scope
 from hbp.analysis.positional import positional_bytes
 from hbp.planner.dp.modes import INF, PLAIN, REC, ChildMode
 
@@ -483,25 +484,12 @@ def cost_models_shared(info: GraphInfo) -> Iterator[bool]:
     """Inside, `cost_model(info, cuts)` gives one model per cut set (NOTE [ One cost model
     per cut set in a plan call ]); the outermost exit drops them. Yields whether this is the
     outermost scope (a caller keeping other per-call caches drops them with it)."""
-    depth = info.__dict__.get("_cost_models_depth", 0)
-    info.__dict__["_cost_models_depth"] = depth + 1
-    try:
-        yield depth == 0
-    finally:
-        info.__dict__["_cost_models_depth"] = depth
-        if depth == 0:
-            info.__dict__.pop("_cost_models", None)
-            info.__dict__.pop("_cost_models_depth", None)
+    with plan_call_scope(info) as outermost:  # NOTE [ Facts kept for one plan call ]
+        yield outermost
 
 
 def cost_model(info: GraphInfo, cuts: list[int]) -> CostModel:
     """The cost model of the whole graph over `cuts`: inside `cost_models_shared(info)` the
     one made for the same cuts before, else a new one."""
-    if not info.__dict__.get("_cost_models_depth"):
-        return CostModel(info, cuts)
-    models = info.__dict__.setdefault("_cost_models", {})
-    key = tuple(int(c) for c in cuts)
-    model = models.get(key)
-    if model is None:
-        model = models[key] = CostModel(info, cuts)
-    return model
+    key = ("cost model", tuple(int(c) for c in cuts))
+    return kept_for_plan_call(info, key, lambda: CostModel(info, cuts))

@@ -12,6 +12,7 @@ import numpy as np
 
 from hbp.analysis.frontier import lower_bound
 from hbp.analysis.liveness import GraphInfo
+from hbp.analysis.plan_call import kept_for_plan_call
 from hbp.analysis.simulate import simulate
 from hbp.planner.cuts import dp_work
 from hbp.planner.dp.cost_model import CostModel, cost_model
@@ -289,8 +290,10 @@ def known_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget:
 
 def union_floor(info: GraphInfo, choices: list[list[int]], nested: bool) -> int:
     """The floor of the least peak over the union of `choices`, at most the least of every
-    set (NOTE [ A floor under the least peak ])."""
-    return least_peak_floor(info, union_of(choices), nested)
+    set (NOTE [ A floor under the least peak ]); kept for the plan call (NOTE [ Facts kept
+    for one plan call ] in hbp.analysis.plan_call)."""
+    key = ("union floor", tuple(tuple(cuts) for cuts in choices), nested)
+    return kept_for_plan_call(info, key, lambda: least_peak_floor(info, union_of(choices), nested))
 
 
 def floor_above(info: GraphInfo, choices: list[list[int]], nested: bool, budget: int) -> bool:

@@ -5,10 +5,11 @@ in hbp.planner.stages) refined by bisection."""
 
 from __future__ import annotations
 
+from hbp.analysis.plan_call import kept_for_plan_call
 from hbp.analysis.simulate import simulate
 from hbp.planner.dp import solver as solver_module
 from hbp.planner.dp.least_peak import top_level
-from hbp.planner.stages import kept_candidates, least_staged_budget, staged_plan
+from hbp.planner.stages import least_staged_budget, staged_plan
 
 __all__ = [
     "STAGED_MINIMUM_STEPS",
@@ -25,23 +26,17 @@ def staged_candidate(graph, info, budget: int, pins: bool | None = None):
     or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
     budget and the stages planned again (twice at most). Kept per budget while the stage
     tables are (NOTE [ A staged candidate found once per plan call ])."""
-    known = kept_candidates(info)
-    key = (budget, solver_module.PIN_VALUES if pins is None else pins)
-    if known is not None and key in known:
-        return known[key]
-    found = _staged_candidate(graph, info, budget, pins)
-    if known is not None:
-        known[key] = found
-    return found
+    key = ("staged candidate", budget, solver_module.PIN_VALUES if pins is None else pins)
+    return kept_for_plan_call(info, key, lambda: _staged_candidate(graph, info, budget, pins))
 
 
 # NOTE [ A staged candidate found once per plan call ]
 # "min" finds the least budget a staged plan is found for by trying budgets
 # (`staged_below`, `lowered`), each a staged solve and a simulation of the whole graph; the
-# plan at the budget found then asked for the same candidate again. Within one plan call
-# (`stage_tables_kept`) a candidate is a function of the budget and the pins alone, so it is
-# kept by them and dropped with the tables: on a 64-layer Llama the plan at "min" simulated
-# the whole graph four times, now three.
+# plan at the budget found then asked for the same candidate again. Within one plan call a
+# candidate is a function of the budget and the pins alone, so it is kept by them (NOTE
+# [ Facts kept for one plan call ] in hbp.analysis.plan_call): the plan at "min" simulates
+# the whole graph once less.
 
 
 def _staged_candidate(graph, info, budget: int, pins: bool | None):
