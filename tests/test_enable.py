@@ -252,7 +252,10 @@ def test_an_unknown_forward_set_before_enable_is_named_in_a_warning():
         return original(*args, **kwargs)
 
     model.forward = logged
-    with pytest.warns(UserWarning, match=r"replaced by .*logged before hbp.enable.*before the"):
+    with pytest.warns(
+        UserWarning,
+        match=r"hbp.enable: .*replaced by .*logged before hbp saw it.*before the library",
+    ):
         hbp.enable(model, budget="min")
     _step(model, kwargs)
     assert calls == []

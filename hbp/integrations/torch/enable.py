@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import types
-import warnings
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 from hbp.errors import ConfigError
 from hbp.integrations.torch.compile import dynamo_callback_set
 from hbp.integrations.torch.module import DEFAULT_BUDGET, ENGINE_ATTR, HCModule
-from hbp.integrations.torch.wrapped_forward import ForwardLayers, layers_of
+from hbp.integrations.torch.wrapped_forward import ForwardLayers, warned_layers
 
 __all__ = ["EnabledForward", "disable", "enable", "engine_of", "is_enabled"]
 
@@ -55,16 +54,7 @@ class _Engine(HCModule):
         # NOTE [ A forward wrapped before enable ] in wrapped_forward.py
         self.layers = ForwardLayers()
         if previous_forward is not None:
-            self.layers = layers_of(previous_forward, model)
-        if self.layers.unknown is not None:
-            warnings.warn(
-                f"hbp.enable: {type(model).__name__}'s forward was replaced by "
-                f"{self.layers.unknown} before hbp.enable; its training steps run the class's "
-                "forward without that wrapper (calls without grad still run it). Call "
-                "hbp.enable before the library that set it.",
-                UserWarning,
-                stacklevel=4,
-            )
+            self.layers = warned_layers(previous_forward, model, "hbp.enable")
 
     def original_forward(self, *args, **kwargs):
         """The forward the instance had before enable: calls without grad."""
@@ -80,18 +70,12 @@ class _Engine(HCModule):
         return self.class_forward(*args, **kwargs)
 
     def _instance_layers(self) -> ForwardLayers:
-        return ForwardLayers()  # the instance forward is the enabled one: `train_call` has them
+        return self.layers  # of the forward the instance had: its own is the enabled one
 
     def train_call(self, args, kwargs, compiled_segments: bool = False):
         """`enter` inside the layers of the forward the instance had before (NOTE [ A
         forward wrapped before enable ] in wrapped_forward.py)."""
-        if not self.layers.rewraps:
-            return self.enter(args, kwargs, compiled_segments)
-
-        def call(*args, **kwargs):
-            return self.enter(args, kwargs, compiled_segments)
-
-        return self.layers.around(call)(*args, **kwargs)
+        return self.layers.run(lambda a, k: self.enter(a, k, compiled_segments), args, kwargs)
 
     @torch.compiler.disable(reason="hbp runs its plan outside Dynamo")
     def enter(self, args, kwargs, compiled_segments: bool = False):

@@ -5,7 +5,6 @@ place (enable.py). What happens at a call: NOTE [ A call of HCModule ] below."""
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from hbp.integrations.torch.guards import has_guards, run_or_plain
 from hbp.integrations.torch.loss import training_kwargs, with_loss
 from hbp.integrations.torch.outputs import WatchedOutputs
 from hbp.integrations.torch.planning import Compiled, Planning, plan_summary
-from hbp.integrations.torch.wrapped_forward import ForwardLayers, layers_of
+from hbp.integrations.torch.wrapped_forward import ForwardLayers, warned_layers
 from hbp.planner import PLANNERS
 from hbp.planner.budget import Budget
 from hbp.planner.cache import PlanCache, save_plan
@@ -279,33 +278,21 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         # NOTE [ torch.compile of an HCModule ]
         if torch.compiler.is_compiling() or dynamo_callback_set():
             return self._forward_with_compiled_segments(*args, **kwargs)
-        layers = self._instance_layers()
-        if layers.rewraps:  # NOTE [ A forward wrapped before enable ] in wrapped_forward.py
-
-            def step(*args, **kwargs):
-                return self._step(args, kwargs, compiled_segments=False)
-
-            return layers.around(step)(*args, **kwargs)
-        return self._step(args, kwargs, compiled_segments=False)
+        # NOTE [ A forward wrapped before enable ] in wrapped_forward.py
+        return self._instance_layers().run(
+            lambda a, k: self._step(a, k, compiled_segments=False), args, kwargs
+        )
 
     def _instance_layers(self) -> ForwardLayers:
         """The layers of a forward set on the wrapped module's instance (accelerate's mixed
-        precision), read once per such forward; one hbp does not know is named in a warning."""
+        precision), read once per such forward."""
         forward = self.module.__dict__.get("forward")
         if forward is None:
             return ForwardLayers()
         known = self.__dict__.get("_instance_forward")
         if known is None or known[0] is not forward:
-            known = self.__dict__["_instance_forward"] = (forward, layers_of(forward, self.module))
-            if known[1].unknown is not None:
-                warnings.warn(
-                    f"HCModule: {type(self.module).__name__}'s forward was replaced by "
-                    f"{known[1].unknown}; its training steps run the class's forward without "
-                    "that wrapper (calls without grad still run it). Wrap the model before the "
-                    "library that set it.",
-                    UserWarning,
-                    stacklevel=4,
-                )
+            layers = warned_layers(forward, self.module, "HCModule")
+            known = self.__dict__["_instance_forward"] = (forward, layers)
         return known[1]
 
     def _step(self, args, kwargs, compiled_segments: bool):

@@ -2,20 +2,20 @@
 layers it puts around the class's forward, so that the engine's training calls run inside the
 same layers (NOTE [ A forward wrapped before enable ]).
 
-    layers = layers_of(model.__dict__["forward"], model)
-    if layers.unknown is None:
-        step = layers.around(lambda *args, **kwargs: engine_step(args, kwargs))
+    layers = warned_layers(model.__dict__["forward"], model, "hbp.enable")
+    out = layers.run(engine_step, args, kwargs)  # engine_step(args, kwargs) inside them
 """
 
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ForwardLayers", "layers_of"]
+__all__ = ["ForwardLayers", "layers_of", "warned_layers"]
 
 #: How deep a chain of wrappers is followed before it counts as not understood.
 MAX_LAYERS = 16
@@ -34,6 +34,12 @@ class ForwardLayers(NamedTuple):
         for rewrap in reversed(self.rewraps):
             call = rewrap(call)
         return call
+
+    def run(self, step: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
+        """`step(args, kwargs)` inside the same layers."""
+        if not self.rewraps:
+            return step(args, kwargs)
+        return self.around(lambda *args, **kwargs: step(args, kwargs))(*args, **kwargs)
 
 
 def layers_of(forward: Any, model: torch.nn.Module) -> ForwardLayers:
@@ -57,6 +63,22 @@ def layers_of(forward: Any, model: torch.nn.Module) -> ForwardLayers:
         else:
             return ForwardLayers(unknown=_name(layer))
     return ForwardLayers(unknown=_name(forward))
+
+
+def warned_layers(forward: Any, model: torch.nn.Module, who: str) -> ForwardLayers:
+    """`layers_of(forward, model)`, with a warning that names a layer hbp does not know
+    (`who`: the caller, as the warning names it)."""
+    layers = layers_of(forward, model)
+    if layers.unknown is not None:
+        warnings.warn(
+            f"{who}: {type(model).__name__}'s forward was replaced by {layers.unknown} before "
+            "hbp saw it; its training steps run the class's forward without that wrapper "
+            "(calls without grad still run it). Enable hbp (or wrap the model) before the "
+            "library that set it.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return layers
 
 
 # NOTE [ A forward wrapped before enable ]
