@@ -2,11 +2,14 @@
 hbp.analysis.plan_call): made once per key inside a plan call, dropped when it ends, made anew
 outside one; the plans are the ones made without them."""
 
+import pytest
+
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.plan_call import kept_for_plan_call, plan_call_scope
 from hbp.graph import synthetic
 from hbp.planner import cuts as cuts_module
 from hbp.planner import plan
+from hbp.planner.dp import staged_search
 
 
 def test_a_fact_is_made_once_inside_a_scope_and_dropped_after_it():
@@ -29,28 +32,31 @@ def test_a_fact_is_made_once_inside_a_scope_and_dropped_after_it():
     assert "_plan_call_kept" not in info.__dict__
 
 
-def test_a_plan_call_finds_its_candidate_cuts_once_per_size_and_plans_the_same(monkeypatch):
+@pytest.mark.parametrize(
+    "module, name", [(cuts_module, "_candidate_cuts"), (staged_search, "_staged_candidate")]
+)
+def test_a_plan_call_makes_each_fact_once_and_plans_the_same(monkeypatch, module, name):
+    """The candidate cuts per (block size, count) and the staged candidate per (budget, pins)
+    (NOTE [ A staged candidate found once per plan call ]): made once each in a plan call, and
+    asked for again without the scope, with the same plan."""
     graph = synthetic.residual_net(24, same_layers=True)
-    made = []
-    find = cuts_module._candidate_cuts
-    monkeypatch.setattr(
-        cuts_module,
-        "_candidate_cuts",
-        lambda info, block_size, max_cuts: (
-            made.append((block_size, max_cuts)) or find(info, block_size, max_cuts)
-        ),
-    )
-    kept = plan(graph, "min")
+    made, make = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: made.append(args[-2:]) or make(*args))
+    kept = plan(graph, "min", staged="always")
     assert made and len(made) == len(set(made))
-    with plan_call_scope(info := GraphInfo.of(graph)):
-        handed = cuts_module.candidate_cuts(info)
-        handed.append(-1)  # a copy: the one kept is not changed
-        assert cuts_module.candidate_cuts(info)[-1] != -1
     made.clear()
-    monkeypatch.setattr(cuts_module, "kept_for_plan_call", lambda info, key, make: make())
-    again = plan(graph, "min")
-    assert len(made) > len(set(made))  # asked again for the same sizes
+    monkeypatch.setattr(module, "kept_for_plan_call", lambda info, key, make: make())
+    again = plan(graph, "min", staged="always")
+    assert len(made) > len(set(made))  # asked again for the same keys
     assert (kept.predicted_peak_bytes, kept.segments) == (
         again.predicted_peak_bytes,
         again.segments,
     )
+
+
+def test_kept_candidate_cuts_are_handed_out_as_copies():
+    info = GraphInfo.of(synthetic.residual_net(8))
+    with plan_call_scope(info):
+        handed = cuts_module.candidate_cuts(info)
+        handed.append(-1)
+        assert cuts_module.candidate_cuts(info)[-1] != -1

@@ -388,32 +388,3 @@ def test_a_decoders_least_peak_at_the_floor_is_had_without_the_dp():
     assert (tuple(cuts), True) not in peaks._remembered(info)
     peaks.forget_least_peaks()
     assert value == peaks.least_peak_cached(info, cuts, True)[0]
-
-
-def test_a_staged_candidate_is_found_once_per_budget_in_a_plan_call(monkeypatch):
-    """NOTE [ A staged candidate found once per plan call ]: "min" tries budgets, and the
-    plan at the budget found asks for that candidate again; within one `plan` call each
-    (budget, pins) is solved and simulated once, and the plan is the one solved anew."""
-    from hbp.planner import plan
-    from hbp.planner.dp import staged_search
-
-    graph = synthetic.residual_net(24, same_layers=True)
-    solved = []
-    solve = staged_search._staged_candidate
-    monkeypatch.setattr(
-        staged_search,
-        "_staged_candidate",
-        lambda graph, info, budget, pins: (
-            solved.append((budget, pins)) or solve(graph, info, budget, pins)
-        ),
-    )
-    kept = plan(graph, "min", staged="always")
-    assert solved and len(solved) == len(set(solved))
-    solved.clear()
-    monkeypatch.setattr(staged_search, "kept_for_plan_call", lambda info, key, make: make())
-    again = plan(graph, "min", staged="always")
-    assert len(solved) > len(set(solved))  # the budget found, solved again
-    assert [kept.predicted_peak_bytes, kept.segments] == [
-        again.predicted_peak_bytes,
-        again.segments,
-    ]
