@@ -263,3 +263,26 @@ def test_an_unknown_forward_set_before_enable_is_named_in_a_warning():
         model(**kwargs)
     assert calls == [1]
     assert hbp.disable(model).forward is logged
+
+
+def test_a_data_parallel_wrapper_is_enabled_inside_and_refused_by_hcmodule():
+    """NOTE [ Data-parallel wrappers ]: `hbp.enable` of a DataParallel / DDP enables its
+    `.module` (the wrapper's forward, which readies DDP's all-reduce, runs at every call);
+    `HCModule` over one is refused with the orders that work."""
+    from hbp.integrations.torch.enable import is_enabled
+
+    torch.manual_seed(0)
+    plain, _, kwargs = gpt2()
+    model = copy.deepcopy(plain)
+    wrapper = nn.DataParallel(model)
+    assert hbp.enable(wrapper, budget="min") is wrapper
+    assert is_enabled(wrapper) and is_enabled(model)
+    assert hbp.engine_of(wrapper) is hbp.engine_of(model)
+    for step in range(2):
+        assert torch.equal(_step(plain, kwargs, step), _step(wrapper, kwargs, step))
+        _same_grads(plain, model)
+    assert hbp.engine_of(model).plan.predicted_recompute_flops > 0
+    with pytest.raises(hbp.ConfigError, match=r"DataParallel\(HCModule\(model\)\)"):
+        hbp.HCModule(nn.DataParallel(copy.deepcopy(plain)))
+    hbp.disable(wrapper)
+    assert not is_enabled(model)

@@ -11,6 +11,7 @@ import torch
 
 import hbp
 from hbp.allocator import allocator_peak
+from hbp.errors import ConfigError
 
 VOCAB, BATCH, TOKENS = 128, 4, 32
 
@@ -246,6 +247,24 @@ def _distributed_worker(rank: int, port: int, out: str) -> None:
                 ]
                 _step_peak(net, batch)  # the closed loop's step, then the measured one
                 result[f"{kind}_{variant}_peak"] = _step_peak(net, batch)
+        # NOTE [ Data-parallel wrappers ]: enabled on the DDP wrapper, its all-reduce still
+        # runs from the second step on; layers sharded by fully_shard are refused
+        ddp = DistributedDataParallel(tiny_gpt2())
+        hbp.enable(ddp, budget="min")
+        for _ in range(3):
+            ddp.zero_grad(set_to_none=True)
+            ddp(**_rank_batch(rank)).loss.backward()
+        result["ddp_enabled_outside"] = [p.grad.clone() for p in ddp.module.parameters()]
+        sharded = tiny_gpt2()
+        hbp.enable(sharded, budget="min")
+        for block in sharded.transformer.h:
+            fully_shard(block)
+        fully_shard(sharded)
+        try:
+            sharded(**_rank_batch(rank)).loss.backward()
+            result["fsdp2_layers"] = "ran"
+        except ConfigError as err:
+            result["fsdp2_layers"] = str(err)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -280,6 +299,14 @@ def test_ddp_and_fsdp2_over_an_enabled_model(distributed_ranks, kind):
     for rank in ranks:  # the saving per rank (the wrapper's own buffers count in both)
         hc, plain_peak = rank[f"{kind}_hbp_peak"], rank[f"{kind}_plain_peak"]
         assert hc < 0.75 * plain_peak, (hc, plain_peak)
+    if kind == "ddp":  # enabled on the wrapper: averaged at the third step too
+        for rank in ranks:
+            for got, expected in zip(rank["ddp_enabled_outside"], total):
+                torch.testing.assert_close(got, expected / WORLD, rtol=1e-4, atol=1e-6)
+    else:
+        for rank in ranks:
+            assert "sharded by fully_shard" in rank["fsdp2_layers"], rank["fsdp2_layers"]
+            assert "call fully_shard on the root module only" in rank["fsdp2_layers"]
 
 
 def test_a_model_called_twice_before_backward_is_told_the_budget_holds_per_call():

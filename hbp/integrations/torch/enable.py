@@ -35,6 +35,7 @@ from torch import nn
 from hbp.errors import ConfigError
 from hbp.integrations.torch.compile import dynamo_callback_set
 from hbp.integrations.torch.module import DEFAULT_BUDGET, ENGINE_ATTR, HCModule
+from hbp.integrations.torch.parallel import inner_model
 from hbp.integrations.torch.wrapped_forward import ForwardLayers, warned_layers
 
 __all__ = ["EnabledForward", "disable", "enable", "engine_of", "is_enabled"]
@@ -143,10 +144,14 @@ def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Modu
             keeps_outputs, calibrate, compile, loss_fn, plan_in_eval, verbose).
 
     Returns:
-        `model` itself, with `forward` replaced (NOTE [ Enabled in place ]).
+        `model` itself, with `forward` replaced (NOTE [ Enabled in place ]); a DDP or
+        DataParallel wrapper with its `.module`'s (NOTE [ Data-parallel wrappers ]).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "an nn.Module")
+    if inner_model(model) is not model:  # NOTE [ Data-parallel wrappers ] in parallel.py
+        enable(inner_model(model), budget, **options)
+        return model
     engine = model.__dict__.get(ENGINE_ATTR)
     if engine is not None:
         if _without_plan_options(engine.options[1]) == _without_plan_options(options):
@@ -192,6 +197,9 @@ def _set_plan_options(engine: _Engine, budget, options: dict) -> None:
 
 def disable(model: nn.Module) -> nn.Module:
     """Undo `enable`: the model's forward is the one it had before. Returns `model`."""
+    if inner_model(model) is not model:
+        disable(inner_model(model))
+        return model
     engine = model.__dict__.pop(ENGINE_ATTR, None)
     if engine is None:
         return model
@@ -203,8 +211,8 @@ def disable(model: nn.Module) -> nn.Module:
 
 
 def is_enabled(model: nn.Module) -> bool:
-    """Whether `hbp.enable` is on for `model`."""
-    return ENGINE_ATTR in model.__dict__
+    """Whether `hbp.enable` is on for `model` (inside a DDP / DataParallel wrapper)."""
+    return ENGINE_ATTR in inner_model(model).__dict__
 
 
 def engine_of(model: nn.Module) -> HCModule | None:
@@ -212,4 +220,4 @@ def engine_of(model: nn.Module) -> HCModule | None:
     `.measured_peak_bytes`): an HCModule itself, the engine `enable` attached, or None."""
     if isinstance(model, HCModule):
         return model
-    return model.__dict__.get(ENGINE_ATTR)
+    return inner_model(model).__dict__.get(ENGINE_ATTR)

@@ -18,6 +18,7 @@ from hbp.integrations.torch.compile import CompiledSegments, dynamo_callback_set
 from hbp.integrations.torch.guards import has_guards, run_or_plain
 from hbp.integrations.torch.loss import training_kwargs, with_loss
 from hbp.integrations.torch.outputs import WatchedOutputs
+from hbp.integrations.torch.parallel import refuse_parallel_wrappers
 from hbp.integrations.torch.planning import Compiled, Planning, plan_summary
 from hbp.integrations.torch.wrapped_forward import ForwardLayers, warned_layers
 from hbp.planner import PLANNERS
@@ -144,6 +145,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"HCModule wraps an nn.Module, got {type(module).__name__}")
+        refuse_parallel_wrappers(module)  # NOTE [ Data-parallel wrappers ] in parallel.py
         inner = [
             name
             for name, m in module.named_modules()
