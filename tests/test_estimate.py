@@ -109,7 +109,7 @@ def test_command_line_on_a_workload_config(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "workload=gpt2" in out and "least reachable" in out and "min" in out
-    assert "add workload.chunked_loss=true to compare with it" in out  # the bench's tiny
+    assert "as the bench's modes build it (the full LM head)" in out
     for bad, field in (
         (["budgets=0.5"], "workload=NAME"),
         (["workload=gpt2", "threads=0"], "threads"),

@@ -30,7 +30,7 @@ class TinyMode:
         budget: float | int | str = "min",
         block_size: int = 1,
         planner: str = "optimal",
-        chunked_loss: bool = True,
+        chunked_loss: bool = False,
         plan_cache: str | None = None,
     ):
         check_planner_options(budget, block_size, planner)
