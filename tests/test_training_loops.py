@@ -318,10 +318,22 @@ def test_a_model_called_twice_before_backward_is_told_the_budget_holds_per_call(
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)])
-    plain, once = copy.deepcopy(model), copy.deepcopy(model)
+    plain, once, pooled = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     x1, x2 = torch.randn(64, 64), torch.randn(64, 64)
     hbp.enable(model, budget="min")
     hbp.enable(once, budget="min")
+    hbp.enable(pooled, budget="min")
+
+    def pooled_calls(m):  # each tower's output dropped, its graph kept, before the next call
+        a, b = m(x1).mean(1), m(x1 + 1).mean(1)
+        F.mse_loss(a, b).backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            pooled_calls(pooled)
+    said = [w for w in caught if "called again before the backward" in str(w.message)]
+    assert len(said) == 1
 
     def one_call(m):
         F.mse_loss(m(x1), x2).backward()

@@ -134,8 +134,26 @@ class StepPeakProbe:
 # the same step still keeps for its backward are below its baseline and no call measures over
 # the budget. A step that calls the module twice before one backward (a siamese network)
 # peaked at 1.5x its budget on every step without a word. A call that starts while the
-# previous call's outputs are alive and their backward has not begun warns once (a hook on
-# each output that requires grad, until it has).
+# previous call's outputs' graph is alive and their backward has not begun warns once (a hook
+# on each output that requires grad, until it has). The graph, not the outputs: a caller that
+# pools each tower's output inside a helper (`enc(x).last_hidden_state.mean(1)`) drops the
+# outputs and keeps their graph, and was not warned (a new user's trial: 1.6x the budget); a
+# token kept in each output's autograd node (`grad_fn.metadata`) lives as long as the node.
+
+
+class _GraphToken:
+    """Kept in an output's autograd node (`grad_fn.metadata`): alive while that node is."""
+
+
+def _graph_ref(t: torch.Tensor) -> weakref.ref:
+    """A weak reference that lives as long as `t`'s autograd graph (NOTE [ Calls before the
+    previous call's backward ]), not only `t`: a caller that pools the output (`out.mean(1)`)
+    drops it and keeps its graph."""
+    if t.grad_fn is None:
+        return weakref.ref(t)
+    token = _GraphToken()
+    t.grad_fn.metadata["hbp_graph"] = token
+    return weakref.ref(token)
 
 
 def step_device(root: nn.Module | None, args, kwargs) -> torch.device:
@@ -205,7 +223,7 @@ class ClosedLoop:
 
         for t in leaves:
             t.register_hook(on_grad)
-        self._awaiting_backward = ([weakref.ref(t) for t in leaves], started)
+        self._awaiting_backward = ([_graph_ref(t) for t in leaves], started)
 
     def _warn_if_called_before_backward(self) -> None:
         """NOTE [ Calls before the previous call's backward ]"""
@@ -214,7 +232,7 @@ class ClosedLoop:
             return
         refs, started = awaiting
         if started or not any(r() is not None for r in refs):
-            return  # its backward ran, or its outputs (and their graph) are gone
+            return  # its backward ran, or its outputs' graph is gone
         self._warn_once(
             "called-before-backward",
             "HCModule: the module was called again before the backward of its previous call, "
