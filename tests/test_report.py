@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     write_error(
         root / "failed",
         ConfigError("mode.budget", 0.01, "a budget >= the minimum"),
-        {"workload": "synthetic_dag", "mode": "tiny"},
+        {"workload": "synthetic_dag", "mode": "tiny", "mode_budget": 0.01},
     )
     return root
 
@@ -44,7 +44,8 @@ def test_report_writes_parquet_table_and_plots(runs, capsys):
     assert main([str(runs)]) == 0
     out = capsys.readouterr().out
     assert "4 finished runs, 1 failed" in out
-    assert "failed: failed: mode.budget=0.01 is not accepted" in out  # its directory, its error
+    # its directory, its mode and budget (a sweep's directory names carry a key only), its error
+    assert "failed: failed (tiny, budget 0.01): mode.budget=0.01 is not accepted" in out
     assert "## synthetic_dag" in out and "## gpt2" in out
     results = pd.read_parquet(runs / "results.parquet")
     assert len(results) == 5 and (results["status"] == "error").sum() == 1

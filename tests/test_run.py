@@ -153,6 +153,7 @@ def test_single_run_with_tables_and_offline_wandb(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = (tmp_path / "runs").glob("*/*_synthetic_dag_checkpoint")
     assert "synthetic_dag" in result.stdout and "peak MiB" in result.stdout  # summary table
+    assert f"wrote {run_dir}" in result.stdout  # where to look
     metrics = json.loads((run_dir / "metrics.json").read_text())
     steps = pd.read_parquet(run_dir / "steps.parquet")
     assert list(steps["phase"]) == ["warmup", "timed", "timed", "measured", "instrumented"]
@@ -227,6 +228,7 @@ def test_a_failing_job_leaves_the_rest_of_the_sweep_intact(tmp_path):
     assert "2 ran, 0 skipped" in result.stdout and "1 of 3 runs failed: " in result.stderr
     (sweep_dir,) = (tmp_path / "multirun").glob("*/*")
     (failed,) = [p for p in sweep_dir.iterdir() if (p / "error.json").exists()]
+    assert f"{failed.name} (budget 100)" in result.stderr  # which of the sweep's jobs
     assert f"failed: {failed.name} " in result.stderr
     assert not (failed / "metrics.json").exists()
     error = json.loads((failed / "error.json").read_text())

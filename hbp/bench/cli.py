@@ -4,6 +4,7 @@ callback (`RunGuard`) that rejects bad input before Hydra creates any directory.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -190,6 +191,15 @@ class RunGuard(Callback):
             flush=True,
         )
         if failed:
-            names = ", ".join(p.parent.name for p in failed)
+            names = ", ".join(p.parent.name + _budget_of(p) for p in failed)
             total = len(ran) + len(skipped) + len(failed)
             _fail(f"{len(failed)} of {total} runs failed: {names} (see error.json in each)", code=1)
+
+
+def _budget_of(error_file: Path) -> str:
+    """The " (budget B)" of a failed run whose error.json records its mode's budget, else ""."""
+    try:
+        budget = json.loads(error_file.read_text()).get("mode_budget")
+    except (OSError, ValueError):
+        return ""
+    return "" if budget is None else f" (budget {budget})"

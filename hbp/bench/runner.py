@@ -120,6 +120,7 @@ def _finish(cfg, run_dir: Path, mode, row: dict, steps, timeline, started_at, t_
     write_metrics(run_dir, row)
     if not _multirun():  # a sweep prints every run's row once, at its end (RunGuard)
         print(format_summary([row]), flush=True)
+        print(f"wrote {run_dir}", flush=True)
     return row
 
 

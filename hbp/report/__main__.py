@@ -11,6 +11,16 @@ from pathlib import Path
 ERROR_CHARS = 300
 
 
+def _what(row) -> str:
+    """The " (mode, budget B)" of a failed run, where its record has them: a sweep's directory
+    names carry only a key."""
+    mode, budget = row.get("mode"), row.get("mode_budget")
+    if not isinstance(mode, str):
+        return ""
+    has_budget = budget is not None and not (isinstance(budget, float) and budget != budget)
+    return f" ({mode}, budget {budget})" if has_budget else f" ({mode})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hbp.report",
@@ -44,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             message = (str(row.get("error", "")).strip().splitlines() or [""])[0]
             if len(message) > ERROR_CHARS:  # cut at a word, and say so
                 message = message[:ERROR_CHARS].rsplit(" ", 1)[0] + " ... (see its error.json)"
-            print(f"failed: {Path(str(row.get('run_dir', ''))).name}: {message}")
+            print(f"failed: {Path(str(row.get('run_dir', ''))).name}{_what(row)}: {message}")
         print()
     for path in report.files:
         print(f"wrote {path}")
