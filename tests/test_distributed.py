@@ -120,3 +120,7 @@ def test_torchrun_ddp_run_writes_one_metrics_file_from_rank_0(tmp_path):
     assert len(row["rank_peak_bytes"]) == 2 and row["peak_bytes"] == row["rank_peak_bytes"][0]
     assert max(row["rank_peak_bytes"]) < 0.6 * row["naive_peak_bytes"]
     assert len(list(tmp_path.rglob(".hydra"))) == 1  # rank 1 wrote nothing
+    from hbp.report import comparison_table, results_frame
+
+    table = comparison_table(results_frame(tmp_path))  # ddp and fsdp rows told apart
+    assert list(table["distributed"]) == ["ddp"] and list(table["world"]) == [2]

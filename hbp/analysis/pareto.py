@@ -50,6 +50,9 @@ def pareto_table(frame: pd.DataFrame) -> pd.DataFrame:
     if "grad_max_rel_error" in ok:
         table["grad err"] = ok["grad_max_rel_error"].astype(float).to_numpy()
     if "world_size" in ok and ok["world_size"].notna().any():
+        kind = ok.get("distributed")  # ddp and fsdp rows told apart
+        if kind is not None:
+            table["distributed"] = kind.fillna("none").to_numpy()
         table["world"] = ok["world_size"].astype(float).to_numpy()
         table["rank peaks MiB"] = [rank_peaks(v) for v in ok.get("rank_peak_bytes")]
     table["pareto"] = pareto_flags(table)

@@ -139,6 +139,10 @@ def comparison_table(runs: pd.DataFrame) -> pd.DataFrame:
         # what the budget came to in bytes (tiny's), beside the peak to check it against
         budget_mib = ok["mode_budget_bytes"].astype(float) / MIB
         table.insert(table.columns.get_loc("peak MiB"), "budget MiB", budget_mib.to_numpy())
+        # the measured peak against it: above 1 is over the budget (a run under FSDP, whose
+        # all-gathered parameters no plan counts, is)
+        over = ok["peak_bytes"].astype(float) / ok["mode_budget_bytes"].astype(float)
+        table.insert(table.columns.get_loc("peak MiB") + 1, "peak / budget", over.to_numpy())
     return table
 
 
