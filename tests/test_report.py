@@ -91,7 +91,9 @@ def test_comparison_table_has_ratios_to_naive(runs):
     assert dag.loc["tiny", "peak / budget"] == pytest.approx(
         dag.loc["tiny", "peak MiB"] / dag.loc["tiny", "budget MiB"]
     )
-    assert dag.loc["tiny", "peak / budget"] <= 1.001 and math.isnan(dag.loc["naive", "peak / budget"])
+    assert dag.loc["tiny", "peak / budget"] <= 1.001 and math.isnan(
+        dag.loc["naive", "peak / budget"]
+    )
     assert {"budget", "peak MiB", "recompute ratio", "step ms", "time / naive"} <= set(table)
     assert not [name for name in report.skipped if "synthetic_dag" in name]
     # one timed step: no p10-p90 range; synthetic_dag has no LM head: no chunked_loss in labels
