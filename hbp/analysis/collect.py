@@ -185,8 +185,9 @@ def naive_reference(runs: pd.DataFrame, column: str) -> pd.Series:
 # measures it on a copy (`naive_peak_bytes`, the allocator's peak; hbp.bench.step), so a run's
 # ratio to naive needs no naive run beside it; a naive run's own peak is the same number. The
 # printed summary, the plan line the bench prints and the report all use this one naive. A
-# mode that builds the workload differently (tiny's chunked loss) is compared against it too:
-# what the chunked loss saves is part of what the mode saves.
+# mode that builds the workload differently (`mode.chunked_loss=true`, off in every mode by
+# default) is compared against it too: what the chunked loss saves is then part of what the
+# mode saves.
 NAIVE_MODEL = "plain autograd on the workload as mode=naive builds it"
 NAIVE_WITHOUT_CHUNKED_LOSS = " (without the chunked loss)"
 
