@@ -240,7 +240,12 @@ def _distributed_worker(rank: int, port: int, out: str) -> None:
                     hbp.enable(model, budget="min")
                 net = DistributedDataParallel(model) if kind == "ddp" else fully_shard(model)
                 batch = _rank_batch(rank)
-                net(**batch).loss.backward()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    net(**batch).loss.backward()
+                result[f"{kind}_{variant}_said"] = [
+                    str(w.message) for w in caught if issubclass(w.category, hbp.BudgetWarning)
+                ]
                 result[f"{kind}_{variant}"] = [
                     p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
                     for p in model.parameters()
@@ -304,7 +309,9 @@ def test_ddp_and_fsdp2_over_an_enabled_model(distributed_ranks, kind):
             for got, expected in zip(rank["ddp_enabled_outside"], total):
                 torch.testing.assert_close(got, expected / WORLD, rtol=1e-4, atol=1e-6)
     else:
-        for rank in ranks:
+        for rank in ranks:  # the gathered parameters outside the budget, said once
+            said = rank["fsdp2_hbp_said"]
+            assert len([m for m in said if "all-gathered around the step" in m]) == 1, said
             assert "sharded by fully_shard" in rank["fsdp2_layers"], rank["fsdp2_layers"]
             assert "call fully_shard on the root module only" in rank["fsdp2_layers"]
 

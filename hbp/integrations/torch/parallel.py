@@ -13,7 +13,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from hbp.errors import ConfigError
 
-__all__ = ["inner_model", "refuse_parallel_wrappers"]
+__all__ = ["FSDP2_ROOT", "inner_model", "is_fsdp2", "refuse_parallel_wrappers"]
 
 #: Wrappers whose own forward does work around their module's at every call (DDP readies its
 #: gradients' all-reduce): hbp goes inside them, not around them.
@@ -54,7 +54,7 @@ def refuse_parallel_wrappers(module: nn.Module, who: str = "HCModule") -> None:
             f"{kind}(HCModule(model)) or hbp.enable(model) before wrapping (hbp.enable of the "
             f"{kind} enables its .module)",
         )
-    sharded = [name for name, m in module.named_modules() if name and _is_fsdp2(m)]
+    sharded = [name for name, m in module.named_modules() if name and is_fsdp2(m)]
     if sharded:
         raise ConfigError(
             "module",
@@ -66,7 +66,17 @@ def refuse_parallel_wrappers(module: nn.Module, who: str = "HCModule") -> None:
         )
 
 
-def _is_fsdp2(module: nn.Module) -> bool:
+#: Said once where the root is sharded by FSDP2 (NOTE [ Data-parallel wrappers ]).
+FSDP2_ROOT = (
+    "the module is sharded by FSDP2's fully_shard: its parameters are all-gathered around "
+    "the step hbp plans and measures, so neither the plan nor measured_peak_bytes counts "
+    "them (the step's peak is higher by the gathered parameters); leave that memory free "
+    "beside the budget"
+)
+
+
+def is_fsdp2(module: nn.Module) -> bool:
+    """Whether `module` is sharded by FSDP2's `fully_shard`."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2

@@ -18,7 +18,7 @@ from hbp.errors import BudgetError, BudgetWarning, CaptureError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.integrations.torch.closed_loop import step_device
-from hbp.integrations.torch.parallel import refuse_parallel_wrappers
+from hbp.integrations.torch.parallel import FSDP2_ROOT, is_fsdp2, refuse_parallel_wrappers
 from hbp.integrations.torch.signature import signature, state_changes, without_python_state
 from hbp.integrations.torch.warn import warn_at_caller
 from hbp.planner.budget import BudgetKind
@@ -239,6 +239,8 @@ class Planning:
         """Capture this call (`_plan_capture` plans it)."""
         root = self.module if root is None else root
         refuse_parallel_wrappers(self.module)  # sharded since? NOTE [ Data-parallel wrappers ]
+        if is_fsdp2(self.module):
+            self._warn_once("fsdp2-root", f"HCModule: {FSDP2_ROOT}.", BudgetWarning)
         lazy = [
             name
             for name, p in self.module.named_parameters()
