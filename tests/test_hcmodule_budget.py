@@ -356,10 +356,17 @@ def _gpt2_least_peak(through_loss_fn: bool) -> tuple[int, int, int]:
 
 def test_the_loss_wrapper_reaches_the_least_peak_of_the_model_that_ends_at_its_loss():
     """NOTE [ A trailing run of the inputs' views ]: GPT-2 (its loss in its own forward)
-    captured through `loss_fn=` ends with views of the targets after the loss; cuts among them
-    hid the cut before the loss, and "min" reached 24.5 MiB through the wrapper, 24.0 without
-    it. Both reach the same least peak now, and the allocator measures it."""
+    captured through `loss_fn=` ends with views of the targets after the loss (`hbp.estimate`'s,
+    with a slice of its arguments); cuts among them hid the cut before the loss, and "min"
+    reached 24.5 MiB through the wrapper, 24.0 without it. All reach the same least peak now,
+    and the allocator measures it."""
     own, wrapped = _gpt2_least_peak(False), _gpt2_least_peak(True)
     assert wrapped[0] == own[0], (wrapped, own)
+    from hbp.workloads import build
+
+    wl = build("gpt2", "small", seed=0)
+    batch = wl.make_batch(0)  # hbp.estimate's wrapper ends with a slice of its arguments
+    estimate = hbp.estimate(wl.model, *batch.args, loss_fn=lambda out: out, budgets=["min"])
+    assert estimate.min_peak_bytes == own[0], (estimate.min_peak_bytes, own)
     for _, budget, measured in (own, wrapped):
         assert measured <= budget + 64, (measured, budget)

@@ -95,7 +95,7 @@ def _candidate_cuts(info: GraphInfo, block_size: int, max_cuts: int) -> tuple[in
     while first < n and info.is_input[first]:
         first += 1
     last = n  # NOTE [ A trailing run of the inputs' views ]
-    while last > first and info.is_input[int(info.root[last - 1])]:
+    while last > first and _costs_nothing(info, last - 1):
         last -= 1
     pos = list(range(max(first, 1), last))
     if not pos:
@@ -226,9 +226,17 @@ def _minima(pos: list[int], wp: list[int]) -> set[int]:
     return out
 
 
+def _costs_nothing(info: GraphInfo, j: int) -> bool:
+    """Whether node `j` holds no storage of its own: a view of a graph input, or a value of
+    no bytes (a slice of the arguments' tuple)."""
+    root = int(info.root[j])
+    return bool(info.is_input[root]) or int(info.storage_bytes[root]) == 0
+
+
 # NOTE [ A trailing run of the inputs' views ]
 # A capture through a loss wrapper (`WithLoss`: `HCModule(..., loss_fn=)`, `hbp.estimate`)
-# ends with views of its inputs after the loss (the targets handed back), which cost nothing.
+# ends with views of its inputs after the loss (the targets handed back, or the slice of the
+# arguments that holds them), which cost nothing.
 # Cuts among them are as useless as cuts among the leading inputs, and they hid a useful one:
 # the frontier drops to nothing after the loss, so the position just before the loss, the
 # last of a plateau where the logits cross, was no local minimum and was not kept, while the
