@@ -373,13 +373,14 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
     nodes = list(gm.graph.nodes)
     if until is not None:
         nodes = nodes[: max((i for i, n in enumerate(nodes) if n in until), default=-1) + 1]
-    values = _Values(gm, captured, takes_measured=not _branches_on_data(nodes))
+    branches = _branches_on_data(nodes)  # values matter: none stands in, none is handed on
+    values = _Values(gm, captured, takes_measured=not branches)
     env = values.env
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             last_use[arg] = i
-    like = _stand_ins(captured, nodes)
+    like = {} if branches else _stand_ins(captured, nodes)
     last_stand_in = {first: i for i, node in enumerate(nodes) if (first := like.get(node))}
     kept: dict[fx.Node, Any] = {}  # values that stand in for later nodes'
     placeholders = iter(arguments)
@@ -422,9 +423,8 @@ def _run_graph(gm: fx.GraphModule, captured: CapturedGraph, arguments: list[Any]
 
 
 def _stand_ins(captured: CapturedGraph, nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
-    """fx node -> the earlier fx node whose value stands in for its own."""
-    if _branches_on_data(nodes):
-        return {}
+    """fx node -> the earlier fx node whose value stands in for its own (in a graph that does
+    not branch on data)."""
     by_name = {n.name: n for n in nodes}
     # a value an in-place view op reshapes is one tensor per node: its stand-in would be
     # reshaped twice (NOTE [ In-place view ops stay in place ] in normalise.py)

@@ -13,6 +13,11 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from hbp.errors import ConfigError
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without FSDP2
+    FSDPModule = None
+
 __all__ = ["FSDP2_ROOT", "inner_model", "is_fsdp2", "refuse_parallel_wrappers"]
 
 #: Wrappers whose own forward does work around their module's at every call (DDP readies its
@@ -41,7 +46,7 @@ def inner_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def refuse_parallel_wrappers(module: nn.Module, who: str = "HCModule") -> None:
+def refuse_parallel_wrappers(module: nn.Module) -> None:
     """Raise ConfigError where `module` is a DDP / DataParallel wrapper or has layers sharded
     by FSDP2's `fully_shard` below it (NOTE [ Data-parallel wrappers ])."""
     if isinstance(module, DATA_PARALLEL):
@@ -61,7 +66,7 @@ def refuse_parallel_wrappers(module: nn.Module, who: str = "HCModule") -> None:
             type(module).__name__,
             f"a module without layers sharded by fully_shard, but {', '.join(sharded[:3])} "
             f"{'is' if len(sharded) == 1 else 'are'}: FSDP2 runs collectives in each sharded "
-            f"layer's call, which {who} cannot capture; call fully_shard on the root module "
+            f"layer's call, which hbp cannot capture; call fully_shard on the root module "
             "only (its all-gathered parameters are outside the budget), or train without hbp",
         )
 
@@ -77,8 +82,4 @@ FSDP2_ROOT = (
 
 def is_fsdp2(module: nn.Module) -> bool:
     """Whether `module` is sharded by FSDP2's `fully_shard`."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
+    return FSDPModule is not None and isinstance(module, FSDPModule)

@@ -29,17 +29,17 @@ class ForwardLayers(NamedTuple):
     #: the first layer that is not understood (its name); None where every one is
     unknown: str | None = None
 
-    def around(self, call: Callable) -> Callable:
-        """`call` inside the same layers."""
-        for rewrap in reversed(self.rewraps):
-            call = rewrap(call)
-        return call
-
     def run(self, step: Callable[[tuple, dict], Any], args: tuple, kwargs: dict) -> Any:
         """`step(args, kwargs)` inside the same layers."""
         if not self.rewraps:
             return step(args, kwargs)
-        return self.around(lambda *args, **kwargs: step(args, kwargs))(*args, **kwargs)
+
+        def call(*args, **kwargs):
+            return step(args, kwargs)
+
+        for rewrap in reversed(self.rewraps):
+            call = rewrap(call)
+        return call(*args, **kwargs)
 
 
 def layers_of(forward: Any, model: torch.nn.Module) -> ForwardLayers:
