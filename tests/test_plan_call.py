@@ -4,12 +4,14 @@ outside one; the plans are the ones made without them."""
 
 import pytest
 
+from hbp.analysis import positional as positional_module
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.plan_call import kept_for_plan_call, plan_call_scope
 from hbp.graph import synthetic
 from hbp.planner import cuts as cuts_module
 from hbp.planner import plan
 from hbp.planner.dp import staged_search
+from hbp.planner.dp.least_peak import info_fingerprint
 
 
 def test_a_fact_is_made_once_inside_a_scope_and_dropped_after_it():
@@ -60,3 +62,37 @@ def test_kept_candidate_cuts_are_handed_out_as_copies():
         handed = cuts_module.candidate_cuts(info)
         handed.append(-1)
         assert cuts_module.candidate_cuts(info)[-1] != -1
+
+
+@pytest.mark.parametrize(
+    "module, name", [(positional_module, "_positional_bytes"), (cuts_module, "_frontier_of")]
+)
+def test_whole_graph_passes_of_the_info_alone_are_made_once_per_plan_call(
+    monkeypatch, module, name
+):
+    """The plan-independent backward bytes (read by every cost model and the lower bound)
+    and the frontier (by every candidate-cut ranking and the stage bounds): one pass each per
+    plan call, the same plan as with a pass per ask."""
+    graph = synthetic.residual_net(24, same_layers=True)
+    made, make = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda info: made.append(1) or make(info))
+    kept = plan(graph, "min", staged="always")
+    assert len(made) == 1
+    made.clear()
+    monkeypatch.setattr(module, "kept_for_plan_call", lambda info, key, make: make())
+    again = plan(graph, "min", staged="always")
+    assert len(made) > 1
+    assert (kept.predicted_peak_bytes, kept.segments) == (
+        again.predicted_peak_bytes,
+        again.segments,
+    )
+
+
+def test_the_remembered_least_peaks_key_reads_fields_not_what_is_kept_on_the_info():
+    """`GraphInfo.lists` (NOTE [ Event loops read Python lists ] in hbp.analysis.liveness) and
+    the caches kept on an info are not part of the graph's structure: the least peaks one
+    info found are found by another of the same graph whether or not either made its lists."""
+    graph = synthetic.residual_net(6)
+    fresh, used = GraphInfo.of(graph), GraphInfo.of(graph)
+    assert used.lists.storage_bytes == used.storage_bytes.tolist()
+    assert info_fingerprint(fresh) == info_fingerprint(used)

@@ -103,25 +103,27 @@ def lower_bound(info: GraphInfo) -> int:
     """Bytes no plan can go below: max over nodes of what their forward event or their
     backward event needs live whatever is recomputed (plan-independent gradients, parameter
     gradients and outputs included)."""
-    at_backward = positional_bytes(info).at_backward
-    n = info.n
-    out_root = np.zeros(n, dtype=bool)
-    out_root[info.root[info.is_held]] = True
-    out_made = np.concatenate([[0], np.cumsum(info.storage_bytes * out_root)])
+    at_backward = positional_bytes(info).at_backward.tolist()
+    facts = info.lists  # NOTE [ Event loops read Python lists ] in hbp.analysis.liveness
+    root, storage_bytes, extra_bytes = facts.root, facts.storage_bytes, facts.extra_bytes
+    is_out_root = np.zeros(info.n, dtype=bool)
+    is_out_root[info.root[info.is_held]] = True
+    out_root = is_out_root.tolist()
+    out_made = np.concatenate([[0], np.cumsum(info.storage_bytes * is_out_root)]).tolist()
     best = 0
-    for j in range(n):
-        if info.is_input[j]:
+    for j in range(info.n):
+        if facts.is_input[j]:
             continue
-        roots = {int(info.root[v]) for v in info.inputs[j]} | {int(info.root[j])}
-        fwd = sum(int(info.storage_bytes[r]) for r in roots if not out_root[r])
-        fwd += int(out_made[j + 1]) + int(info.forward_scratch_bytes[j])
-        if info.has_backward[j]:
-            fwd += int(info.extra_bytes[j])
+        roots = {root[v] for v in info.inputs[j]} | {root[j]}
+        fwd = sum(storage_bytes[r] for r in roots if not out_root[r])
+        fwd += out_made[j + 1] + facts.forward_scratch_bytes[j]
+        if facts.has_backward[j]:
+            fwd += extra_bytes[j]
         best = max(best, fwd)
-        if info.has_backward[j]:
-            saved = {int(info.root[v]) for v in info.saved[j]}
-            if info.saves_output[j]:
-                saved.add(int(info.root[j]))
-            kept = sum(int(info.storage_bytes[r]) for r in saved if not out_root[r])
-            best = max(best, int(at_backward[j]) + kept + int(info.extra_bytes[j]))
+        if facts.has_backward[j]:
+            saved = {root[v] for v in info.saved[j]}
+            if facts.saves_output[j]:
+                saved.add(root[j])
+            kept = sum(storage_bytes[r] for r in saved if not out_root[r])
+            best = max(best, at_backward[j] + kept + extra_bytes[j])
     return best

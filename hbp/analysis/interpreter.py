@@ -9,8 +9,11 @@ are in `hbp.analysis.simulate` too.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.plan_shape import SegmentLike, Whole, pins_of
@@ -28,8 +31,10 @@ class Simulation:
         peak_at: name of the node whose event holds the peak ("" for the backward start).
         recompute_flops: FLOPs of the nodes run again in recompute passes.
         total_flops: forward + backward + recompute FLOPs of the whole step.
-        timeline: (event, live bytes) for every event, "phase:node" in execution order.
+        events: (phase, node index or -1 for the backward start, live bytes) for every event,
+            in execution order.
         forward_end_bytes: bytes live when the forward pass ends (outputs and what is kept).
+        names: the graph's node names, which `timeline` reads.
     """
 
     peak_bytes: int
@@ -37,22 +42,35 @@ class Simulation:
     peak_at: str
     recompute_flops: float
     total_flops: float
-    timeline: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    events: list[tuple[str, int, int]] = field(default_factory=list, repr=False)
     forward_end_bytes: int = 0
+    names: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def timeline(self) -> list[tuple[str, int]]:
+        """(event, live bytes) for every event, the event named "phase:node" ("backward" for
+        the backward start), in execution order."""
+        names = self.names
+        return [
+            (f"{phase}:{names[j]}" if j >= 0 and names[j] else phase, live)
+            for phase, j, live in self.events
+        ]
 
 
 class StepInterpreter:
     """One simulated step: reference-counted storage instances and recorded events (the rules
-    are the module docstring of `hbp.analysis.simulate`)."""
+    are the module docstring of `hbp.analysis.simulate`). Node facts are read from
+    `GraphInfo.lists` (NOTE [ Event loops read Python lists ] in hbp.analysis.liveness)."""
 
     def __init__(self, info: GraphInfo, check: bool = False):
         self.info = info
+        self.facts = info.lists
         self.check = check
         self.size: list[int] = []  # bytes per storage instance
         self.refs: list[int] = []  # holds per storage instance
         self.live = 0
-        self.timeline: list[tuple[str, int]] = []
-        self.peak = (0, FORWARD, "")
+        self.events: list[tuple[str, int, int]] = []  # (phase, node or -1, live bytes)
+        self.peak = (0, FORWARD, -1)  # (live bytes, phase, node or -1) of the first highest
         self.recompute_flops = 0.0
         self.current = [-1] * info.n  # value -> its current storage instance
         self.saved_holds: list[list[int]] = [[] for _ in range(info.n)]
@@ -68,32 +86,29 @@ class StepInterpreter:
         self.pin_store: dict[int, int | None] = {}
         self.stored: dict[int, list[int]] = {}
         self.frame_pins: defaultdict[int, list[int]] = defaultdict(list)
-        for i in range(info.n):
-            if info.is_input[i]:
+        for i, is_input in enumerate(self.facts.is_input):
+            if is_input:
                 self.current[i] = self._new(0)
 
     # storage -------------------------------------------------------------------------------
     def _new(self, nbytes: int) -> int:
         """A new storage instance held once (by its creator, who must release it)."""
-        self.size.append(int(nbytes))
+        self.size.append(nbytes)
         self.refs.append(1)
-        self.live += int(nbytes)
+        self.live += nbytes
         return len(self.size) - 1
 
-    def _hold(self, inst: int) -> None:
-        self.refs[inst] += 1
-
     def _release(self, inst: int) -> None:
-        self.refs[inst] -= 1
-        if self.refs[inst] == 0:
+        refs = self.refs
+        refs[inst] -= 1
+        if refs[inst] == 0:
             self.live -= self.size[inst]
 
-    def _record(self, phase: str, j: int | None, live: int | None = None) -> None:
-        live = self.live if live is None else live
-        name = self.info.names[j] if j is not None else ""
-        self.timeline.append((f"{phase}:{name}" if name else phase, live))
+    def _record(self, phase: str, j: int, live: int) -> None:
+        """Record an event of node j (-1: the backward start) with `live` bytes."""
+        self.events.append((phase, j, live))
         if live > self.peak[0]:
-            self.peak = (live, phase, name)
+            self.peak = (live, phase, j)
 
     # passes --------------------------------------------------------------------------------
     def _items(self, children: list[SegmentLike], early_stop: bool) -> list[tuple]:
@@ -103,7 +118,7 @@ class StepInterpreter:
         recomputed child, ("state", segment) and ("state_end", segment) mark where the
         checkpoint of it or of a segment nested in it copies the generator's state and, when
         it saves nothing, lets go of it (NOTE [ Generator states of checkpoints ])."""
-        info = self.info
+        info, facts = self.info, self.facts
         items: list[tuple] = []
         last_event = -1
         for seg in children:
@@ -112,25 +127,25 @@ class StepInterpreter:
                 if info.segment_inputs(seg.start, seg.stop):
                     last_event = len(items) - 1
                 self._inside(seg, items)
-                if pins_of(seg) and info.next_save[seg.start] >= seg.stop:
+                if pins_of(seg) and facts.next_save[seg.start] >= seg.stop:
                     items.append(("unpin", seg))  # nothing saved: the frame goes with S's end
             else:
+                save_event = facts.save_event
                 for j in range(seg.start, seg.stop):
                     items.append(("node", j, True))
-                    if info.save_event[j]:
+                    if save_event[j]:
                         last_event = len(items) - 1
         if not early_stop:
             return items
         items = items[: last_event + 1]
-        if items and items[-1][0] == "node" and not self.info.runs_at_stop[items[-1][1]]:
+        if items and items[-1][0] == "node" and not facts.runs_at_stop[items[-1][1]]:
             items[-1] = ("pack", items[-1][1])
         return items
 
     def _inside(self, seg: SegmentLike, items: list[tuple]) -> None:
         """Append the items of a recomputed segment's nodes, run with saving off (its nested
         segments change nothing in the pass but the generator states their checkpoints copy)."""
-        info = self.info
-        random = info.keeps_rng_state(seg.start, seg.stop)
+        random = self.info.keeps_rng_state(seg.start, seg.stop)
         if random:
             items.append(("state", seg))
         for child in seg.children or [Whole(seg.start, seg.stop)]:
@@ -138,7 +153,7 @@ class StepInterpreter:
                 self._inside(child, items)
             else:
                 items.extend(("node", j, False) for j in range(child.start, child.stop))
-        if random and info.next_save[seg.start] >= seg.stop:
+        if random and self.facts.next_save[seg.start] >= seg.stop:
             items.append(("state_end", seg))
 
     def _pass(
@@ -152,7 +167,8 @@ class StepInterpreter:
         count, outputs are held for the step); else a recompute pass of [start, stop) that
         runs at the backward of node `trigger` (children after it have had their backward:
         entering them holds nothing), of the segment whose id is `owner`."""
-        info = self.info
+        info, facts = self.info, self.facts
+        refs, current = self.refs, self.current
         phase = FORWARD if scope is None else RECOMPUTE
         items = self._items(children, early_stop=scope is not None)
         # the node a recompute pass stops at runs only up to its last save
@@ -160,101 +176,109 @@ class StepInterpreter:
         pending: dict[int, int] = {}  # value made in this pass -> its uses left
         states: dict[int, int] = {}  # id(segment) -> the generator state its checkpoint copied
         for item in items:
-            if item[0] == "state":  # NOTE [ Generator states of checkpoints ]
-                seg = item[1]
-                inst = states[id(seg)] = self._new(info.rng_state_bytes)
-                if scope is None and info.next_save[seg.start] < seg.stop:
-                    # the checkpoint's frame holds it until its first saved tensor is freed
-                    self.frame_states[info.next_save[seg.start]].append(states.pop(id(seg)))
-                continue
-            if item[0] == "state_end":  # its checkpoint saved nothing: the frame is gone
-                self._release(states.pop(id(item[1])))
-                continue
-            if item[0] == "unpin":
-                self._unpin(pins_of(item[1]))
-                continue
-            if item[0] == "enter":
-                seg = item[1]
-                if scope is not None and seg.start > trigger:
-                    continue  # its backward is done (NOTE [ Recompute at the first unpack ])
-                holds = [self.current[v] for v in info.segment_inputs(seg.start, seg.stop)]
-                for inst in holds:
-                    self._hold(inst)
-                self.segment_holds[id(seg)] = holds
-                continue
-            if item[0] == "pack":  # the pass stops in j's pack hook, before j runs
-                j = item[1]
-                held = [self.current[v] for v in info.saved[j]]
-                for h in held:
-                    self._hold(h)
-                self.saved_holds[j] = held
+            if item[0] != "node":
+                self._mark(item, scope, trigger, states)
                 continue
             _, j, save = item
-            if info.is_input[j]:
+            if facts.is_input[j]:
                 continue
             if self.check:
-                for v in info.inputs[j]:
-                    if self.refs[self.current[v]] <= 0:
-                        raise ValueError(
-                            f"plan: {phase} of {info.names[j]!r} reads {info.names[v]!r}, "
-                            "which is neither stored nor recomputed at that point"
-                        )
-            alias = info.root[j] != j
+                self._check_reads(phase, j)
             # NOTE [ Pinned values ]: the pinned node's own pass answers it from the storage
             cached = (
                 self.stored.pop(j, None)
                 if owner is not None and self.pin_owner.get(j) == owner
                 else None
             )
+            root = facts.root[j]
             if cached is not None:
                 inst = cached[0]  # the storage's hold becomes the creator's
-            elif alias:
-                inst = self.current[info.root[j]]
-                self._hold(inst)  # the creator's hold, released at the end of the event
+            elif root != j:
+                inst = current[root]
+                refs[inst] += 1  # the creator's hold, released at the end of the event
             else:
-                inst = self._new(info.storage_bytes[j])
-            self.current[j] = inst
-            uses = len(info.users[j]) if scope is None else _count_in(info.users[j], scope)
+                inst = self._new(facts.storage_bytes[j])
+            current[j] = inst
+            # a recompute pass's users of j are those before the scope's stop (all after j)
+            uses = len(info.users[j]) if scope is None else bisect_left(info.users[j], scope[1])
             if uses:
                 pending[j] = uses
-                self._hold(inst)
-            if scope is None and info.is_held[j]:
-                self._hold(inst)
+                refs[inst] += 1
+            if scope is None and facts.is_held[j]:
+                refs[inst] += 1
             extras = cached[1:] if cached is not None else []
-            if save and info.has_backward[j]:
-                held = [self.current[v] for v in info.saved[j]]
-                if info.saves_output[j]:
+            extra_bytes = facts.extra_bytes[j]
+            if save and facts.has_backward[j]:
+                held = [current[v] for v in info.saved[j]]
+                if facts.saves_output[j]:
                     held.append(inst)
                 for h in held:
-                    self._hold(h)
-                if info.extra_bytes[j]:
-                    held.append(extras.pop() if extras else self._new(info.extra_bytes[j]))
+                    refs[h] += 1
+                if extra_bytes:
+                    held.append(extras.pop() if extras else self._new(extra_bytes))
                 self.saved_holds[j] = held
             for h in extras:  # made in the forward, not saved by this pass
                 self._release(h)
             if cached is not None:  # nothing of the op runs
-                self._record(phase, j)
+                self._record(phase, j, self.live)
                 self._after_event(j, inst, pending)
                 continue
             if scope is not None:
-                self.recompute_flops += info.stop_flops[j] if j == stop_at else info.flops[j]
-            scratch = int(info.forward_scratch_bytes[j])
+                self.recompute_flops += facts.stop_flops[j] if j == stop_at else facts.flops[j]
+            scratch = facts.forward_scratch_bytes[j]
             if j in self.pin_store and self.pin_store[j] == owner:  # its storing pass: the
                 # storage keeps it and its extras
-                self._hold(inst)
+                refs[inst] += 1
                 self.stored[j] = [inst]
-                if info.extra_bytes[j] and not save:
-                    self.stored[j].append(self._new(info.extra_bytes[j]))
+                if extra_bytes and not save:
+                    self.stored[j].append(self._new(extra_bytes))
             elif not save:  # the op still makes what it would save; the pack hook drops it
-                scratch += int(info.extra_bytes[j])
-            self.live += scratch
-            self._record(phase, j)
-            self.live -= scratch
+                scratch += extra_bytes
+            self._record(phase, j, self.live + scratch)
             self._after_event(j, inst, pending)
         for v in pending:  # early stop: the pass's remaining references go
-            self._release(self.current[v])
+            self._release(current[v])
         for inst in states.values():  # checkpoints entered in a recompute pass end with it
             self._release(inst)
+
+    def _mark(self, item: tuple, scope: tuple[int, int] | None, trigger: int, states) -> None:
+        """Run a pass's item other than a node's run: a generator state copied or let go of,
+        a frame's pins freed, a recomputed segment entered, or the pass's last pack."""
+        info, kind = self.info, item[0]
+        if kind == "state":  # NOTE [ Generator states of checkpoints ]
+            seg = item[1]
+            states[id(seg)] = self._new(info.rng_state_bytes)
+            if scope is None and self.facts.next_save[seg.start] < seg.stop:
+                # the checkpoint's frame holds it until its first saved tensor is freed
+                self.frame_states[self.facts.next_save[seg.start]].append(states.pop(id(seg)))
+        elif kind == "state_end":  # its checkpoint saved nothing: the frame is gone
+            self._release(states.pop(id(item[1])))
+        elif kind == "unpin":
+            self._unpin(pins_of(item[1]))
+        elif kind == "enter":
+            seg = item[1]
+            if scope is not None and seg.start > trigger:
+                return  # its backward is done (NOTE [ Recompute at the first unpack ])
+            holds = [self.current[v] for v in info.segment_inputs(seg.start, seg.stop)]
+            for inst in holds:
+                self.refs[inst] += 1
+            self.segment_holds[id(seg)] = holds
+        else:  # "pack": the pass stops in j's pack hook, before j runs
+            j = item[1]
+            held = [self.current[v] for v in info.saved[j]]
+            for inst in held:
+                self.refs[inst] += 1
+            self.saved_holds[j] = held
+
+    def _check_reads(self, phase: str, j: int) -> None:
+        """Raise unless every value node j reads is live (`simulate(..., check=True)`)."""
+        info = self.info
+        for v in info.inputs[j]:
+            if self.refs[self.current[v]] <= 0:
+                raise ValueError(
+                    f"plan: {phase} of {info.names[j]!r} reads {info.names[v]!r}, "
+                    "which is neither stored nor recomputed at that point"
+                )
 
     def _after_event(self, j: int, inst: int, pending: dict[int, int]) -> None:
         """Release j's inputs whose last use in the pass this was, and j's creator hold."""
@@ -276,53 +300,55 @@ class StepInterpreter:
 
     # backward ------------------------------------------------------------------------------
     def _backward_node(self, j: int) -> None:
-        info = self.info
-        if not info.has_backward[j]:
+        info, facts = self.info, self.facts
+        if not facts.has_backward[j]:
             return
-        scratch = int(info.backward_scratch_bytes[j])
+        refs, grad, grad_bytes = self.refs, self.grad, facts.grad_bytes
+        scratch = facts.backward_scratch_bytes[j]
         broadcast: list[int] = []  # NOTE [ A broadcast gradient is added out of place ]
         for v in info.inputs[j]:
-            if not info.receives_grad[v]:
+            if not facts.receives_grad[v]:
                 continue
-            passed = v in info.passthrough[j] and self.grad[j] >= 0
-            if self.grad[v] < 0:
+            passed = grad[j] >= 0 and v in info.passthrough[j]
+            if grad[v] < 0:
                 if passed:
-                    self.grad[v] = self.grad[j]
-                    self._hold(self.grad[j])
+                    grad[v] = grad[j]
+                    refs[grad[j]] += 1
                 else:
-                    self.grad[v] = self._new(info.grad_bytes[v])
+                    grad[v] = self._new(grad_bytes[v])
                 continue
-            if self.refs[self.grad[v]] - (self.grad[v] == self.grad[j]) > 1:
+            if refs[grad[v]] - (grad[v] == grad[j]) > 1:
                 # shared with another value's gradient: accumulated out of place
-                self._release(self.grad[v])
-                self.grad[v] = self._new(info.grad_bytes[v])
+                self._release(grad[v])
+                grad[v] = self._new(grad_bytes[v])
                 continue
-            if self.size[self.grad[v]] < info.grad_bytes[v]:
+            if self.size[grad[v]] < grad_bytes[v]:
                 broadcast.append(v)
             if not passed:  # the gradient j computes, live until added
-                scratch += int(info.grad_bytes[v])
-        if info.param_grad_bytes[j]:
-            self._new(info.param_grad_bytes[j])  # kept to the end of the step
+                scratch += grad_bytes[v]
+        if facts.param_grad_bytes[j]:
+            self._new(facts.param_grad_bytes[j])  # kept to the end of the step
         during = self.live + scratch
         for inst in self.saved_holds[j]:
             self._release(inst)
         self.saved_holds[j] = []
         for inst in self.frame_states.pop(j, ()):
             self._release(inst)
-        self._unpin(self.frame_pins.pop(j, ()))
-        if self.grad[j] >= 0:
-            self._release(self.grad[j])
-            self.grad[j] = -1
+        if self.frame_pins:
+            self._unpin(self.frame_pins.pop(j, ()))
+        if grad[j] >= 0:
+            self._release(grad[j])
+            grad[j] = -1
         # out-of-place sums, after the releases, beside the gradients j computed (one event,
         # at the highest of the moments): into broadcast gradients, then a parameter's
         added = 0
         if broadcast:
-            added = self.live + 2 * sum(int(info.grad_bytes[v]) for v in broadcast)
+            added = self.live + 2 * sum(grad_bytes[v] for v in broadcast)
             for v in broadcast:
-                held, self.grad[v] = self.grad[v], self._new(info.grad_bytes[v])
+                held, grad[v] = grad[v], self._new(grad_bytes[v])
                 self._release(held)
-        if info.grad_sum_bytes[j]:
-            added = max(added, self.live + 2 * int(info.grad_sum_bytes[j]))
+        if facts.grad_sum_bytes[j]:
+            added = max(added, self.live + 2 * facts.grad_sum_bytes[j])
         self._record(BACKWARD, j, max(during, added))
 
     def _backward(self, segments: list[SegmentLike], upto: int | None = None) -> None:
@@ -355,22 +381,22 @@ class StepInterpreter:
 
     def _register_pins(self, segments: list[SegmentLike], parent: SegmentLike | None) -> None:
         """Record every pin's segment, storing pass and frame (NOTE [ Pinned values ])."""
-        info = self.info
+        next_save = self.facts.next_save
         for seg in segments:
             self._register_pins(seg.children, seg)
-            saves = info.next_save[seg.start] < seg.stop
+            saves = next_save[seg.start] < seg.stop
             if parent is not None and not saves:
                 continue  # no frame left when the parent's pass runs: nothing is stored
             for p in pins_of(seg):
                 self.pin_owner[p] = id(seg)
                 self.pin_store[p] = None if parent is None else id(parent)
                 if saves:
-                    self.frame_pins[int(info.next_save[seg.start])].append(p)
+                    self.frame_pins[next_save[seg.start]].append(p)
 
     def _trigger(self, seg: SegmentLike) -> int:
         """The last save event in `seg` (seg.start - 1 if it has none): the node whose backward
         first unpacks what the segment saved."""
-        save_event = self.info.save_event
+        save_event = self.facts.save_event
         for j in range(seg.stop - 1, seg.start - 1, -1):
             if save_event[j]:
                 return j
@@ -382,31 +408,27 @@ class StepInterpreter:
         self._pass(segments, None)
         forward_end = self.live
         held_seeds = []  # NOTE [ A loss's gradient lives through backward ]
-        for j in range(info.n):
-            if info.grad_seed[j]:
-                self.grad[j] = self._new(info.grad_bytes[j])
-                if info.seed_grad_held[j]:
-                    held_seeds.append(self.grad[j])
-                    self._hold(self.grad[j])
-        self._record(BACKWARD, None)
-        for j in info.seed_let_go.nonzero()[0]:  # the caller's hold ends once backward started
-            self._release(self.current[j])
+        for j in np.flatnonzero(info.grad_seed).tolist():
+            self.grad[j] = self._new(self.facts.grad_bytes[j])
+            if info.seed_grad_held[j]:
+                held_seeds.append(self.grad[j])
+                self.refs[self.grad[j]] += 1
+        self._record(BACKWARD, -1, self.live)
+        for j in np.flatnonzero(info.seed_let_go).tolist():
+            self._release(self.current[j])  # the caller's hold ends once backward started
         self._backward(segments)
         for inst in held_seeds:
             self._release(inst)
-        fwd = float(info.flops.sum())
-        bwd = float(info.backward_flops.sum())
+        live, phase, at = self.peak
         return Simulation(
-            peak_bytes=int(self.peak[0]),
-            peak_phase=self.peak[1],
-            peak_at=self.peak[2],
-            recompute_flops=float(self.recompute_flops),
-            total_flops=fwd + bwd + float(self.recompute_flops),
-            timeline=self.timeline,
-            forward_end_bytes=int(forward_end),
+            peak_bytes=live,
+            peak_phase=phase,
+            peak_at=info.names[at] if at >= 0 else "",
+            recompute_flops=self.recompute_flops,
+            total_flops=float(info.flops.sum())
+            + float(info.backward_flops.sum())
+            + self.recompute_flops,
+            events=self.events,
+            forward_end_bytes=forward_end,
+            names=info.names,
         )
-
-
-def _count_in(users: tuple[int, ...], scope: tuple[int, int]) -> int:
-    start, stop = scope
-    return sum(1 for u in users if start <= u < stop)

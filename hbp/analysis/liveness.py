@@ -28,6 +28,8 @@ Graphs carrying them under the legacy `graph.meta` keys are upgraded first
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,6 +58,39 @@ from hbp.graph.ir import Graph
 # (`hbp.runtime.executors.segments`), memory no plan counts, so no cut falls between a storage
 # made in the graph and its last in-place write (`GraphInfo.no_cut`; buffers, which are graph
 # inputs, are not pinned). The loop is then one unit, recomputed whole or kept.
+
+
+# NOTE [ Event loops read Python lists ]
+# The simulator's interpreter reads about ten facts of a node per event, one element at a
+# time. An element of a numpy array read from Python is a new numpy scalar on every read, and
+# arithmetic on it is numpy's, several times the cost of a list item and an int; so the loops
+# that walk a graph event by event read `GraphInfo.lists`, the arrays they need as Python
+# lists, made once per GraphInfo. The arrays stay the source: whole-graph arithmetic
+# (cumulative sums, masks) is numpy's.
+
+
+class NodeLists(NamedTuple):
+    """`GraphInfo`'s per-node arrays that the event loops read, as Python lists (same names,
+    same meaning; NOTE [ Event loops read Python lists ])."""
+
+    is_input: list[bool]
+    root: list[int]
+    storage_bytes: list[int]
+    is_held: list[bool]
+    receives_grad: list[bool]
+    has_backward: list[bool]
+    grad_bytes: list[int]
+    saves_output: list[bool]
+    extra_bytes: list[int]
+    param_grad_bytes: list[int]
+    save_event: list[bool]
+    flops: list[float]
+    forward_scratch_bytes: list[int]
+    backward_scratch_bytes: list[int]
+    grad_sum_bytes: list[int]
+    stop_flops: list[float]
+    runs_at_stop: list[bool]
+    next_save: list[int]
 
 
 @dataclass
@@ -163,7 +198,7 @@ class GraphInfo:
         inputs: list[tuple[int, ...]] = []
         users: list[list[int]] = [[] for _ in range(n)]
         saved: list[tuple[int, ...]] = []
-        root = np.arange(n)
+        roots = list(range(n))
         for i, node in enumerate(nodes):
             ins: list[int] = []
             for name in node.inputs:
@@ -184,7 +219,7 @@ class GraphInfo:
                         f"graph: node {node.name!r} has alias_of={node.alias_of!r}, "
                         "which is not one of its inputs"
                     )
-                root[i] = root[index[node.alias_of]]
+                roots[i] = roots[index[node.alias_of]]
             for name in node.saved_inputs:
                 if name not in node.inputs:
                     raise ValueError(
@@ -195,6 +230,7 @@ class GraphInfo:
             if min(*sizes, *scratch, node.gradient_bytes) < 0:
                 raise ValueError(f"graph: node {node.name!r} has a negative byte count")
             saved.append(tuple(dict.fromkeys(index[s] for s in node.saved_inputs)))
+        root = np.array(roots, dtype=np.int64)
         is_output = np.zeros(n, dtype=bool)
         for name in graph.outputs:
             if name not in index:
@@ -202,39 +238,41 @@ class GraphInfo:
             is_output[index[name]] = True
 
         is_input = np.array([nd.is_input for nd in nodes], dtype=bool)
-        requires_grad = np.array([nd.requires_grad for nd in nodes], dtype=bool)
         seeds = graph.backward_seeds()
         grad_seed = np.array([nd.name in seeds for nd in nodes], dtype=bool)
         is_held = is_output.copy()
         seed_let_go = np.zeros(n, dtype=bool)
         seed_grad_held = np.zeros(n, dtype=bool)
         if graph.held_outputs is not None:
-            listed = np.array([nd.name in set(graph.held_outputs) for nd in nodes], dtype=bool)
+            held_names = set(graph.held_outputs)
+            listed = np.array([nd.name in held_names for nd in nodes], dtype=bool)
             is_held &= listed | grad_seed
             # a scalar seed is the loss the caller calls .backward() on: alive until backward
             # returns (CPU mse_loss's 0-dim result holds the elementwise loss's whole storage)
             scalar = np.array([nd.gradient_bytes <= 8 for nd in nodes], dtype=bool)
             seed_let_go = grad_seed & ~listed & ~scalar
             seed_grad_held = grad_seed & scalar  # NOTE [ A loss's gradient lives through backward ]
-        receives_grad = np.zeros(n, dtype=bool)
-        has_backward = np.zeros(n, dtype=bool)
         # NOTE [ A write into a view reaches backward through its base ]
         writes = np.array(
             [nd.writes_in_place and nd.alias_of is not None for nd in nodes], dtype=bool
         )
+        receives, backward = [False] * n, [False] * n
         # by storage root: whether a later node with a backward reads it
-        read_later = np.zeros(n, dtype=bool)
+        read_later = [False] * n
+        seed, writes_at = grad_seed.tolist(), writes.tolist()
         for i in range(n - 1, -1, -1):
-            flows = grad_seed[i] or any(has_backward[u] for u in users[i])
-            if not flows and writes[i]:
-                flows = bool(read_later[root[i]])
-            if requires_grad[i] and flows:
-                receives_grad[i] = True
-                has_backward[i] = not is_input[i]
+            flows = seed[i] or any(backward[u] for u in users[i])
+            if not flows and writes_at[i]:
+                flows = read_later[roots[i]]
+            if nodes[i].requires_grad and flows:
+                receives[i] = True
+                backward[i] = not nodes[i].is_input
                 for j in inputs[i]:
-                    read_later[root[j]] = True
+                    read_later[roots[j]] = True
+        receives_grad = np.array(receives, dtype=bool)
+        has_backward = np.array(backward, dtype=bool)
         for i in range(n):
-            if not has_backward[i]:
+            if not backward[i]:
                 saved[i] = ()
         saves_output = np.array([nd.saves_output for nd in nodes], dtype=bool) & has_backward
         extra = np.array([nd.saved_extra_bytes for nd in nodes], dtype=np.int64) * has_backward
@@ -269,9 +307,9 @@ class GraphInfo:
         runs_at_stop = ~np.array([nd.output_after_last_save for nd in nodes], dtype=bool)
         runs_at_stop |= stop_flops > 0
         draws_random = np.array([nd.draws_random for nd in nodes], dtype=bool) & ~is_input
-        next_save = np.full(n + 1, n, dtype=np.int64)
-        for i in range(n - 1, -1, -1):
-            next_save[i] = i if save_event[i] else next_save[i + 1]
+        # the least save event at or after each position: a running minimum from the end
+        saves_at = np.where(save_event, np.arange(n), n)
+        next_save = np.append(np.minimum.accumulate(saves_at[::-1])[::-1], n).astype(np.int64)
         no_cut = np.zeros(n + 1, dtype=bool)
         for i in np.flatnonzero(writes).tolist():
             if not is_input[root[i]]:
@@ -313,6 +351,12 @@ class GraphInfo:
             no_cut=no_cut,
         )
 
+    @cached_property
+    def lists(self) -> NodeLists:
+        """The per-node arrays the event loops read, as Python lists, made once (NOTE
+        [ Event loops read Python lists ])."""
+        return NodeLists(*(getattr(self, name).tolist() for name in NodeLists._fields))
+
     def keeps_rng_state(self, start: int, stop: int) -> bool:
         """Whether a recomputed segment [start, stop) keeps copies of the generator's state:
         a node in it draws random numbers and a state costs bytes."""
@@ -321,11 +365,12 @@ class GraphInfo:
     def segment_inputs(self, start: int, stop: int) -> list[int]:
         """Values a segment [start, stop) reads that it does not produce itself: values made
         before `start` and graph inputs (which are never recomputed), ascending."""
+        is_input = self.lists.is_input
         seen: set[int] = set()
         for j in range(start, stop):
-            if self.is_input[j]:
+            if is_input[j]:
                 continue
             for v in self.inputs[j]:
-                if v < start or self.is_input[v]:
+                if v < start or is_input[v]:
                     seen.add(v)
         return sorted(seen)

@@ -21,8 +21,10 @@ T = TypeVar("T")
 # NOTE [ Facts kept for one plan call ]
 # One `plan` call asks for the same facts of its graph many times: "min" and the plan at the
 # least budget both want the candidate cuts (at three sizes: NOTE [ Least peak over other cut
-# choices ] in hbp.planner.cuts), the floor under the least peak, a cost model per cut set and
-# each staged candidate, and each is a pass over the whole graph. Inside a plan call's scope
+# choices ] in hbp.planner.cuts), the frontier they are ranked by, the floor under the least
+# peak, a cost model per cut set, the plan-independent backward bytes each cost model and the
+# lower bound read (`hbp.analysis.positional`) and each staged candidate, and each is a pass
+# over the whole graph. Inside a plan call's scope
 # (`plan_call_scope`, which `hbp.planner.stages.stage_tables_kept` opens) each is made once
 # per key and kept on the GraphInfo; the outermost scope's exit drops them all, so nothing
 # outlives the call and a graph changed between calls is never answered from before. Outside

@@ -23,29 +23,32 @@ def frontier_bytes(info: GraphInfo) -> np.ndarray:
 
 
 def _frontier(info: GraphInfo) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, number of storage groups) crossing each cut c in [0, n]."""
+    """(bytes, number of storage groups) crossing each cut c in [0, n], made once per plan
+    call (NOTE [ Facts kept for one plan call ]; shared and read-only)."""
+    return kept_for_plan_call(info, "frontier", lambda: _frontier_of(info))
+
+
+def _frontier_of(info: GraphInfo) -> tuple[np.ndarray, np.ndarray]:
     n = info.n
+    roots, ends = _crossing_groups(info)
+    sizes = info.storage_bytes[roots]
     w = np.zeros(n + 2, dtype=np.int64)
     count = np.zeros(n + 2, dtype=np.int64)
-    for r, lu in zip(*_crossing_groups(info)):
-        w[r + 1] += info.storage_bytes[r]
-        w[lu + 1] -= info.storage_bytes[r]
-        count[r + 1] += 1
-        count[lu + 1] -= 1
+    np.add.at(w, roots + 1, sizes)
+    np.add.at(w, ends + 1, -sizes)
+    np.add.at(count, roots + 1, 1)
+    np.add.at(count, ends + 1, -1)
     return np.cumsum(w)[: n + 1], np.cumsum(count)[: n + 1]
 
 
-def _crossing_groups(info: GraphInfo) -> tuple[list[int], list[int]]:
+def _crossing_groups(info: GraphInfo) -> tuple[np.ndarray, np.ndarray]:
     """(root, last touch) of every storage group touched after the node that makes it: the
     group crosses the cuts c with root < c <= last touch."""
-    n = info.n
-    root = info.root
-    lu = np.full(n, -1, dtype=np.int64)
-    for j in range(n):
-        r = root[j]
-        lu[r] = max(lu[r], j, info.last_user[j])
-    roots = [r for r in range(n) if root[r] == r and info.storage_bytes[r] > 0 and lu[r] > r]
-    return roots, [int(lu[r]) for r in roots]
+    nodes = np.arange(info.n)
+    last_touch = np.full(info.n, -1, dtype=np.int64)
+    np.maximum.at(last_touch, info.root, np.maximum(nodes, info.last_user))
+    roots = np.flatnonzero((info.root == nodes) & (info.storage_bytes > 0) & (last_touch > nodes))
+    return roots, last_touch[roots]
 
 
 def dp_work(info: GraphInfo, cut_sets: list[list[int]]) -> list[float]:
@@ -53,7 +56,7 @@ def dp_work(info: GraphInfo, cut_sets: list[list[int]]) -> list[float]:
     sets summed over them, where a cut's held sets are 2^k for the k intervals between the
     set's cuts that the storage groups crossing it are made in (NOTE [ The union where it
     pays ] in hbp.planner.dp.least_peak)."""
-    roots, ends = (np.asarray(a, dtype=np.int64) for a in _crossing_groups(info))
+    roots, ends = _crossing_groups(info)
     out = []
     for cuts in cut_sets:
         bounds = np.asarray(cuts, dtype=np.int64)
@@ -101,13 +104,12 @@ def _candidate_cuts(info: GraphInfo, block_size: int, max_cuts: int) -> tuple[in
     if not pos:
         return (0, n)
     w, count = _frontier(info)
-    wp = [int(w[c]) for c in pos]
-    minima = _minima(pos, wp)
+    wp = w[pos[0] : pos[-1] + 1]
+    minima = _minima(pos, wp.tolist())
     excess = _excess_count(count[pos[0] : pos[-1] + 1], LOCAL_RADIUS * max(1, n // max_cuts))
-    ranked = sorted(
-        range(len(pos)),
-        key=lambda k: (pos[k] not in minima, excess[k], wp[k], _spread(k, len(pos))),
-    )
+    not_minimum = np.array([c not in minima for c in pos])
+    # by (not a minimum, excess count, bytes, spread); the last key of lexsort is its first
+    ranked = np.lexsort((_spreads(len(pos)), wp, excess, not_minimum)).tolist()
     chosen, states = [], 0.0
     for k in ranked:
         if info.no_cut[pos[k]]:  # NOTE [ A write into a view reaches backward through its base ]
@@ -261,6 +263,16 @@ def _spread(k: int, n: int) -> int:
     """Bit-reversed rank: a tie-break that spreads equal-frontier cuts evenly."""
     bits = max(1, (n - 1).bit_length())
     return int(f"{k:0{bits}b}"[::-1], 2)
+
+
+def _spreads(n: int) -> np.ndarray:
+    """`_spread(k, n)` for every k in [0, n)."""
+    bits = max(1, (n - 1).bit_length())
+    k = np.arange(n)
+    reversed_k = np.zeros(n, dtype=np.int64)
+    for bit in range(bits):
+        reversed_k |= ((k >> bit) & 1) << (bits - 1 - bit)
+    return reversed_k
 
 
 def window_cuts(

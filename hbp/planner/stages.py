@@ -120,7 +120,9 @@ def staged_plan(
     if choice is None:
         return None
     segments: list[Segment] = []
-    rebuilt: dict[tuple, list[Segment]] = {}  # (stage solved, option) -> its plan
+    # (stage solved, option) -> its plan: a function of the tables alone, kept with them
+    rebuilt: dict[tuple, list[Segment]] = info.__dict__.setdefault("_stage_plans", {})
+    rebuilt = rebuilt.setdefault(settings, {})
     with planning(len(cuts)):
         for (a, _), (first, solver), opts, k in zip(stages, reps, options, choice):
             plan = rebuilt.get((first, k))
@@ -220,13 +222,14 @@ def _stage_tables(
 
 # NOTE [ Stage tables do not depend on the budget ]
 # A staged plan's stages, their tables and options are the same at every budget; only the
-# allocation across stages (`_allocate`) and the plans rebuilt from the tables depend on it.
+# allocation across stages (`_allocate`) depends on it, and which of the plans rebuilt from
+# the tables (one per stage solved and option) it takes.
 # `optimal_plan` asks for staged plans several times per call (a tightened budget after an
 # overshoot, the bisection of a BudgetError's staged minimum), so the tables are kept on the
-# GraphInfo (`_stage_tables`, per setting) for the rest of the `optimal_plan` call, which drops
-# them when it returns (`stage_tables_kept`): the solvers refer back to the GraphInfo, so left
-# on it they would make a cycle for the collector to find (NOTE [ Profiles do not own their
-# cost model ]).
+# GraphInfo (`_stage_tables`, per setting), and the plans rebuilt from them (`_stage_plans`),
+# for the rest of the `optimal_plan` call, which drops them when it returns
+# (`stage_tables_kept`): the solvers refer back to the GraphInfo, so left on it they would
+# make a cycle for the collector to find (NOTE [ Profiles do not own their cost model ]).
 
 
 @contextlib.contextmanager
@@ -238,8 +241,9 @@ def stage_tables_kept(info: GraphInfo) -> Iterator[None]:
         try:
             yield
         finally:
-            if outermost:  # the outermost drops them
+            if outermost:  # the outermost drops them, and the stage plans rebuilt from them
                 info.__dict__.pop("_stage_tables", None)
+                info.__dict__.pop("_stage_plans", None)
 
 
 # NOTE [ Identical stages are solved once ]
@@ -447,15 +451,14 @@ def _allocate(options: list[list[StageOption]], budget: int, slots: int) -> list
         best = np.full(slots + 1, INF)
         arg = np.full(slots + 1, -1, dtype=np.int64)
         for k, o in enumerate(opts):
-            kept = int(np.ceil(o.kept_bytes / slot - 1e-9))
-            need = max(kept, int(np.ceil(o.need_bytes / slot - 1e-9)))
+            kept = math.ceil(o.kept_bytes / slot - 1e-9)
+            need = max(kept, math.ceil(o.need_bytes / slot - 1e-9))
             if need > slots:
                 continue
-            value = np.full(slots + 1, INF)
-            value[need:] = o.cost + F[need - kept : slots + 1 - kept]
-            better = value < best
-            best[better] = value[better]
-            arg[better] = k
+            value = o.cost + F[need - kept : slots + 1 - kept]  # at slots need..slots
+            better = value < best[need:]
+            best[need:][better] = value[better]
+            arg[need:][better] = k
         F = best
         picks.append(arg)
     picks.reverse()
@@ -465,5 +468,5 @@ def _allocate(options: list[list[StageOption]], budget: int, slots: int) -> list
     for arg, opts in zip(picks, options):
         k = int(arg[m])
         choice.append(k)
-        m -= int(np.ceil(opts[k].kept_bytes / slot - 1e-9))
+        m -= math.ceil(opts[k].kept_bytes / slot - 1e-9)
     return choice

@@ -95,36 +95,37 @@ class CostModel:
         # stage bounds (a subset of the cuts, 0 and n included): no level crosses one
         self.bounds = sorted({0, info.n, *bounds}) if bounds else [0, info.n]
         n = self.n = info.n
+        facts = info.lists  # NOTE [ Event loops read Python lists ] in hbp.analysis.liveness
         root = info.root
-        gid = -np.ones(n, dtype=np.int64)
-        roots = [j for j in range(n) if root[j] == j and info.storage_bytes[j] > 0]
-        for g, j in enumerate(roots):
-            gid[j] = g
-        self.node_group = np.where(gid[root] >= 0, gid[root], -1)
+        roots = np.flatnonzero((root == np.arange(n)) & (info.storage_bytes > 0))
         G = len(roots)
-        self.g_root = np.array(roots, dtype=np.int64)
+        gid = -np.ones(n, dtype=np.int64)
+        gid[roots] = np.arange(G)
+        self.node_group = np.where(gid[root] >= 0, gid[root], -1)
+        self.g_root = roots.astype(np.int64)
         self.g_size = info.storage_bytes[self.g_root].astype(np.int64) if G else np.zeros(0, int)
         forced = np.zeros(G, dtype=bool)
         touches: list[list[int]] = [[] for _ in range(G)]
         holders: list[list[int]] = [[] for _ in range(G)]
         readers: list[list[int]] = [[] for _ in range(G)]
+        node_group = self.node_group.tolist()
         for j in range(n):
-            g = self.node_group[j]
+            g = node_group[j]
             if g >= 0:
                 touches[g].append(j)
-                if info.is_held[j]:
+                if facts.is_held[j]:
                     forced[g] = True
-                if info.saves_output[j]:
+                if facts.saves_output[j]:
                     holders[g].append(j)
-            if info.is_input[j]:
+            if facts.is_input[j]:
                 continue
             for v in info.inputs[j]:
-                gv = self.node_group[v]
+                gv = node_group[v]
                 if gv >= 0:
                     touches[gv].append(j)
                     readers[gv].append(j)
             for v in info.saved[j]:
-                gv = self.node_group[v]
+                gv = node_group[v]
                 if gv >= 0:
                     holders[gv].append(j)
         self.g_forced = forced
@@ -160,16 +161,13 @@ class CostModel:
         self.pos_late = positional.late
         self.out_total = positional.held_output_bytes
         # save events: last save event before position f; first node reading from before e
-        last = -1
-        self.last_save = np.full(n + 1, -1, dtype=np.int64)
-        for j in range(n):
-            if info.save_event[j]:
-                last = j
-            self.last_save[j + 1] = last
+        saves_at = np.where(info.save_event, np.arange(n), -1)
+        self.last_save = np.concatenate([[-1], np.maximum.accumulate(saves_at)]).astype(np.int64)
+        is_input = facts.is_input
         self.min_input = np.array(
             [
-                min((-1 if info.is_input[v] else v) for v in info.inputs[j])
-                if info.inputs[j] and not info.is_input[j]
+                min((-1 if is_input[v] else v) for v in info.inputs[j])
+                if info.inputs[j] and not is_input[j]
                 else n
                 for j in range(n)
             ],
@@ -186,10 +184,7 @@ class CostModel:
         self.profiles: dict = {}  # (e, H, mode, top) -> ChildProfile: `ChildProfile.of`'s memo
         self._first_reader: dict = {}
         self._save_free_mask: dict = {}
-        first = np.full(n + 1, n, dtype=np.int64)
-        for j in range(n - 1, -1, -1):
-            first[j] = j if info.save_event[j] else first[j + 1]
-        self.next_save = first  # first save event at or after each position
+        self.next_save = info.next_save  # first save event at or after each position
         # a tail saves nothing: what it holds is the same at its late sums
         self._bwd_pos = np.where(info.has_backward, np.maximum(self.pos_bwd, self.pos_late), -INF)
         # a pass stopping at node j runs j (1) or nothing of it (0)
@@ -237,16 +232,16 @@ class CostModel:
     def _crossing_sets(self) -> None:
         """F(c): groups made before c and touched at or after c, for every candidate cut c."""
         self.crossing: dict[int, list[int]] = {}
-        order = np.argsort(self.g_root, kind="stable")
+        order = np.argsort(self.g_root, kind="stable").tolist()
+        g_root, g_lu = self.g_root.tolist(), self.g_lu.tolist()
         active: set[int] = set()
         k = 0
-        for c in range(self.n + 1):
-            while k < len(order) and self.g_root[order[k]] < c:
-                active.add(int(order[k]))
+        for c in sorted(self._cut_set):
+            while k < len(order) and g_root[order[k]] < c:
+                active.add(order[k])
                 k += 1
-            active = {g for g in active if self.g_lu[g] >= c}
-            if c in self._cut_set:
-                self.crossing[c] = sorted(active)
+            active = {g for g in active if g_lu[g] >= c}
+            self.crossing[c] = sorted(active)
 
     def stop_of(self, e: int) -> int:
         """The end of the stage that position e lies in (n without stages)."""

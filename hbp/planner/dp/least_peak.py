@@ -5,6 +5,7 @@ relative to the least peak all ask for it)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import weakref
 
@@ -385,9 +386,10 @@ _BY_FINGERPRINT: dict[str, dict] = {}
 def info_fingerprint(info: GraphInfo) -> str:
     """A digest of every GraphInfo field the planner reads (all but the node names)."""
     digest = hashlib.sha256()
-    for name, value in sorted(vars(info).items()):
-        if name in ("names", "users") or name.startswith("_"):  # labels; users follow
-            continue  # from inputs; private: tables kept on it (`hbp.planner.stages`)
+    for name in sorted(field.name for field in dataclasses.fields(info)):
+        if name in ("names", "users"):  # labels; users follow from inputs (what is kept on
+            continue  # it, tables and lists, is not a field: derived)
+        value = getattr(info, name)
         digest.update(name.encode())
         if isinstance(value, np.ndarray):
             digest.update(str(value.dtype).encode())
