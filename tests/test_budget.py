@@ -119,3 +119,29 @@ def test_min_and_a_budget_errors_minimum_agree_where_checkpoints_keep_generator_
     with pytest.raises(BudgetError) as err:
         hbp.planner.plan(graph, least - 1)
     assert err.value.minimum == least
+
+
+def test_a_fractions_budget_error_names_the_least_fraction_that_plans():
+    """A fraction below the least peak: the error says the least fraction (two decimals) of
+    the plain step's peak that plans, which does, while one hundredth less does not; the
+    planner's own error says it too."""
+    import re
+
+    from hbp.graph import synthetic
+    from hbp.planner import plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)]
+    )
+    x = torch.randn(256, 64)
+    with pytest.raises(BudgetError) as raised:
+        hbp.HCModule(model, budget=0.05).prepare(x)
+    found = re.search(r"budget=(\d\.\d\d) or more plans", str(raised.value))
+    assert found, str(raised.value)
+    least = float(found.group(1))
+    hbp.HCModule(model, budget=least).prepare(x)
+    with pytest.raises(BudgetError):
+        hbp.HCModule(model, budget=round(least - 0.01, 2)).prepare(x)
+    with pytest.raises(BudgetError, match=r"budget=0\.\d\d or more plans"):
+        plan(synthetic.residual_net(4), Budget.parse("0.05"))

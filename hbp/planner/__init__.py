@@ -15,7 +15,7 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
-from hbp.planner.budget import Budget, BudgetKind, parse_budget
+from hbp.planner.budget import Budget, BudgetKind, least_fraction, parse_budget
 from hbp.planner.cache import PlanCache, graph_fingerprint, load_plan, save_plan
 from hbp.planner.dp import candidate_cuts, min_feasible_peak, optimal_plan
 from hbp.planner.dp.recursion import planning
@@ -151,7 +151,8 @@ def _plan(graph, info, budget, block_size, planner, pins, schedules, options: di
         scheduled = schedules and schedule_plan(graph, budget_bytes, None, info=info, naive=naive)
         if scheduled:
             return scheduled
-        raise _with_workspace(graph, _with_parameter_gradients(graph, err)) from None
+        err = _with_workspace(graph, _with_parameter_gradients(graph, err))
+        raise _as_fraction(err, budget, naive.peak_bytes) from None
     if schedules:
         return schedule_plan(graph, budget_bytes, best, info=info, naive=naive) or best
     return best
@@ -216,6 +217,15 @@ def _with_parameter_gradients(graph: Graph, err: BudgetError) -> BudgetError:
         "(they live until the optimizer step): below that, shard or offload them (FSDP), or "
         "freeze parameters"
     )
+
+
+def _as_fraction(err: BudgetError, budget, naive_bytes: int) -> BudgetError:
+    """`err`, with its minimum as a fraction of the plain step's peak where the budget was
+    given as one."""
+    given = budget if isinstance(budget, Budget) else Budget.parse(budget)
+    if given.kind is not BudgetKind.FRACTION or naive_bytes <= 0:
+        return err
+    return err.with_detail(least_fraction(err.minimum, naive_bytes))
 
 
 def _with_workspace(graph: Graph, err: BudgetError) -> BudgetError:

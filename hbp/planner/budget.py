@@ -31,7 +31,15 @@ from enum import Enum
 
 from hbp.errors import ConfigError
 
-__all__ = ["ACCEPTED", "FIT_MARGIN", "REACHABLE_BUDGETS", "Budget", "BudgetKind", "parse_budget"]
+__all__ = [
+    "ACCEPTED",
+    "FIT_MARGIN",
+    "REACHABLE_BUDGETS",
+    "Budget",
+    "BudgetKind",
+    "least_fraction",
+    "parse_budget",
+]
 
 #: The accepted forms, as error messages name them.
 ACCEPTED = "a fraction in (0, 1], 'N%act', bytes (an int or '64MiB'), 'min' or 'fit'"
@@ -112,12 +120,16 @@ class Budget:
     def is_min(self) -> bool:
         return self.kind is BudgetKind.MIN
 
-    def way_out(self) -> str | None:
+    def way_out(self, minimum: int = 0, naive_peak_bytes: int = 0) -> str | None:
         """What a `BudgetError` of this budget adds: the budgets that always plan, for a
-        caller's number (a fraction, bytes); None for the forms that name their own."""
-        if self.kind in (BudgetKind.FRACTION, BudgetKind.BYTES):
-            return REACHABLE_BUDGETS
-        return None
+        caller's number (a fraction, bytes), and for a fraction, with the error's `minimum`
+        and the `naive_peak_bytes` it is a fraction of, the least fraction that plans; None
+        for the forms that name their own."""
+        if self.kind not in (BudgetKind.FRACTION, BudgetKind.BYTES):
+            return None
+        if self.kind is BudgetKind.FRACTION and minimum > 0 and naive_peak_bytes > 0:
+            return f"{least_fraction(minimum, naive_peak_bytes)}; {REACHABLE_BUDGETS}"
+        return REACHABLE_BUDGETS
 
     def resolve(
         self, naive_peak_bytes: int, least_peak: Callable[[], int], device=None
@@ -161,6 +173,16 @@ def available_bytes(device=None) -> int:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def least_fraction(minimum: int, naive_peak_bytes: int) -> str:
+    """The least fraction of the plain step's peak, to two decimals, at or above `minimum`
+    bytes, as a BudgetError of a fraction says it."""
+    least = math.ceil(minimum / naive_peak_bytes * 100 - 1e-9) / 100
+    return (
+        f"as a fraction of the plain step's peak ({naive_peak_bytes / 2**20:.2f} MiB), "
+        f"budget={least:.2f} or more plans"
+    )
+
+
 def parse_budget(budget, naive_peak_bytes: int) -> int:
     """The budget in bytes, for the planner's entry points (`hbp.planner.plan`).
 
@@ -191,6 +213,8 @@ def _to_bytes_or_fraction(budget) -> int | float:
     """A fraction in (0, 1] (float) or a positive number of bytes (int)."""
     if isinstance(budget, bool) or budget is None:
         raise ConfigError("budget", budget, ACCEPTED)
+    if isinstance(budget, Budget) and budget.kind in (BudgetKind.FRACTION, BudgetKind.BYTES):
+        return budget.value
     if isinstance(budget, str):
         m = _SIZE.match(budget)
         if not m:

@@ -323,8 +323,9 @@ class Planning:
                         "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
                     ) from err
                 said = self._budget_error_without_outputs(graph, err)
-                if budget.way_out() is not None:
-                    said = said.with_detail(budget.way_out())
+                way_out = budget.way_out(said.minimum, naive)
+                if way_out is not None:
+                    said = said.with_detail(way_out)
                 raise said from err
         if cached is None:
             self._cache_plan(captured, pins, plan)
