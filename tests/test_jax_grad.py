@@ -1,6 +1,8 @@
 """hbp.jax gradients equal jax.grad's (every executor, pytrees, has_aux, argnums, static and
 keyword arguments, vmap) and bad inputs raise clear errors."""
 
+import re
+
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -161,8 +163,10 @@ def test_infeasible_budget_raises_budget_error_with_minimum(mlp):
     )  # the way out, as HCModule's says it
     # The reported minimum is feasible.
     assert hj.height_compressed_grad(mlp_loss, budget=info.value.minimum).get_plan(params, x)
-    with pytest.raises(hbp.BudgetError, match="a fraction is of hbp's simulated plain step"):
+    with pytest.raises(hbp.BudgetError, match="a fraction is of hbp's simulated plain step") as low:
         hj.height_compressed_grad(mlp_loss, budget=0.01)(params, x)
+    least = float(re.search(r"budget=(\d\.\d\d) or more plans", str(low.value)).group(1))
+    assert hj.height_compressed_grad(mlp_loss, budget=least).get_plan(params, x)
 
 
 @pytest.mark.parametrize("budget", [0.0, -1, 1.5, "lots", None, True])

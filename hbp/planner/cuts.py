@@ -6,6 +6,10 @@ frontiers first); `window_cuts` spreads cuts evenly for staged planning
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
@@ -14,6 +18,27 @@ from hbp.analysis.plan_call import kept_for_plan_call
 # DP work grows like cuts^3 x the number of held sets per cut (`held_sets`); this bound keeps
 # planning at 1-3 s of CPU (56 cuts with 1-2 groups crossing each).
 WORK_LIMIT = 56**3 * 3
+
+
+#: Where set, the number of evenly spread candidate cuts (None: the usual choice); set by
+#: `coarse_cuts` (NOTE [ Cuts that many values cross ] in hbp.planner.dp.entry).
+_COARSE_CUTS: ContextVar[int | None] = ContextVar("coarse_cuts", default=None)
+
+
+@contextlib.contextmanager
+def coarse_cuts(k: int | None) -> Iterator[None]:
+    """Inside, `candidate_cuts` gives the best position of each of `k` equal runs of the
+    graph's positions, and `window_cuts` the best of each region (None: as outside)."""
+    token = _COARSE_CUTS.set(k)
+    try:
+        yield
+    finally:
+        _COARSE_CUTS.reset(token)
+
+
+def current_coarse_cuts() -> int | None:
+    """The count `coarse_cuts` set, None outside it."""
+    return _COARSE_CUTS.get()
 
 
 def frontier_bytes(info: GraphInfo) -> np.ndarray:
@@ -86,7 +111,8 @@ def candidate_cuts(info: GraphInfo, block_size: int = 1, max_cuts: int = 64) -> 
     block size k is a subset of the set for block size 1, so the planner and its minimum are
     never worse at block size 1 than at a coarser one.
     """
-    key = ("candidate cuts", block_size, max_cuts)  # NOTE [ Facts kept for one plan call ]
+    # NOTE [ Facts kept for one plan call ]
+    key = ("candidate cuts", block_size, max_cuts, _COARSE_CUTS.get())
     return list(kept_for_plan_call(info, key, lambda: _candidate_cuts(info, block_size, max_cuts)))
 
 
@@ -104,6 +130,12 @@ def _candidate_cuts(info: GraphInfo, block_size: int, max_cuts: int) -> tuple[in
     if not pos:
         return (0, n)
     w, count = _frontier(info)
+    coarse = _COARSE_CUTS.get()
+    if coarse is not None:  # NOTE [ Cuts that many values cross ]
+        runs = np.array_split(np.array(pos), min(coarse, len(pos)))
+        free = ([c for c in run.tolist() if not info.no_cut[c]] for run in runs)
+        chosen = [c for run in free if run for c in _best_in(run, pos, w, count, 1)]
+        return tuple(sorted({0, *chosen, n}))
     wp = w[pos[0] : pos[-1] + 1]
     minima = _minima(pos, wp.tolist())
     excess = _excess_count(count[pos[0] : pos[-1] + 1], LOCAL_RADIUS * max(1, n // max_cuts))
@@ -291,13 +323,14 @@ def window_cuts(
     if not pos:
         return [0, n]
     w, count = _frontier(info)
+    coarse = _COARSE_CUTS.get()  # NOTE [ Cuts that many values cross ]
     starts = sorted({pos[0], *(b for b in bounds or () if pos[0] < b < n)})
     chosen = [*starts] if bounds else []
     for start, stop in zip(starts, [*starts[1:], n]):
         for lo in range(start, stop, region):
             block = list(range(lo, min(lo + region, stop)))
             block = [c for c in block if not info.no_cut[c]]
-            chosen.extend(_best_in(block, pos, w, count, per_region))
+            chosen.extend(_best_in(block, pos, w, count, per_region if coarse is None else 1))
     return sorted({0, *(c for c in chosen if not info.no_cut[c]), n})
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hbp.analysis.liveness import GraphInfo
-from hbp.planner.cuts import _frontier, window_cuts
+from hbp.planner.cuts import _frontier, current_coarse_cuts, window_cuts
 from hbp.planner.dp import solver as solver_module
 from hbp.planner.dp.cost_model import CostModel, cost_models_shared
 from hbp.planner.dp.modes import INF
@@ -122,7 +122,7 @@ def staged_plan(
     segments: list[Segment] = []
     # (stage solved, option) -> its plan: a function of the tables alone, kept with them
     rebuilt: dict[tuple, list[Segment]] = info.__dict__.setdefault("_stage_plans", {})
-    rebuilt = rebuilt.setdefault(settings, {})
+    rebuilt = rebuilt.setdefault((settings, current_coarse_cuts()), {})
     with planning(len(cuts)):
         for (a, _), (first, solver), opts, k in zip(stages, reps, options, choice):
             plan = rebuilt.get((first, k))
@@ -189,9 +189,10 @@ def _tables(info: GraphInfo, settings: tuple):
     """The stage tables of `settings` (`_stage_tables`), kept on `info` while the caller is
     inside `stage_tables_kept` (NOTE [ Stage tables do not depend on the budget ])."""
     known = info.__dict__.setdefault("_stage_tables", {})
-    if settings not in known:
-        known[settings] = _stage_tables(info, *settings)
-    return known[settings]
+    key = (settings, current_coarse_cuts())  # NOTE [ Cuts that many values cross ]
+    if key not in known:
+        known[key] = _stage_tables(info, *settings)
+    return known[key]
 
 
 def _stage_tables(

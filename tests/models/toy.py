@@ -325,6 +325,28 @@ class GRUHead(nn.Module):
         return self.head(y), h
 
 
+class UnrolledCells(nn.Module):
+    """Two stacked nn.LSTMCells unrolled over the tokens in Python, each step's output kept in
+    a list and stacked after the loop: every cut in the loop is crossed by all the outputs
+    before it (NOTE [ Cuts that many values cross ] in hbp.planner.dp.entry)."""
+
+    def __init__(self, vocab=100, dim=48):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.first, self.second = nn.LSTMCell(dim, dim), nn.LSTMCell(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        h1 = c1 = h2 = c2 = x.new_zeros(tokens.shape[0], x.shape[-1])
+        outputs = []
+        for t in range(tokens.shape[1]):
+            h1, c1 = self.first(x[:, t], (h1, c1))
+            h2, c2 = self.second(h1, (h2, c2))
+            outputs.append(h2)
+        return self.head(torch.stack(outputs, 1))
+
+
 class BagMLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -54,7 +54,7 @@ from hbp.graph.torch.profile import profile_graph
 from hbp.graph.torch.proxy import InputAttributeRead
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.graph.torch.state import ForwardSideEffect, ModelState, ModuleState, same_value
-from hbp.graph.torch.trace import fake_failures_quiet, trace_module
+from hbp.graph.torch.trace import checkpoints_inlined, fake_failures_quiet, trace_module
 
 __all__ = [
     "MODES",
@@ -187,9 +187,14 @@ def _export_trace(
 ) -> CapturedGraph:
     """Op level by running the forward on fake tensors (`hbp.graph.torch.export`)."""
     assigned: list[str] = []
+    checkpoints: list[int] = []  # one entry per torch.utils.checkpoint call traced through
     state = ModuleState(module)
     try:
-        with buffers_restored(module), _python_assignments_recorded(module, assigned):
+        with (
+            buffers_restored(module),
+            _python_assignments_recorded(module, assigned),
+            checkpoints_inlined(lambda: checkpoints.append(1)),
+        ):
             exported = export_trace(module, args, kwargs, ambient_modes())
     finally:
         changed = state.restore()
@@ -205,6 +210,7 @@ def _export_trace(
     captured = profile_graph(exported.gm, module, inputs, list(inputs), signature, faker)
     captured.output_template = exported.output_template
     captured.in_spec = exported.in_spec
+    captured.inlined_checkpoints = len(checkpoints)
     captured.tracer = "export"
     return captured
 

@@ -296,36 +296,13 @@ class _Tracer(fx.Tracer):
             missing.append(node)
         return v
 
-    @contextlib.contextmanager
-    def inlining_checkpoints(self) -> Iterator[None]:
-        """Within: `torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)` (reentrant or not,
-        also through `checkpoint_sequential`) just calls `fn(*args, **kwargs)`, so its ops are
-        traced and hbp's plan decides what is recomputed. Counted in `inlined_checkpoints`."""
-        tracer = self
+    def inlining_checkpoints(self):
+        """`checkpoints_inlined`, counted in `inlined_checkpoints`."""
 
-        class InlinedCheckpointFunction:  # stands in for the reentrant CheckpointFunction
-            @staticmethod
-            def apply(function, preserve_rng_state, *args):
-                tracer.inlined_checkpoints += 1
-                return function(*args)
+        def counted() -> None:
+            self.inlined_checkpoints += 1
 
-        def inlined_generator(fn, *args, **kwargs):  # non-reentrant: set-up, yield, tear-down
-            tracer.inlined_checkpoints += 1
-            yield
-
-        originals = (
-            torch_checkpoint.CheckpointFunction,
-            torch_checkpoint._checkpoint_without_reentrant_generator,
-        )
-        torch_checkpoint.CheckpointFunction = InlinedCheckpointFunction
-        torch_checkpoint._checkpoint_without_reentrant_generator = inlined_generator
-        try:
-            yield
-        finally:
-            (
-                torch_checkpoint.CheckpointFunction,
-                torch_checkpoint._checkpoint_without_reentrant_generator,
-            ) = originals
+        return checkpoints_inlined(counted)
 
     @contextlib.contextmanager
     def recording_autograd_functions(self) -> Iterator[None]:
@@ -436,6 +413,38 @@ def _function_apply(cls: type) -> Callable:
         apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
         _FUNCTION_APPLIES[cls] = apply
     return _FUNCTION_APPLIES[cls]
+
+
+@contextlib.contextmanager
+def checkpoints_inlined(each: Callable[[], None]) -> Iterator[None]:
+    """Within: `torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)` (reentrant or not,
+    also through `checkpoint_sequential`) just calls `fn(*args, **kwargs)`, so a tracer
+    (torch.fx here, non-strict export in `hbp.graph.torch.export`) records its ops and hbp's
+    plan decides what is recomputed; `each()` is called per checkpoint call."""
+
+    class InlinedCheckpointFunction:  # stands in for the reentrant CheckpointFunction
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            each()
+            return function(*args)
+
+    def inlined_generator(fn, *args, **kwargs):  # non-reentrant: set-up, yield, tear-down
+        each()
+        yield
+
+    originals = (
+        torch_checkpoint.CheckpointFunction,
+        torch_checkpoint._checkpoint_without_reentrant_generator,
+    )
+    torch_checkpoint.CheckpointFunction = InlinedCheckpointFunction
+    torch_checkpoint._checkpoint_without_reentrant_generator = inlined_generator
+    try:
+        yield
+    finally:
+        (
+            torch_checkpoint.CheckpointFunction,
+            torch_checkpoint._checkpoint_without_reentrant_generator,
+        ) = originals
 
 
 def trace_module(

@@ -130,7 +130,10 @@ class Planned:
                     captured.graph, target, block_size=self.block_size, planner=self.planner
                 )
             except BudgetError as err:
-                if budget.way_out() is None:
+                from hbp.analysis.simulate import naive_peak
+
+                way_out = budget.way_out(err.minimum, naive_peak(captured.graph))
+                if way_out is None:
                     raise
                 fraction = (
                     "a fraction is of hbp's simulated plain step, not of what XLA compiles "
@@ -138,7 +141,7 @@ class Planned:
                     if budget.kind is BudgetKind.FRACTION
                     else ""
                 )
-                raise err.with_detail(fraction + budget.way_out()) from err
+                raise err.with_detail(fraction + way_out) from err
         return fixed if isinstance(fixed, Plan) else Plan(segments=list(fixed))
 
     eager_auto = EAGER_AUTO  # what "auto" runs on concrete arrays

@@ -496,8 +496,10 @@ class Planning:
                 "checkpoint",
                 f"{type(self.module).__name__} calls torch.utils.checkpoint "
                 f"({captured.inlined_checkpoints}x); HCModule traces through those calls and its "
-                "plan decides what is recomputed (a fractional budget is relative to the peak "
-                "without that checkpointing)",
+                "plan decides what is recomputed instead: a fraction or 'N%act' (the default) is "
+                "relative to the step without that checkpointing, so the plan may keep more "
+                "than the model's own checkpointing did; budget='min' keeps the least, or give "
+                "bytes",
             )
         hooked = [name for name, m in self.module.named_modules() if name and user_hooks(m)]
         listed = f"{', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''}"

@@ -38,6 +38,8 @@ __all__ = [
     "least_peak_plan",
     "least_peak_value",
     "reach_cuts",
+    "remember_coarse_cuts",
+    "remembered_coarse_cuts",
     "top_level",
     "union_floor",
     "union_of",
@@ -381,6 +383,24 @@ REMEMBERED_GRAPHS = 8
 _LEAST_PEAKS: dict[int, dict] = {}
 #: info_fingerprint -> the same dicts, the most recently used last.
 _BY_FINGERPRINT: dict[str, dict] = {}
+#: info_fingerprint -> the count of spread cuts its DP needs (NOTE [ Cuts that many values
+#: cross ] in hbp.planner.dp.entry), the most recently found last.
+_COARSE_BY_FINGERPRINT: dict[str, int] = {}
+
+
+def remembered_coarse_cuts(info: GraphInfo) -> int | None:
+    """The count of spread cuts remembered for `info`'s structure, else None (no fingerprint
+    is taken while no structure has one)."""
+    if not _COARSE_BY_FINGERPRINT:
+        return None
+    return _COARSE_BY_FINGERPRINT.get(info_fingerprint(info))
+
+
+def remember_coarse_cuts(info: GraphInfo, count: int) -> None:
+    """Remember that `info`'s structure plans over `count` spread cuts."""
+    _COARSE_BY_FINGERPRINT[info_fingerprint(info)] = count
+    while len(_COARSE_BY_FINGERPRINT) > REMEMBERED_GRAPHS:
+        _COARSE_BY_FINGERPRINT.pop(next(iter(_COARSE_BY_FINGERPRINT)))
 
 
 def info_fingerprint(info: GraphInfo) -> str:
@@ -400,6 +420,8 @@ def info_fingerprint(info: GraphInfo) -> str:
 
 
 def forget_least_peaks() -> None:
-    """Forget every remembered least peak (cold planning, for benchmarks and tests)."""
+    """Forget every remembered least peak and count of spread cuts (cold planning, for
+    benchmarks and tests)."""
     _BY_FINGERPRINT.clear()
     _LEAST_PEAKS.clear()
+    _COARSE_BY_FINGERPRINT.clear()

@@ -44,6 +44,17 @@ class ChildArrays:
     peak_lists: Any = None
 
 
+#: The most child profiles (starts x held sets) one cost model's DP may make before it gives up
+#: on its cut set (NOTE [ Cuts that many values cross ] in hbp.planner.dp.entry).
+MAX_PROFILES = 16384
+
+
+class TooManyHeldSets(Exception):
+    """The DP over a cut set met more held sets than `MAX_PROFILES` profiles: its cuts are
+    crossed by many values whose holding each child decides (NOTE [ Cuts that many values
+    cross ] in hbp.planner.dp.entry)."""
+
+
 class ChildProfile:
     """Needs of a child X = [e, f) with a given mode, state H and level kind, for every f.
 
@@ -59,6 +70,8 @@ class ChildProfile:
         key = (e, H, mode, top)
         p = m.profiles.get(key)
         if p is None:
+            if len(m.profiles) >= MAX_PROFILES:
+                raise TooManyHeldSets(f"{len(m.profiles)} child profiles over {len(m.cuts)} cuts")
             p = m.profiles[key] = cls(m, e, H, mode, top)
         return p
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hbp.analysis.plan_call import kept_for_plan_call
 from hbp.analysis.simulate import simulate
+from hbp.planner.cuts import current_coarse_cuts
 from hbp.planner.dp import solver as solver_module
 from hbp.planner.dp.least_peak import top_level
 from hbp.planner.stages import least_staged_budget, staged_plan
@@ -26,7 +27,8 @@ def staged_candidate(graph, info, budget: int, pins: bool | None = None):
     or None. Its stage-boundary accounting is approximate: an overshoot is taken off the
     budget and the stages planned again (twice at most). Kept per budget while the stage
     tables are (NOTE [ A staged candidate found once per plan call ])."""
-    key = ("staged candidate", budget, solver_module.PIN_VALUES if pins is None else pins)
+    pins = solver_module.PIN_VALUES if pins is None else pins
+    key = ("staged candidate", budget, pins, current_coarse_cuts())
     return kept_for_plan_call(info, key, lambda: _staged_candidate(graph, info, budget, pins))
 
 
