@@ -2,6 +2,8 @@
 once, resolves to bytes the planner meets, and the default never raises; errors are one short
 line naming the field, the value and the accepted forms."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -125,8 +127,6 @@ def test_a_fractions_budget_error_names_the_least_fraction_that_plans():
     """A fraction below the least peak: the error says the least fraction (two decimals) of
     the plain step's peak that plans, which does, while one hundredth less does not; the
     planner's own error says it too."""
-    import re
-
     from hbp.graph import synthetic
     from hbp.planner import plan
 
@@ -145,3 +145,18 @@ def test_a_fractions_budget_error_names_the_least_fraction_that_plans():
         hbp.HCModule(model, budget=round(least - 0.01, 2)).prepare(x)
     with pytest.raises(BudgetError, match=r"budget=0\.\d\d or more plans"):
         plan(synthetic.residual_net(4), Budget.parse("0.05"))
+
+
+def test_a_module_level_plans_budget_error_says_the_least_fraction_and_the_way_out():
+    """A model no op-level tracer captures (a Python branch on data): its module-level plan's
+    BudgetError for a fraction names the least fraction that plans and the budgets that
+    always do, as an op-level one does."""
+    from tests.models.traits import DataDependentMLP
+
+    torch.manual_seed(0)
+    model, x = DataDependentMLP(), torch.randn(256, 64)
+    with pytest.warns(hbp.CaptureWarning), pytest.raises(BudgetError) as raised:
+        hbp.HCModule(model, budget=0.02).prepare(x)
+    message = str(raised.value)
+    assert "module-level plan" in message and "'50%act', the default" in message
+    assert re.search(r"budget=\d\.\d\d or more plans", message), message

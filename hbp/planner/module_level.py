@@ -151,8 +151,8 @@ def module_level_plan(
         raise BudgetError(
             budget_bytes,
             at_least[1].peak_bytes,
-            f"module-level fallback ({captured.fallback_reason}): what it can "
-            "checkpoint (whole child calls) peaks there at the least",
+            "the least that checkpointing whole child calls reaches (a module-level plan: "
+            f"op-level capture failed, {captured.fallback_reason})",
         )
     else:
         chosen = within(budget_bytes)

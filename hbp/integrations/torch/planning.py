@@ -299,7 +299,11 @@ class Planning:
             plan = cached
         elif captured.granularity == MODULE:
             target = self._target(captured, naive, compiled.device)
-            plan = self._module_level_plan(captured, naive, target)
+            try:
+                plan = self._module_level_plan(captured, naive, target)
+            except BudgetError as err:
+                way_out = self._budget.way_out(err.minimum, naive)
+                raise (err.with_detail(way_out) if way_out else err) from err
         else:
             try:
                 relative = self._budget.kind is BudgetKind.ACTIVATIONS  # resolved by `plan`
