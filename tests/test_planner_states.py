@@ -1,5 +1,5 @@
 """The DP's states stay bounded (NOTE [ Cuts that many values cross ] in
-hbp.planner.dp.entry): a loop that keeps each step's output for after it, whose held sets
+hbp.planner.dp.held_sets): a loop that keeps each step's output for after it, whose held sets
 double with every cut in it, is planned over evenly spread cuts, with a warning once per
 structure, within its budget and with the plain model's gradients."""
 
@@ -14,7 +14,7 @@ from hbp.analysis import simulate
 from hbp.graph.torch.capture import capture
 from hbp.integrations.torch.loss import WithLoss
 from hbp.planner import plan
-from hbp.planner.dp import entry
+from hbp.planner.dp import held_sets
 from hbp.planner.dp import profile as profile_module
 from hbp.planner.dp.least_peak import forget_least_peaks
 from tests.models.toy import UnrolledCells
@@ -46,7 +46,7 @@ def test_a_loop_keeping_its_outputs_plans_over_spread_cuts_and_trains_exactly(mo
     hc = hbp.HCModule(model, loss_fn=_loss)
     with pytest.warns(UserWarning, match="cuts spread evenly"):
         hc(inputs, targets=targets).backward()
-    assert hc.plan.meta["coarse_cuts"] in entry.COARSE_CUTS
+    assert hc.plan.meta["coarse_cuts"] in held_sets.COARSE_CUTS
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, plain[name], rtol=0, atol=0)
     assert hc.measured_peak_bytes <= hc.budget_bytes
@@ -78,7 +78,7 @@ def test_sixteen_unrolled_steps_plan_in_bounded_states_and_still_checkpoint_the_
     with pytest.MonkeyPatch.context() as patch, pytest.warns(UserWarning, match="spread evenly"):
         patch.setattr(profile_module.ChildProfile, "__init__", counted)
         least = plan(graph, "min")
-    assert least.meta["coarse_cuts"] in entry.COARSE_CUTS
+    assert least.meta["coarse_cuts"] in held_sets.COARSE_CUTS
     # profiles made, the attempt that gave up included
     assert len(made) < 2 * profile_module.MAX_PROFILES
     assert simulate(graph, least).peak_bytes == least.predicted_peak_bytes

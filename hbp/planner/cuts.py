@@ -21,7 +21,7 @@ WORK_LIMIT = 56**3 * 3
 
 
 #: Where set, the number of evenly spread candidate cuts (None: the usual choice); set by
-#: `coarse_cuts` (NOTE [ Cuts that many values cross ] in hbp.planner.dp.entry).
+#: `coarse_cuts` (NOTE [ Cuts that many values cross ] in hbp.planner.dp.held_sets).
 _COARSE_CUTS: ContextVar[int | None] = ContextVar("coarse_cuts", default=None)
 
 

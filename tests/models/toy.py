@@ -328,7 +328,7 @@ class GRUHead(nn.Module):
 class UnrolledCells(nn.Module):
     """Two stacked nn.LSTMCells unrolled over the tokens in Python, each step's output kept in
     a list and stacked after the loop: every cut in the loop is crossed by all the outputs
-    before it (NOTE [ Cuts that many values cross ] in hbp.planner.dp.entry)."""
+    before it (NOTE [ Cuts that many values cross ] in hbp.planner.dp.held_sets)."""
 
     def __init__(self, vocab=100, dim=48):
         super().__init__()

@@ -17,6 +17,8 @@ Read in this order, one file per concern:
 - `peak`: the least-peak tables in exact bytes (`PeakSolver`: BudgetError's minimum, and the
   fallback when slot rounding rejects a feasible budget).
 - `least_peak`: the least peak over the candidate cut sets, remembered per graph structure.
+- `held_sets`: the bound on the DP's states its entry points plan within (fewer, evenly
+  spread cuts where the held sets explode).
 - `entry`: `optimal_plan`, `min_feasible_peak`, `finish_plan`.
 
 Memory is discretised into slots of the budget (exact when every byte count is a multiple

@@ -11,9 +11,7 @@ the least-peak ones (`PeakSolver`); on large graphs it also plans in stages
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
-import warnings
 from typing import NamedTuple
 
 from hbp.analysis.frontier import lower_bound
@@ -21,9 +19,10 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import Simulation, simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.graph.ir import Graph
-from hbp.planner.cuts import candidate_cuts, coarse_cuts, current_coarse_cuts, cut_choices
+from hbp.planner.cuts import candidate_cuts, cut_choices
 from hbp.planner.dp.cost_model import cost_model
 from hbp.planner.dp.finish import finish_plan, kept_bytes
+from hbp.planner.dp.held_sets import held_sets_bounded
 from hbp.planner.dp.least_peak import (
     absorb_inputs,
     first_floor_above,
@@ -35,14 +34,11 @@ from hbp.planner.dp.least_peak import (
     least_peak_over,
     least_peak_value,
     reach_cuts,
-    remember_coarse_cuts,
-    remembered_coarse_cuts,
     top_level,
     union_floor,
     union_pays,
 )
 from hbp.planner.dp.modes import INF
-from hbp.planner.dp.profile import TooManyHeldSets
 from hbp.planner.dp.recursion import planning
 from hbp.planner.dp.slots import at_the_least_peak, exact_slots, plan_within, slot_size
 from hbp.planner.dp.solver import PinCharge, Solver
@@ -119,67 +115,7 @@ def _solve(
         return _Solved(segments, slots, slot_bytes, "min-peak")
 
 
-# NOTE [ Cuts that many values cross ]
-# The DP's states at a cut are the held sets: which of the storage groups crossing the cut
-# the level holds there. On real graphs they follow the order in which the values are made
-# and first used, a few dozen at most (NOTE [ Crossing counts are local ] in
-# hbp.planner.cuts), and the work limit counts them so. A loop that keeps each step's output
-# for after it (an unrolled LSTMCell whose hidden states are stacked at the end, teacher
-# forcing, a list of per-layer features) breaks that: each output's holding is decided by
-# the child its step falls in, so a cut after t candidate cuts of the loop has 2^t held
-# sets. Two stacked LSTMCells unrolled 12 steps planned in 3 s, 16 steps in 52 s and 2 GiB,
-# 24 steps ran past 15 minutes and 14 GB. A cost model's DP therefore gives up once it has
-# made `MAX_PROFILES` child profiles (hbp.planner.dp.profile: seven times the most a
-# `check_plans` graph makes), and `optimal_plan` and `min_feasible_peak` plan again over
-# `COARSE_CUTS` candidate cuts spread evenly (`coarse_cuts`: the best position of each of
-# k equal runs of the graph, and one window cut per region in stages): the outputs of the
-# steps between two cuts are held together, so the states are 2^k at most, and the plan
-# still checkpoints the loop every few steps, as by hand. The first count that plans is
-# remembered for the graph's structure, so that its next plans start there, and a warning
-# says so once. Graphs that stay under the limit plan as before.
-
-#: Counts of evenly spread cuts tried, in order, where the DP over the usual cuts gives up.
-COARSE_CUTS = (8, 4, 2)
-
-
-def _held_sets_bounded(function):
-    """`function(graph, ..., info=...)`, planned again over fewer, evenly spread cuts where
-    its DP meets too many held sets (NOTE [ Cuts that many values cross ])."""
-
-    @functools.wraps(function)
-    def bounded(graph: Graph, *args, info: GraphInfo | None = None, **kwargs):
-        info = info or GraphInfo.of(graph)
-        if current_coarse_cuts() is not None:  # an outer call bounds it
-            return function(graph, *args, info=info, **kwargs)
-        start = remembered_coarse_cuts(info)
-        counts = [start, *(k for k in COARSE_CUTS if start is None or k < start)]
-        for k in counts:
-            try:
-                with coarse_cuts(k):
-                    result = function(graph, *args, info=info, **kwargs)
-            except TooManyHeldSets as err:
-                if k == counts[-1]:
-                    raise
-                gave_up = err
-                continue
-            if k is not None and start is None:
-                remember_coarse_cuts(info, k)
-                warnings.warn(
-                    f"hbp: planning over the usual candidate cuts gave up ({gave_up}): values "
-                    "that many cuts cross, such as a loop's outputs kept for after it, make its "
-                    f"states exponential; planned over {k} cuts spread evenly, so the plan may "
-                    "recompute more than the best one",
-                    stacklevel=3,
-                )
-            if isinstance(result, Plan) and k is not None:
-                result.meta["coarse_cuts"] = k
-            return result
-        raise AssertionError("unreachable")
-
-    return bounded
-
-
-@_held_sets_bounded
+@held_sets_bounded
 @planning(64)
 def optimal_plan(
     graph: Graph,
@@ -607,7 +543,7 @@ def _as_staged(graph, info, meta: dict, budget: int, candidate, naive, t0: float
     return plan
 
 
-@_held_sets_bounded
+@held_sets_bounded
 @planning(64)
 def min_feasible_peak(
     graph: Graph,

@@ -384,7 +384,7 @@ _LEAST_PEAKS: dict[int, dict] = {}
 #: info_fingerprint -> the same dicts, the most recently used last.
 _BY_FINGERPRINT: dict[str, dict] = {}
 #: info_fingerprint -> the count of spread cuts its DP needs (NOTE [ Cuts that many values
-#: cross ] in hbp.planner.dp.entry), the most recently found last.
+#: cross ] in hbp.planner.dp.held_sets), the most recently found last.
 _COARSE_BY_FINGERPRINT: dict[str, int] = {}
 
 

@@ -45,14 +45,14 @@ class ChildArrays:
 
 
 #: The most child profiles (starts x held sets) one cost model's DP may make before it gives up
-#: on its cut set (NOTE [ Cuts that many values cross ] in hbp.planner.dp.entry).
+#: on its cut set (NOTE [ Cuts that many values cross ] in hbp.planner.dp.held_sets).
 MAX_PROFILES = 16384
 
 
 class TooManyHeldSets(Exception):
     """The DP over a cut set met more held sets than `MAX_PROFILES` profiles: its cuts are
     crossed by many values whose holding each child decides (NOTE [ Cuts that many values
-    cross ] in hbp.planner.dp.entry)."""
+    cross ] in hbp.planner.dp.held_sets)."""
 
 
 class ChildProfile:
