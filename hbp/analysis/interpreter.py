@@ -57,6 +57,15 @@ class Simulation:
         ]
 
 
+# NOTE [ The event loops inline their helpers ]
+# A plan call simulates the whole graph several times (the plain step, each staged candidate),
+# and a simulation is a Python loop over tens of thousands of events: `_new`, `_release`,
+# `_record` and the release of a node's inputs after its event were a call per event, about a
+# fifth of a simulation. `_pass` and `_backward_node`, the loops that run per node, spell
+# them out in place (each marked with the helper it spells), with the lists they read bound
+# to locals; the helpers remain for the rarer paths. The events are the same.
+
+
 class StepInterpreter:
     """One simulated step: reference-counted storage instances and recorded events (the rules
     are the module docstring of `hbp.analysis.simulate`). Node facts are read from
@@ -175,42 +184,54 @@ class StepInterpreter:
         stop_at = items[-1][1] if scope is not None and items and items[-1][0] == "node" else -1
         pending: dict[int, int] = {}  # value made in this pass -> its uses left
         states: dict[int, int] = {}  # id(segment) -> the generator state its checkpoint copied
+        # NOTE [ The event loops inline their helpers ]
+        size, events = self.size, self.events
+        inputs, users, saved = info.inputs, info.users, info.saved
+        is_input, roots, is_held = facts.is_input, facts.root, facts.is_held
+        has_backward, saves_output = facts.has_backward, facts.saves_output
+        extra_of, scratch_of = facts.extra_bytes, facts.forward_scratch_bytes
+        storage_of, check = facts.storage_bytes, self.check
+        pin_owner, pin_store = self.pin_owner, self.pin_store
+        top = self.peak[0]
         for item in items:
             if item[0] != "node":
                 self._mark(item, scope, trigger, states)
                 continue
             _, j, save = item
-            if facts.is_input[j]:
+            if is_input[j]:
                 continue
-            if self.check:
+            if check:
                 self._check_reads(phase, j)
             # NOTE [ Pinned values ]: the pinned node's own pass answers it from the storage
             cached = (
                 self.stored.pop(j, None)
-                if owner is not None and self.pin_owner.get(j) == owner
+                if owner is not None and pin_owner.get(j) == owner
                 else None
             )
-            root = facts.root[j]
+            root = roots[j]
             if cached is not None:
                 inst = cached[0]  # the storage's hold becomes the creator's
             elif root != j:
                 inst = current[root]
                 refs[inst] += 1  # the creator's hold, released at the end of the event
-            else:
-                inst = self._new(facts.storage_bytes[j])
+            else:  # `_new`
+                inst, nbytes = len(size), storage_of[j]
+                size.append(nbytes)
+                refs.append(1)
+                self.live += nbytes
             current[j] = inst
             # a recompute pass's users of j are those before the scope's stop (all after j)
-            uses = len(info.users[j]) if scope is None else bisect_left(info.users[j], scope[1])
+            uses = len(users[j]) if scope is None else bisect_left(users[j], scope[1])
             if uses:
                 pending[j] = uses
                 refs[inst] += 1
-            if scope is None and facts.is_held[j]:
+            if scope is None and is_held[j]:
                 refs[inst] += 1
             extras = cached[1:] if cached is not None else []
-            extra_bytes = facts.extra_bytes[j]
-            if save and facts.has_backward[j]:
-                held = [current[v] for v in info.saved[j]]
-                if facts.saves_output[j]:
+            extra_bytes = extra_of[j]
+            if save and has_backward[j]:
+                held = [current[v] for v in saved[j]]
+                if saves_output[j]:
                     held.append(inst)
                 for h in held:
                     refs[h] += 1
@@ -220,22 +241,38 @@ class StepInterpreter:
             for h in extras:  # made in the forward, not saved by this pass
                 self._release(h)
             if cached is not None:  # nothing of the op runs
-                self._record(phase, j, self.live)
-                self._after_event(j, inst, pending)
-                continue
-            if scope is not None:
-                self.recompute_flops += facts.stop_flops[j] if j == stop_at else facts.flops[j]
-            scratch = facts.forward_scratch_bytes[j]
-            if j in self.pin_store and self.pin_store[j] == owner:  # its storing pass: the
-                # storage keeps it and its extras
-                refs[inst] += 1
-                self.stored[j] = [inst]
-                if extra_bytes and not save:
-                    self.stored[j].append(self._new(extra_bytes))
-            elif not save:  # the op still makes what it would save; the pack hook drops it
-                scratch += extra_bytes
-            self._record(phase, j, self.live + scratch)
-            self._after_event(j, inst, pending)
+                live = self.live
+            else:
+                if scope is not None:
+                    self.recompute_flops += facts.stop_flops[j] if j == stop_at else facts.flops[j]
+                scratch = scratch_of[j]
+                if j in pin_store and pin_store[j] == owner:  # its storing pass: the storage
+                    # keeps it and its extras
+                    refs[inst] += 1
+                    self.stored[j] = [inst]
+                    if extra_bytes and not save:
+                        self.stored[j].append(self._new(extra_bytes))
+                elif not save:  # the op still makes what it would save; the pack hook drops it
+                    scratch += extra_bytes
+                live = self.live + scratch
+            events.append((phase, j, live))  # `_record`
+            if live > top:
+                top = live
+                self.peak = (live, phase, j)
+            for v in inputs[j]:  # `_after_event`
+                left = pending.get(v)
+                if left is not None:
+                    if left == 1:
+                        del pending[v]
+                        x = current[v]
+                        refs[x] -= 1
+                        if not refs[x]:
+                            self.live -= size[x]
+                    else:
+                        pending[v] = left - 1
+            refs[inst] -= 1
+            if not refs[inst]:
+                self.live -= size[inst]
         for v in pending:  # early stop: the pass's remaining references go
             self._release(current[v])
         for inst in states.values():  # checkpoints entered in a recompute pass end with it
@@ -280,18 +317,6 @@ class StepInterpreter:
                     "which is neither stored nor recomputed at that point"
                 )
 
-    def _after_event(self, j: int, inst: int, pending: dict[int, int]) -> None:
-        """Release j's inputs whose last use in the pass this was, and j's creator hold."""
-        for v in self.info.inputs[j]:
-            left = pending.get(v)
-            if left is not None:
-                if left == 1:
-                    del pending[v]
-                    self._release(self.current[v])
-                else:
-                    pending[v] = left - 1
-        self._release(inst)
-
     def _unpin(self, pins) -> None:
         """The checkpoint's frame goes: what its storage still holds is freed."""
         for p in pins:
@@ -300,44 +325,59 @@ class StepInterpreter:
 
     # backward ------------------------------------------------------------------------------
     def _backward_node(self, j: int) -> None:
-        info, facts = self.info, self.facts
+        facts = self.facts
         if not facts.has_backward[j]:
             return
-        refs, grad, grad_bytes = self.refs, self.grad, facts.grad_bytes
+        # NOTE [ The event loops inline their helpers ]
+        refs, size, grad, grad_bytes = self.refs, self.size, self.grad, facts.grad_bytes
+        receives_grad, passthrough = facts.receives_grad, self.info.passthrough[j]
         scratch = facts.backward_scratch_bytes[j]
         broadcast: list[int] = []  # NOTE [ A broadcast gradient is added out of place ]
-        for v in info.inputs[j]:
-            if not facts.receives_grad[v]:
+        for v in self.info.inputs[j]:
+            if not receives_grad[v]:
                 continue
-            passed = grad[j] >= 0 and v in info.passthrough[j]
+            passed = grad[j] >= 0 and v in passthrough
             if grad[v] < 0:
                 if passed:
                     grad[v] = grad[j]
                     refs[grad[j]] += 1
-                else:
-                    grad[v] = self._new(grad_bytes[v])
+                else:  # `_new`
+                    grad[v] = len(size)
+                    size.append(grad_bytes[v])
+                    refs.append(1)
+                    self.live += grad_bytes[v]
                 continue
             if refs[grad[v]] - (grad[v] == grad[j]) > 1:
                 # shared with another value's gradient: accumulated out of place
                 self._release(grad[v])
                 grad[v] = self._new(grad_bytes[v])
                 continue
-            if self.size[grad[v]] < grad_bytes[v]:
+            if size[grad[v]] < grad_bytes[v]:
                 broadcast.append(v)
             if not passed:  # the gradient j computes, live until added
                 scratch += grad_bytes[v]
         if facts.param_grad_bytes[j]:
             self._new(facts.param_grad_bytes[j])  # kept to the end of the step
         during = self.live + scratch
-        for inst in self.saved_holds[j]:
-            self._release(inst)
-        self.saved_holds[j] = []
-        for inst in self.frame_states.pop(j, ()):
-            self._release(inst)
+        saved_holds = self.saved_holds
+        if saved_holds[j]:
+            for inst in saved_holds[j]:  # `_release`
+                refs[inst] -= 1
+                if not refs[inst]:
+                    self.live -= size[inst]
+            saved_holds[j] = []
+        if self.frame_states:
+            for inst in self.frame_states.pop(j, ()):
+                self._release(inst)
         if self.frame_pins:
-            self._unpin(self.frame_pins.pop(j, ()))
-        if grad[j] >= 0:
-            self._release(grad[j])
+            pins = self.frame_pins.pop(j, None)
+            if pins:
+                self._unpin(pins)
+        g = grad[j]
+        if g >= 0:  # `_release`
+            refs[g] -= 1
+            if not refs[g]:
+                self.live -= size[g]
             grad[j] = -1
         # out-of-place sums, after the releases, beside the gradients j computed (one event,
         # at the highest of the moments): into broadcast gradients, then a parameter's
@@ -349,7 +389,10 @@ class StepInterpreter:
                 self._release(held)
         if facts.grad_sum_bytes[j]:
             added = max(added, self.live + 2 * facts.grad_sum_bytes[j])
-        self._record(BACKWARD, j, max(during, added))
+        live = during if during > added else added
+        self.events.append((BACKWARD, j, live))  # `_record`
+        if live > self.peak[0]:
+            self.peak = (live, BACKWARD, j)
 
     def _backward(self, segments: list[SegmentLike], upto: int | None = None) -> None:
         """Backpropagate a level's `segments` over the nodes at or below `upto` (all of them
