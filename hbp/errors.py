@@ -50,7 +50,7 @@ class BudgetError(HBPError, ValueError):
         return BudgetError(self.budget, self.minimum, f"{self.detail}; {more}".lstrip("; "))
 
 
-def _mib(nbytes: int, decimals: int = 2) -> str:
+def in_mib(nbytes: int, decimals: int = 2) -> str:
     """MiB with `decimals` decimals, or six below 0.01 MiB (small models: never "0.00")."""
     return f"{nbytes / MIB:.{decimals}f}" if nbytes >= MIB / 100 else f"{nbytes / MIB:.6f}"
 
@@ -59,7 +59,7 @@ def _mib_apart(a: int, b: int) -> tuple[str, str]:
     """`a` and `b` in MiB with as many decimals (two to six) as tell them apart ("5.00 MiB"
     under "5.00 MiB" reads as no difference)."""
     for decimals in range(2, 7):
-        shown = _mib(a, decimals), _mib(b, decimals)
+        shown = in_mib(a, decimals), in_mib(b, decimals)
         if shown[0] != shown[1] or a == b:
             return shown
     return shown

@@ -15,6 +15,7 @@ from torch import nn
 import hbp
 from hbp.allocator import allocator_peak
 from hbp.errors import CaptureWarning
+from hbp.integrations.torch.enable import is_enabled
 from tests.models.real import gpt2, llama
 
 
@@ -129,6 +130,33 @@ def test_enable_on_a_submodule_and_hooks_run_once():
     assert hbp.engine_of(model.model).captured.granularity == "op"
 
 
+def test_a_wrapper_of_an_enabled_model_finds_its_engine_and_disables_it():
+    """Enabled before `get_peft_model` (or any wrapper): `engine_of(wrapper)` is the enabled
+    module's engine and `disable(wrapper)` undoes it; with two enabled modules inside,
+    `engine_of` names neither and `disable` undoes both."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    plain, _, kwargs = llama()
+    base = copy.deepcopy(plain)
+    hbp.enable(base, budget="min")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    _step(model, kwargs)
+    engine = hbp.engine_of(model)
+    assert engine is hbp.engine_of(base) and engine.plan is not None
+    assert not is_enabled(model)
+    hbp.disable(model)
+    assert not is_enabled(base) and hbp.engine_of(model) is None
+    assert type(base).forward is base.forward.__func__  # the class's own forward again
+
+    two = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    hbp.enable(two["a"])
+    hbp.enable(two["b"])
+    assert hbp.engine_of(two) is None
+    hbp.disable(two)
+    assert not is_enabled(two["a"]) and not is_enabled(two["b"])
+
+
 def test_a_model_with_an_enabled_submodule_is_refused_with_what_to_do():
     """NOTE [ One engine per step ]: enabling (or wrapping) a model whose submodule is enabled
     traced one engine into the other and fell back to module level with internal warnings;
@@ -140,7 +168,8 @@ def test_a_model_with_an_enabled_submodule_is_refused_with_what_to_do():
     for wrap in (hbp.enable, hbp.HCModule):
         with pytest.raises(hbp.ConfigError, match=r"but model is already enabled .*hbp\.disable"):
             wrap(model, "min")
-    assert hbp.engine_of(model.model) is not None and hbp.engine_of(model) is None  # as it was
+    assert not is_enabled(model)  # as it was: the submodule's engine is the one
+    assert hbp.engine_of(model) is hbp.engine_of(model.model) is not None
     hbp.disable(model.model)
     hbp.enable(model, budget="min")
     torch.testing.assert_close(_step(plain, kwargs), _step(model, kwargs))

@@ -6,6 +6,7 @@ least recompute among those whose simulated peak fits is the optimum the DP must
 here pin nothing (`PIN_VALUES` off); tests/test_planner_pins.py checks the DP with pins against
 brute force over pinned plans."""
 
+import contextlib
 import gc
 import math
 
@@ -355,6 +356,27 @@ def test_least_peak_is_over_other_cut_choices(union, monkeypatch):
     with pytest.raises(BudgetError, match=f"least over {where} 3 cut choices") as err:
         optimal_plan(graph, 54, max_cuts=6)
     assert err.value.minimum == 55
+
+
+def test_a_budget_errors_detail_does_not_depend_on_what_was_planned_before():
+    """The least peak is over the union of the cut choices whichever path finds the error:
+    the tables, the remembered least peaks or the lower bound (a fraction's error, whose
+    detail also names the plain step's peak in MiB, never "0.00" on a small graph)."""
+    graph = synthetic.random_dag(40, seed=0)
+    details = []
+    for first in (None, "min", 54, 0.1):
+        for budget in (54, 0.1):
+            forget_least_peaks()
+            if first is not None:
+                with contextlib.suppress(BudgetError):
+                    plan(graph, first, max_cuts=6)
+            with pytest.raises(BudgetError) as err:
+                plan(graph, budget, max_cuts=6)
+            assert err.value.minimum == 55
+            details.append(err.value.detail)
+    assert all("least over the union of 3 cut choices" in d for d in details), details
+    assert len(set(details)) == 2  # one per budget
+    assert "(0.000127 MiB)" in details[1]
 
 
 def test_a_budget_only_other_cuts_reach_is_planned_a_slot_above_where_slots_round():

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from hbp.errors import ConfigError
+from hbp.errors import ConfigError, in_mib
 
 __all__ = [
     "ACCEPTED",
@@ -178,7 +178,7 @@ def least_fraction(minimum: int, naive_peak_bytes: int) -> str:
     bytes, as a BudgetError of a fraction says it."""
     least = math.ceil(minimum / naive_peak_bytes * 100 - 1e-9) / 100
     return (
-        f"as a fraction of the plain step's peak ({naive_peak_bytes / 2**20:.2f} MiB), "
+        f"as a fraction of the plain step's peak ({in_mib(naive_peak_bytes)} MiB), "
         f"budget={least:.2f} or more plans"
     )
 

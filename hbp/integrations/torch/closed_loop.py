@@ -265,7 +265,7 @@ class ClosedLoop:
             # NOTE [ Kept outputs after unseen memory ]: the outputs' plan nets them out
             compiled.unseen_bytes = max(peak - compiled.plan.predicted_peak_bytes, 0)
         if self._outputs_observed(compiled) and peak is not None:
-            self._measured_peak_bytes = peak  # planned again for them: measured anew
+            compiled.last_measured_peak_bytes = peak  # planned again for them: measured anew
             return
         if measured is not None:
             self._step_measured(*measured)
@@ -297,7 +297,7 @@ class ClosedLoop:
         excess over the budget: a plan predicted below its budget, re-planned for the budget
         less the excess, may fit that target as it is and be chosen again (an MLP whose caller
         holds its output and an mse_loss: 1.042x its budget, then 1.042x again)."""
-        compiled.measured_peak_bytes = self._measured_peak_bytes = peak
+        compiled.measured_peak_bytes = compiled.last_measured_peak_bytes = peak
         compiled.measurements += 1
         excess = peak - compiled.budget_bytes
         if (

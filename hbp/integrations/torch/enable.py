@@ -196,12 +196,16 @@ def _set_plan_options(engine: _Engine, budget, options: dict) -> None:
 
 
 def disable(model: nn.Module) -> nn.Module:
-    """Undo `enable`: the model's forward is the one it had before. Returns `model`."""
+    """Undo `enable`: the model's forward is the one it had before; on a model that is not
+    enabled itself, on every enabled module inside it (a PEFT model whose base model was
+    enabled). Returns `model`."""
     if inner_model(model) is not model:
         disable(inner_model(model))
         return model
     engine = model.__dict__.pop(ENGINE_ATTR, None)
     if engine is None:
+        for inside in _enabled_inside(model):
+            disable(inside)
         return model
     if engine.previous_forward is not None:
         model.__dict__["forward"] = engine.previous_forward
@@ -217,7 +221,24 @@ def is_enabled(model: nn.Module) -> bool:
 
 def engine_of(model: nn.Module) -> HCModule | None:
     """The HCModule that runs an enabled model's training steps (`.plan`, `.summary()`,
-    `.measured_peak_bytes`): an HCModule itself, the engine `enable` attached, or None."""
+    `.measured_peak_bytes`): an HCModule itself, the engine `enable` attached, or, for a model
+    that is not enabled itself (a PEFT model whose base model was enabled, a wrapper), the
+    engine of the one enabled module inside it; None where there is none, or several."""
     if isinstance(model, HCModule):
         return model
-    return inner_model(model).__dict__.get(ENGINE_ATTR)
+    engine = inner_model(model).__dict__.get(ENGINE_ATTR)
+    if engine is not None:
+        return engine
+    inside = _enabled_inside(inner_model(model))
+    return inside[0].__dict__[ENGINE_ATTR] if len(inside) == 1 else None
+
+
+def _enabled_inside(model: nn.Module) -> list[nn.Module]:
+    """The enabled modules inside `model` (itself excluded), outermost first; not those
+    inside an enabled one (an engine runs its whole module)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name and ENGINE_ATTR in module.__dict__:
+            if not any(name.startswith(f"{outer}.") for outer, _ in found):
+                found.append((name, module))
+    return [module for _, module in found]

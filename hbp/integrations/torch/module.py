@@ -174,7 +174,6 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if calibrate not in (None, True, False):
             raise ConfigError("calibrate", calibrate, "None, True or False")
         self.calibrate = calibrate
-        self._measured_peak_bytes: int | None = None
         self._probe: tuple[StepPeakProbe, Compiled] | None = None
         self._awaiting_backward = None  # NOTE [ Calls before the previous call's backward ]
         if not isinstance(compile, (bool, dict)):
@@ -261,13 +260,16 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     @property
     def measured_peak_bytes(self) -> int | None:
         """The allocator's peak, in bytes, of the most recent call's input signature as its
-        plan last measured it; of the last measured step where that plan is not measured yet
-        (None before one)."""
+        plan last measured it; where that plan is not measured yet, of the signature's last
+        measured step under an earlier plan; None where the signature has no measured step
+        (never another signature's figure)."""
         self._finish_probe()
         current = self._current
-        if current is not None and current.measured_peak_bytes is not None:
+        if current is None:
+            return None
+        if current.measured_peak_bytes is not None:
             return current.measured_peak_bytes
-        return self._measured_peak_bytes
+        return current.last_measured_peak_bytes
 
     @property
     def compiled(self) -> Compiled | None:

@@ -39,8 +39,9 @@ class Compiled:
 
     `budget_bytes`: the budget this signature must meet (the plan's own `budget_bytes` is
     lowered when the closed loop plans again); `planned_for`: the options the plan was made
-    for; `measured_peak_bytes`: the allocator's peak of the last measured step (None
-    before); `measurements`: steps measured so far; `settled`: a measured step met the
+    for; `measured_peak_bytes`: the allocator's peak of the last measured step of its plan
+    (None before); `last_measured_peak_bytes`: of this signature's last measured step,
+    whatever plan ran it; `measurements`: steps measured so far; `settled`: a measured step met the
     budget (or the loop gave up), so later steps are not measured; `last_measurement`: the
     next measured step is recorded and ends the loop (a plan at the least, which no new plan
     can improve on)."""
@@ -54,6 +55,7 @@ class Compiled:
     root: nn.Module | None = None
     budget_bytes: int = 0
     measured_peak_bytes: int | None = None
+    last_measured_peak_bytes: int | None = None
     measurements: int = 0
     settled: bool = False
     last_measurement: bool = False  # the next measured step is the last: the plan is the least
@@ -184,7 +186,7 @@ class Planning:
             # its first plan, or NOTE [ Options changed after the first step ]
             measured = self._stop_probe() if compiled.plan is not None else None
             if measured is not None:  # the last step, run by the plan made for the old options
-                self._measured_peak_bytes = measured[1]
+                measured[0].last_measured_peak_bytes = measured[1]
             first = compiled.plan is None
             try:
                 self._plan_capture(compiled)  # a BudgetError keeps the capture for other options

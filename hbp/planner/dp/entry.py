@@ -342,7 +342,7 @@ def _below_whole_graph(
                 return _as_staged(graph, info, meta, budget, candidate, naive, t0)
             plan.meta["solve_time_s"] = time.perf_counter() - t0
             return plan
-        if least < err.minimum:
+        if least <= err.minimum:  # the least over every choice, however `err` was found
             where = "the union of" if union else "the best of"
             err = BudgetError(
                 budget, least, f"{err.detail}, least over {where} {len(choices)} cut choices"
