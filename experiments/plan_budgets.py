@@ -2,7 +2,8 @@
 decoder (`bench_capture.llama`: hidden 128, 4 heads, vocab 2048, 128 tokens), as HCModule
 captures and calibrates it, at a batch size of choice: per budget the plan (predicted peak and
 recompute FLOPs, or the BudgetError's minimum) and the least of three cold `plan` calls in
-CPU seconds (least peaks forgotten before each).
+CPU seconds (least peaks forgotten before each); and the least of seven simulations of the
+plain step and of each plan, in CPU milliseconds.
 
     OMP_NUM_THREADS=1 python experiments/plan_budgets.py --layers 32 --batch 1
     OMP_NUM_THREADS=1 python experiments/plan_budgets.py --layers 64 --batch 2 50%act
@@ -36,6 +37,8 @@ def main() -> None:
     from bench_planner_real import forget_least_peaks
 
     import hbp
+    from hbp.analysis.liveness import GraphInfo
+    from hbp.analysis.simulate import simulate
     from hbp.planner import plan
 
     path = ROOT / "outputs" / "bench" / f"llama{args.layers}_b{args.batch}.pkl"
@@ -49,9 +52,14 @@ def main() -> None:
         graph = hc.captured.graph
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(pickle.dumps(graph))
+    info = GraphInfo.of(graph)
+    naive = _least_ms(lambda: simulate(graph, info=info))
+    print(
+        f"{args.layers} layers, batch {args.batch}: one simulation of the plain step {naive:.1f} ms"
+    )
     for given in args.budgets:
         budget = float(given) if given.replace(".", "", 1).isdigit() else given
-        seconds = []
+        seconds, made = [], None
         for _ in range(3):
             forget_least_peaks()
             start = time.process_time()
@@ -61,9 +69,22 @@ def main() -> None:
             except hbp.BudgetError as err:
                 result = f"BudgetError, minimum {err.minimum:,} B"
             seconds.append(time.process_time() - start)
+        if made is not None:
+            ms = _least_ms(lambda made=made: simulate(graph, made.segments, info=info))
+            result += f", its simulation {ms:.1f} ms"
         print(
             f"{args.layers} layers, batch {args.batch}, {given}: {result}; {min(seconds):.2f} CPU s"
         )
+
+
+def _least_ms(run, times: int = 7) -> float:
+    """The least of `times` runs of `run`, in CPU milliseconds."""
+    least = float("inf")
+    for _ in range(times):
+        start = time.process_time()
+        run()
+        least = min(least, time.process_time() - start)
+    return least * 1000
 
 
 if __name__ == "__main__":
