@@ -348,6 +348,21 @@ def test_a_training_step_fills_no_key_value_cache_unless_the_caller_asks():
             assert hc(**kwargs).cache is not None
 
 
+def test_an_enabled_decoder_whose_parent_hands_on_use_cache_none_fills_no_cache():
+    """`hbp.enable(model.model)`: the parent passes `use_cache=None` (the config's choice,
+    not the caller's) to the decoder, whose caches require grad; they were planned as outputs
+    backward may start from, held until it ended. The decoder now trains without them."""
+    torch.manual_seed(0)
+    model, _, kwargs = gpt2()
+    assert model.config.use_cache
+    hbp.enable(model.transformer, budget="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(**kwargs).loss.backward()
+    graph = hbp.engine_of(model.transformer).captured.graph
+    assert len(graph.outputs) == 1 and graph.held_outputs == graph.outputs  # the hidden states
+
+
 def test_a_peft_model_trains_without_its_base_models_key_value_cache():
     """A PEFT model's forward takes `**kwargs` and hands them to its base model, which takes
     `use_cache`: the training step passes it there too."""
