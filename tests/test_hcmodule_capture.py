@@ -26,9 +26,11 @@ from models.traits import (
     CountingCalls,
     DataDependentMLP,
     DataDependentNet,
+    HostRandomLayerDrop,
     ReshapesInPlace,
     ReshapesInPlaceExported,
     SharedLogNet,
+    TorchRandLayerDrop,
 )
 
 import hbp
@@ -86,6 +88,68 @@ def test_data_dependent_model_falls_back_to_module_level_with_a_warning():
     assert_all_same(expected[0], got[0])
     assert_all_same(expected[1], got[1])
     assert got[3] > expected[3]  # child calls were recomputed
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["random", "numpy.random"])
+def test_a_forward_drawing_host_random_numbers_trains_as_the_plain_model(numpy):
+    """NOTE [ Random numbers drawn on the host ]: a layer drop drawn from Python's `random`
+    (or numpy's) was traced once and kept that draw every step; it now falls back to
+    module level, draws anew each step as the plain model does, and the capture leaves the
+    caller's streams where they were."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = HostRandomLayerDrop(numpy=numpy)
+    reference = copy.deepcopy(model)
+    hc = hbp.HCModule(model, calibrate=False)
+    x = torch.randn(64, D)
+    losses = []
+    for step in range(4):
+        pair = []
+        for m in (reference, hc):
+            random.seed(step)
+            np.random.seed(step)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = m(x)
+                loss.backward()
+            pair.append((loss.item(), random.random(), np.random.rand()))
+        assert pair[0] == pair[1], (step, pair)
+        losses.append(pair[0][0])
+        if step == 0:
+            assert any("draws from" in str(w.message) for w in caught)
+    assert len(set(losses)) > 1  # the draws differ from step to step
+    assert hc.captured.granularity == "module"
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_a_module_level_step_that_calls_layers_the_captured_step_skipped_is_warned():
+    """NOTE [ Calls the captured step did not make ]: with a `torch.rand` layer drop the
+    module-level plan covers the captured step's layers; a later step that runs others runs
+    them outside the plan, with one BudgetWarning naming them. A module-level model whose
+    calls repeat (no layer drop) is not warned."""
+    torch.manual_seed(1)
+    model = TorchRandLayerDrop()
+    hc = hbp.HCModule(model, calibrate=False)
+    x = torch.randn(64, D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            hc(x).backward()
+    said = [str(w.message) for w in caught if issubclass(w.category, hbp.BudgetWarning)]
+    assert len([m for m in said if "which the captured step did not" in m]) == 1, said
+    assert "layers." in next(m for m in said if "captured step did not" in m)
+    model = DataDependentNet()
+    hc = hbp.HCModule(model, calibrate=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            hc(torch.randn(64, 64)).sum().backward()
+    assert hc.captured.granularity == "module"
+    assert not [w for w in caught if "captured step did not" in str(w.message)]
 
 
 def test_data_dependent_control_flow_falls_back_to_module_calls_with_a_warning():

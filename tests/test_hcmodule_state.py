@@ -62,6 +62,37 @@ def test_buffer_updated_in_forward_once_per_step(make_model):
     assert model.count.item() == 2
 
 
+@pytest.mark.parametrize("budget", ["50%act", "min"])
+def test_spectral_norm_buffers_are_written_once_and_the_step_is_exact(budget):
+    """NOTE [ Buffers a recomputed forward writes ]: spectral_norm's power iteration writes
+    its `_u`/`_v` each training call. Pinned, its cached norm was clamped in place and the
+    recompute raised; recomputed, it iterated again from the updated vectors (gradients 1e-5
+    apart, the vectors updated twice a step). Now losses, gradients and the vectors equal the
+    plain model's, step after step."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    layers, c = [], 3
+    for width in (8, 16, 16):
+        conv = parametrizations.spectral_norm(torch.nn.Conv2d(c, width, 3, padding=1))
+        layers += [conv, torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
+        c = width
+    plain = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(c * 64, 10))
+    model = copy.deepcopy(plain)
+    hbp.enable(model, budget=budget)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    for m in (plain, model):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            optimizer.step()
+    engine = hbp.engine_of(model)
+    assert any(s.recompute for s in engine.plan.segments)
+    assert_all_same(list(plain.buffers()), list(model.buffers()))
+    assert_all_same(list(plain.parameters()), list(model.parameters()))
+
+
 def test_eval_no_grad_train_to_state_dict_and_print(count_captures):
     torch.manual_seed(0)
     model = TinyMobileNetV2()

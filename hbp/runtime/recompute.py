@@ -29,6 +29,7 @@ __all__ = [
     "checkpoint_context_fn",
     "frozen_running_stats",
     "buffer_owners",
+    "buffers_kept",
     "getattr_path",
     "stat_tracking_norms",
     "throwaway_attrs",
@@ -88,16 +89,40 @@ def autocast_cache_disabled() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def throwaway_attrs(pairs: list[tuple[nn.Module, str]]) -> Iterator[None]:
-    """Inside: each (module, name) buffer is a copy; the real one is put back on exit."""
+def throwaway_attrs(
+    pairs: list[tuple[nn.Module, str]], values: list[torch.Tensor] | None = None
+) -> Iterator[None]:
+    """Inside: each (module, name) buffer is a copy (of `values[i]` where given: what it held
+    before the original forward, NOTE [ Buffers a recomputed forward writes ]); the real one
+    is put back on exit."""
     real = [(m, name, getattr(m, name)) for m, name in pairs]
-    for m, name, buf in real:
-        setattr(m, name, buf.clone())
+    for k, (m, name, buf) in enumerate(real):
+        setattr(m, name, (buf if values is None else values[k]).clone())
     try:
         yield
     finally:
         for m, name, buf in real:
             setattr(m, name, buf)
+
+
+@contextlib.contextmanager
+def buffers_kept(pairs: list[tuple[nn.Module, str]], out: list[torch.Tensor]) -> Iterator[None]:
+    """On entry, copies of the (module, name) buffers are put in `out` (NOTE [ Buffers a
+    recomputed forward writes ])."""
+    out[:] = [getattr(m, name).detach().clone() for m, name in pairs]
+    yield
+
+
+# NOTE [ Buffers a recomputed forward writes ]
+# A forward can update buffers in place that are not a norm's statistics: spectral_norm's power
+# iteration writes its `_u` and `_v` each training call, and reads them to scale the weight.
+# A recompute must neither write the real buffers a second time nor read their updated values:
+# it runs on copies of what they held when the original forward started (kept by the
+# checkpoint's forward context, per call), so it computes what the forward did, and the
+# buffers end the step updated once, as without hbp. A node that writes buffers is not pinned
+# either (NOTE [ Running pinned values ]): its op cached then written in place by a later op of
+# the same call (`F.normalize(..., out=)` clamps its norm in place) made torch's selective
+# checkpoint raise "Tensor cached during selective activation checkpoint has been mutated".
 
 
 def getattr_path(root: Any, path: str) -> Any:

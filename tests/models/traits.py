@@ -159,6 +159,43 @@ class DataDependentNet(nn.Module):
         return self.body(h)
 
 
+class HostRandomLayerDrop(nn.Module):
+    """Skips each layer with probability 1/2 drawn from Python's `random` (`numpy=True`: from
+    numpy's global generator), as research code's LayerDrop can."""
+
+    def __init__(self, numpy: bool = False, depth: int = 6):
+        super().__init__()
+        self.numpy = numpy
+        self.pre = nn.Linear(D, D)
+        self.layers = nn.ModuleList(MLPBlock() for _ in range(depth))
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        h = self.pre(x)
+        for layer in self.layers:
+            draw = np.random.rand() if self.numpy else random.random()
+            if self.training and draw < 0.5:
+                continue
+            h = layer(h)
+        return h.square().mean()
+
+
+class TorchRandLayerDrop(HostRandomLayerDrop):
+    """transformers' LayerDrop: `torch.rand([])` and a Python `if` (op-level capture fails on
+    the branch; the module-level plan sees the layers of the captured step only)."""
+
+    def forward(self, x):
+        h = self.pre(x)
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.5:
+                continue
+            h = layer(h)
+        return h.square().mean()
+
+
 class ReshapesInPlace(nn.Module):
     """An in-place view op (`unsqueeze_`) on an activation in each block, whose new shape a
     broadcast then reads (BigBird-Pegasus' block-sparse attention does this)."""

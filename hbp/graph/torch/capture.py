@@ -46,7 +46,7 @@ from hbp.errors import CaptureError, CaptureWarning
 from hbp.graph.torch.calibrate import calibrate_scratch
 from hbp.graph.torch.captured import MODULE, OP, CapturedGraph
 from hbp.graph.torch.export import eager_shortcuts, export_trace
-from hbp.graph.torch.fake import MISSING, Faker, rng_preserved
+from hbp.graph.torch.fake import MISSING, Faker, HostRandom, rng_preserved
 from hbp.graph.torch.fallback import buffers_restored, capture_modules
 from hbp.graph.torch.modes import MODES, ambient_modes, enter_modes, exit_modes
 from hbp.graph.torch.outputs import OutputSlot, map_output
@@ -260,6 +260,7 @@ def _first_tracer(
     for tracer in _TRACERS:
         name = tracer.__name__.strip("_")
         state = ModelState(module)
+        host = HostRandom()
         captured = None
         try:
             captured = tracer(module, bound, signature, args, kwargs)
@@ -270,6 +271,14 @@ def _first_tracer(
                 return None, side_effects  # (the model is put back by `finally`)
         finally:
             changed = state.restore()
+            drawn = host.drawn()
+            host.restore()
+        if drawn:  # NOTE [ Random numbers drawn on the host ] in hbp.graph.torch.fake
+            failures.append(
+                f"{name}: forward draws from {' and '.join(drawn)}: a traced graph would "
+                "repeat this call's draw every step"
+            )
+            return None, side_effects  # no tracer can: module level
         # Attributes: the tracer judged them (leaf modules may cache their own); hooks and
         # torch's global state it did not look at.
         unrepeated = [c for c in changed if "hooks" in c or c.startswith("torch")]

@@ -9,6 +9,8 @@ flash attention, CPU dropout's float mask)."""
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -436,8 +438,53 @@ MISSING = object()
 
 @contextlib.contextmanager
 def rng_preserved(module: nn.Module, arguments: dict) -> Iterator[None]:
-    """Restore the CPU RNG (and that of every CUDA device in use) on exit."""
+    """Restore the CPU RNG (and that of every CUDA device in use), Python's `random` and
+    numpy's global generator on exit (NOTE [ Random numbers drawn on the host ])."""
     tensors = tensor_leaves(arguments) + list(module.parameters())
     devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
-    with torch.random.fork_rng(devices=devices):
-        yield
+    host = HostRandom()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        host.restore()
+
+
+class HostRandom:
+    """The states of Python's `random` and of numpy's global generator (where numpy is
+    imported) when made: `drawn()` says whether either has drawn since, `restore()` puts
+    them back."""
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+
+    def drawn(self) -> list[str]:
+        """The generators that drew since: "random" (Python's), "numpy.random"."""
+        out = ["random"] if random.getstate() != self.python else []
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.numpy is not None:
+            now = numpy.random.get_state()
+            if now[2:] != self.numpy[2:] or not numpy.array_equal(now[1], self.numpy[1]):
+                out.append("numpy.random")
+        return out
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.numpy is not None:
+            numpy.random.set_state(self.numpy)
+
+
+# NOTE [ Random numbers drawn on the host ]
+# A forward may draw from Python's `random` or numpy's global generator: a LayerDrop written
+# `if random.random() < p: continue`, HuBERT's SpecAugment (`np.random` masks). A tracer runs
+# the Python forward once and keeps the ops of that one draw: the graph would skip the same
+# layers, apply the same mask, every step (a new user's LayerDrop trained on step 1's draw
+# forever, silently). So a tracer whose forward drew from either generator fails, as a data-
+# dependent branch does, and the step falls back to module-level cut points, where the
+# forward's Python runs each step and draws anew (`_first_tracer` in hbp.graph.torch.capture).
+# The capture's own forwards must not move the caller's streams either (the first step then
+# drew another mask than the plain model): `rng_preserved` restores both generators, as it
+# does torch's.

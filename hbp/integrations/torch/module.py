@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from hbp.errors import CaptureError, CaptureWarning, ConfigError
+from hbp.errors import BudgetWarning, CaptureError, CaptureWarning, ConfigError
 from hbp.graph.torch.capture import CapturedGraph
 from hbp.integrations.torch.closed_loop import ClosedLoop, StepPeakProbe
 from hbp.integrations.torch.compile import CompiledSegments, dynamo_callback_set
@@ -415,6 +415,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         if not has_guards(compiled.captured):
             output = self._run_measured(compiled, executor, args, kwargs, compiled_segments)
             self._watch_outputs(compiled, executor, output)
+            self._warn_about_unplanned_calls(executor)
             return output
         ran: list = []
 
@@ -435,7 +436,24 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         )
         if ran:
             self._watch_outputs(compiled, executor, output)
+            self._warn_about_unplanned_calls(executor)
         return output
+
+    def _warn_about_unplanned_calls(self, executor) -> None:
+        """NOTE [ Calls the captured step did not make ] in
+        hbp.runtime.executors.module_calls."""
+        unplanned = getattr(executor, "unplanned", None)
+        if unplanned:
+            shown = ", ".join(dict.fromkeys(unplanned[:4]))
+            self._warn_once(
+                "unplanned calls",
+                f"HCModule: this step called {shown}{' and more' if len(unplanned) > 4 else ''}, "
+                "which the captured step did not (a random layer drop, a data-dependent "
+                "branch): such calls run plainly, outside the module-level plan, and the "
+                "step's memory can exceed the budget. Turn the layer drop off while training "
+                "with hbp (transformers: layerdrop=0.0), or leave room in the budget.",
+                BudgetWarning,
+            )
 
 
 def _cuda_devices(args, kwargs, module) -> list[torch.device]:

@@ -162,9 +162,27 @@ class ModuleCallExecutor:
                 self.runs.setdefault(u.key, {})[u.children[0]] = u.children[1]
         paths = {path for path, _ in (*self.checkpointed, *self.runs)}
         self._modules = {path: module.get_submodule(path) for path in sorted(paths)}
+        # NOTE [ Calls the captured step did not make ]
+        self.recorded = set(captured.module_calls)
+        self.unplanned: list[str] = []  # this step's calls outside `recorded`, in order
+        seen = {id(m) for m in self._modules.values()}
+        expanded = {  # the ancestors of recorded calls: their children are recorded instead
+            ".".join(parts[:k])
+            for path, _ in self.recorded
+            for parts in [path.split(".")]
+            for k in range(len(parts))
+        }
+        for parent in sorted({path.rpartition(".")[0] for path, _ in self.recorded}):
+            owner = module.get_submodule(parent) if parent else module
+            for name, child in owner.named_children():
+                path = f"{parent}.{name}" if parent else name
+                if path not in expanded and id(child) not in seen:
+                    seen.add(id(child))
+                    self._modules[path] = child
 
     def __call__(self, *args, **kwargs) -> Any:
         counts: dict[str, int] = {}
+        self.unplanned = []
         patched = []
         for path, mod in self._modules.items():
             had_own = "forward" in mod.__dict__
@@ -206,6 +224,8 @@ class ModuleCallExecutor:
                 return self._checkpoint((key, None), original, *args, **kwargs)
             if key in self.runs:
                 return self._run_sequential(key, list(mod), self.runs[key], *args)
+            if key not in self.recorded:
+                self.unplanned.append(path)
             return original(*args, **kwargs)
 
         return forward
@@ -224,6 +244,17 @@ class ModuleCallExecutor:
                 x = self._checkpoint((key, (k, j)), _Chain(children[k:j]), x)
                 k = j
         return x
+
+
+# NOTE [ Calls the captured step did not make ]
+# The module-level plan is made from the child calls of the captured step. A forward that calls
+# other children from step to step (a LayerDrop drawn with `torch.rand` and an `if`: HuBERT and
+# wav2vec2 train with one by default; a data-dependent branch) makes, on a later step, calls
+# the plan never saw, which run plainly, outside it: a HuBERT whose captured step dropped two
+# layers measured 1.31x its budget on the steps that kept them, silently. The executor watches
+# the children of every parent of a recorded call (the siblings a skipped layer is among) and
+# lists, per step, the calls outside the recorded ones (`unplanned`); HCModule warns once
+# (`BudgetWarning`) with their paths.
 
 
 class _Chain:

@@ -73,6 +73,7 @@ from hbp.runtime.recompute import (
     ReenterableContext,
     autocast_cache_disabled,
     buffer_owners,
+    buffers_kept,
     checkpoint_context_fn,
     getattr_path,
     throwaway_attrs,
@@ -190,8 +191,9 @@ class PlanExecutor:
         # (start, stop, depth) (compiled segments run without pins: their ops are not
         # dispatched one by one)
         self._pins: dict[int, tuple[int, int, int]] = {}
-        if compile_options is None:
-            self._collect_pins(plan.segments, 0, self._mutated_roots())
+        if compile_options is None:  # NOTE [ Buffers a recomputed forward writes ]
+            no_pins = self._mutated_roots() | set(captured.mutated_attrs)
+            self._collect_pins(plan.segments, 0, no_pins)
         self.blocks = self._compile_level(plan.segments)
 
     # -- running ----------------------------------------------------------------------------
@@ -374,13 +376,18 @@ class PlanExecutor:
             elif pinned:
                 caching, cached = nested_pin_contexts(key)
             frame = PinParent() if parent else None
+            before: list[torch.Tensor] = []  # NOTE [ Buffers a recomputed forward writes ]
             return _stacked(
-                forward_ctx, caching, pin_mark(), parent_frame(frame, False)
-            ), ReenterableContext(
+                forward_ctx,
+                buffers_kept(frozen, before),
+                caching,
+                pin_mark(),
+                parent_frame(frame, False),
+            ), ReenterableContext(  # fmt: skip
                 lambda: _stacked(
                     recompute_ctx,
                     cached,
-                    throwaway_attrs(frozen),
+                    throwaway_attrs(frozen, before),
                     _recompute_pass(stop),
                     pin_mark(),
                     parent_frame(frame, True),
