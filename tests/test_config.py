@@ -109,6 +109,8 @@ def test_chunked_loss_reaches_workloads_that_have_the_field():
         ("workload.n_layer=0", "workload.n_layer", "integer >= 1"),
         ("mode=checkpoint mode.segments=-2", "mode.segments", "integer >= 1"),
         ("profile.name=huge", "profile.name", "small, medium, large"),
+        # checked before the run, whatever WANDB_MODE says (the tests set it)
+        ("logger=wandb logger.wandb.mode=foo", "logger.wandb.mode", "offline, online, disabled"),
     ],
 )
 def test_validate_names_the_field_and_the_accepted_values(override, field, accepted, tmp_path):

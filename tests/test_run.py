@@ -182,6 +182,12 @@ BAD_INPUT = [
     (["steps=0"], 2, ["steps=0", "an integer >= 1"]),
     (["-m", "warmup=-1"], 2, ["warmup=-1", "an integer >= 0"]),
     (["+workload.depth=3"], 2, ["workload.depth=3", "n_layer"]),
+    # known once planned: the way out in the bench's own key, with no library default
+    (
+        ["workload=synthetic_dag", "mode=tiny", "mode.budget=0.01", "steps=1", "warmup=0"],
+        2,
+        ["no plan fits", "mode.budget=0.", "or more plans", "mode.budget='min'"],
+    ),
 ]
 
 

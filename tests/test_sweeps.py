@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from hbp import bench
 from hbp.analysis.collect import collect
+from hbp.bench.rundir import legacy_run_key
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -85,6 +86,11 @@ def test_run_key_ignores_bookkeeping_and_sees_every_measured_value():
         hydra_cfg("workload=synthetic_dag", "output_root=/elsewhere")
     )
     assert bench.run_key(base) != bench.run_key(hydra_cfg("workload=synthetic_dag", "seed=1"))
+    # NOTE [ Run keys ]: the logger says where results go, not what is measured; the keys
+    # runs had with it in are still found
+    wandb = hydra_cfg("workload=synthetic_dag", "logger=wandb")
+    assert bench.run_key(wandb) == bench.run_key(base)
+    assert legacy_run_key(wandb) != legacy_run_key(base) != bench.run_key(base)
     tiny = hydra_cfg("workload=synthetic_dag", "mode=tiny")
     for where in ("plan_cache=/caches/a", "mode.plan_cache=/caches/b"):  # where plans are kept
         assert bench.run_key(hydra_cfg("workload=synthetic_dag", "mode=tiny", where)) == (
@@ -125,9 +131,17 @@ def test_a_sweep_run_again_skips_finished_jobs_and_redo_reruns_them(tmp_path):
     assert done.stat().st_mtime_ns == first_mtime  # not rerun
     # NOTE [ A skipped job's record ]: Hydra's record says which command made the numbers
     assert record.read_text() == first_record
+    # another logger measures nothing else: skipped too (NOTE [ Run keys ])
+    logged = run_py(*args, "mode.block_size=1", "logger=none")
+    assert logged.returncode == 0 and "0 ran, 1 skipped" in logged.stdout, logged.stdout
+    (done.parent / "stale.txt").write_text("from an earlier run")
     redo = run_py(*args, "mode.block_size=1", "redo=true")
     assert "1 ran, 0 skipped" in redo.stdout
     assert done.stat().st_mtime_ns > first_mtime
+    # the job's directory holds this run's files only: its log says it ran, not "skipped"
+    assert not (done.parent / "stale.txt").exists()
+    log = next(done.parent.glob("*.log")).read_text()
+    assert "skipped" not in log
     frame = collect(sweep_dir)
     assert sorted(frame["config.mode.block_size"]) == [1, 2]  # one row per key, no duplicates
     assert frame["run_key"].is_unique

@@ -15,10 +15,17 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hbp.bench.config import check_sweep_lists, check_writable, resolve_device, validate
-from hbp.bench.rundir import default_run_dir, finished_run, remove_run_dir, run_key
+from hbp.bench.rundir import (
+    clear_job_dir,
+    default_run_dir,
+    finished_run,
+    legacy_run_key,
+    remove_run_dir,
+    run_key,
+)
 from hbp.bench.runner import run
 from hbp.bench.summary import format_summary
-from hbp.errors import HBPError
+from hbp.errors import BudgetError, HBPError
 from hbp.telemetry.environment import capture_environment
 from hbp.telemetry.tables import ERROR_FILE, METRICS_FILE, read_json, write_error
 
@@ -36,6 +43,17 @@ def _fail(message: str, code: int = 2):
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     sys.exit(code)
+
+
+def _said(error: Exception) -> str:
+    """`error` as the bench's command line reads it: a BudgetError's way out names the
+    library's keyword (`budget=0.43 or more plans`) and default ('50%act'); the bench's
+    key is `mode.budget` and its default is "min"."""
+    text = str(error)
+    if isinstance(error, BudgetError):
+        text = text.replace("('50%act', the default)", "('50%act')")
+        text = text.replace("budget=", "mode.budget=")
+    return text
 
 
 def hydra_main(cfg: DictConfig) -> dict | None:
@@ -59,15 +77,22 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     run_dir = default_run_dir(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
-        done = None if cfg.get("redo") else finished_run(HydraConfig.get().sweep.dir, run_key(cfg))
+        sweep_dir = HydraConfig.get().sweep.dir
+        keys = (run_key(cfg), legacy_run_key(cfg))
+        done = None if cfg.get("redo") else finished_run(sweep_dir, *keys)
         if done is not None:
             log.info("%s: skipped, finished in %s (redo=true reruns it)", run_dir.name, done)
+            if cfg.logger.name == "wandb" and not (done / "wandb").is_dir():
+                log.warning(
+                    "%s: finished without logger=wandb: no wandb run is made for it "
+                    "(redo=true runs it again with one)",
+                    run_dir.name,
+                )
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / SKIPPED_MARK).touch()
             restore_hydra_record(run_dir)
             return read_json(done / METRICS_FILE)
-        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a retried failure
-        (run_dir / SKIPPED_MARK).unlink(missing_ok=True)
+        clear_job_dir(run_dir, f"{HydraConfig.get().job.name}.log")  # a rerun, a retried failure
     try:
         result = run(cfg, run_dir)
         keep_hydra_record(run_dir)
@@ -75,7 +100,7 @@ def hydra_main(cfg: DictConfig) -> dict | None:
     except Exception as error:
         bad_input = isinstance(error, HBPError) and not multirun
         if bad_input and remove_run_dir(run_dir, Path(cfg.output_root)):
-            _fail(str(error))
+            _fail(_said(error))
         context = {
             "workload": cfg.workload.name,
             "mode": cfg.mode.name,
@@ -94,14 +119,14 @@ def hydra_main(cfg: DictConfig) -> dict | None:
             pass
         write_error(run_dir, error, context)
         if bad_input:  # raised after the run had written files: keep them, with error.json
-            _fail(f"{error} (see {run_dir / ERROR_FILE})")
+            _fail(f"{_said(error)} (see {run_dir / ERROR_FILE})")
         if not multirun:
             raise
         log.error(
             "%s failed: %s: %s (see %s)",
             run_dir.name,
             type(error).__name__,
-            error,
+            _said(error),
             run_dir / ERROR_FILE,
         )
         return None

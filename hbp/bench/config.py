@@ -144,6 +144,15 @@ def validate(cfg) -> None:
     need(cfg.profile.name in PROFILES, "profile.name", "one of " + ", ".join(PROFILES))
     need(cfg.mode.name in MODES, "mode.name", "one of " + ", ".join(MODES))
     need(cfg.logger.name in LOGGERS, "logger.name", "one of " + ", ".join(LOGGERS))
+    if cfg.logger.name == "wandb":  # checked as configured, whatever WANDB_MODE says
+        from hbp.telemetry.wandb_logger import WANDB_MODES
+
+        mode = OmegaConf.select(cfg, "logger.wandb.mode")
+        need(
+            mode in (None, "dryrun", *WANDB_MODES),
+            "logger.wandb.mode",
+            "one of " + ", ".join(WANDB_MODES),
+        )
     need(_is_int(cfg.steps) and cfg.steps >= 1, "steps", "an integer >= 1")
     need(_is_int(cfg.warmup) and cfg.warmup >= 0, "warmup", "an integer >= 0")
     need(_is_int(cfg.seed), "seed", "an integer")

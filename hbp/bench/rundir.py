@@ -59,14 +59,29 @@ def remove_run_dir(run_dir: Path, output_root: Path) -> bool:
 # finished run: it is written last); `redo=true` reruns anyway. The default framework
 # (`framework: {name: torch}`) is left out of the key, so torch runs keep the keys they had
 # before the framework group existed and old sweep directories still resume.
+# The logger is left out too: it says where results are written, not what is measured. With it
+# in the key, the documented `run.py -m sweep=quick logger=wandb` after `run.py -m sweep=quick`
+# ran every job again into the same sweep directory, and the report mixed the two sets (two
+# naive rows, one taken as every ratio's denominator). A finished run found under the old key
+# (the logger in it, `legacy_run_key`) is found still. To add a wandb run to a finished job:
+# `redo=true`, which replaces the job's files in place (`clear_job_dir`).
 
-KEY_EXCLUDED = ("hydra", "redo", "output_root", "plan_cache")
+KEY_EXCLUDED = ("hydra", "redo", "output_root", "plan_cache", "logger")
 KEY_LENGTH = 10
 
 
 def run_key(config) -> str:
     """The run key of a (resolved or resolvable) config: sha1 of its canonical JSON without
     KEY_EXCLUDED, first KEY_LENGTH hex digits. See NOTE [ Run keys ]."""
+    return _key(config, KEY_EXCLUDED)
+
+
+def legacy_run_key(config) -> str:
+    """The key runs had while the logger was part of it (NOTE [ Run keys ])."""
+    return _key(config, tuple(k for k in KEY_EXCLUDED if k != "logger"))
+
+
+def _key(config, excluded: tuple[str, ...]) -> str:
     from omegaconf import DictConfig, OmegaConf
 
     from hbp.telemetry.tables import jsonable
@@ -76,10 +91,10 @@ def run_key(config) -> str:
             k: OmegaConf.to_container(config[k], resolve=True) if OmegaConf.is_config(config[k])
             else config[k]
             for k in config
-            if k not in KEY_EXCLUDED
+            if k not in excluded
         }  # fmt: skip
     else:
-        fields = {k: v for k, v in dict(config).items() if k not in KEY_EXCLUDED}
+        fields = {k: v for k, v in dict(config).items() if k not in excluded}
     if fields.get("framework") == {"name": "torch"}:
         del fields["framework"]
     if isinstance(fields.get("mode"), dict) and fields["mode"].get("plan_cache") is not None:
@@ -100,9 +115,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("run_key", _run_key_resolver)
 
 
-def finished_run(sweep_dir: Path, key: str) -> Path | None:
-    """The directory of a finished run with run key `key` directly under `sweep_dir` (its
-    metrics.json has that `run_key`), or None."""
+def finished_run(sweep_dir: Path, *keys: str) -> Path | None:
+    """The directory of a finished run with one of the run keys `keys` directly under
+    `sweep_dir` (its metrics.json has that `run_key`), or None."""
     from hbp.telemetry.tables import METRICS_FILE, read_json
 
     sweep_dir = Path(sweep_dir)
@@ -110,8 +125,26 @@ def finished_run(sweep_dir: Path, key: str) -> Path | None:
         return None
     for path in sorted(sweep_dir.glob(f"*/{METRICS_FILE}")):
         try:
-            if read_json(path).get("run_key") == key:
+            if read_json(path).get("run_key") in keys:
                 return path.parent
         except (OSError, ValueError):
             continue
     return None
+
+
+def clear_job_dir(run_dir: Path, log_name: str) -> None:
+    """Before a job runs again in its directory (`redo=true`, a retried failure): everything
+    an earlier run wrote there goes (its wandb run too), but Hydra's record of this job
+    (`.hydra`) and its log, which is emptied (Hydra has it open for this job already)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    for entry in run_dir.iterdir():
+        if entry.name == ".hydra":
+            continue
+        if entry.name == log_name:
+            entry.write_text("")
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)

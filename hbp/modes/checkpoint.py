@@ -15,6 +15,8 @@ statistics are updated once per step, not again in the recompute
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch._dynamo  # noqa: F401  checkpoint() imports it on first call: pay that here, untimed
 from torch import nn
@@ -78,6 +80,12 @@ class CheckpointMode:
         same blocks; return the model."""
         workload.require_chain(self.name)
         blocks = list(workload.model.blocks)
+        if self.segments is not None and self.segments > len(blocks):
+            warnings.warn(
+                f"mode.segments={self.segments} is more than the model's {len(blocks)} blocks: "
+                f"it runs {len(blocks)} segments of one block (num_segments in the metrics)",
+                stacklevel=2,
+            )
         self.bounds = segment_bounds(len(blocks), self.segments, self.block_size)
         workload.model.blocks = nn.ModuleList(
             CheckpointedSegment(blocks[start:stop], start) for start, stop in self.bounds
