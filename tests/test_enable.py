@@ -157,6 +157,26 @@ def test_a_wrapper_of_an_enabled_model_finds_its_engine_and_disables_it():
     assert not is_enabled(two["a"]) and not is_enabled(two["b"])
 
 
+def test_two_modules_enabled_one_by_one_are_named_in_the_over_budget_warning():
+    """NOTE [ Other engines in the step ]: an encoder's measured step holds the decoder's
+    activations, enabled on its own; the warning says so instead of advising `loss_fn=`."""
+    torch.manual_seed(0)
+
+    def mlp():
+        return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.Tanh())])
+
+    model = nn.ModuleDict({"encoder": mlp(), "decoder": mlp()})
+    hbp.enable(model["encoder"], budget="min")
+    hbp.enable(model["decoder"], budget="min")
+    x = torch.randn(512, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model["decoder"](model["encoder"](x)).square().mean().backward()
+    said = [str(w.message) for w in caught if issubclass(w.category, hbp.BudgetWarning)]
+    assert any("Another module run by hbp was called within this step" in m for m in said), said
+
+
 def test_a_model_with_an_enabled_submodule_is_refused_with_what_to_do():
     """NOTE [ One engine per step ]: enabling (or wrapping) a model whose submodule is enabled
     traced one engine into the other and fell back to module level with internal warnings;

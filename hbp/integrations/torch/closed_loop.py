@@ -32,6 +32,21 @@ atexit.register(close_open_windows)
 #: Times the closed loop plans again for one signature before it stops measuring.
 MAX_REPLANS = 3
 
+#: Calls of any HCModule in this process so far, and the HCModules whose last call's
+#: backward has not ended (NOTE [ Other engines in the step ]).
+_CALLS = [0]
+_IN_FLIGHT: weakref.WeakSet = weakref.WeakSet()
+
+# NOTE [ Other engines in the step ]
+# A measurement spans a module's whole step, from its forward to the end of its backward:
+# where two modules of one model are enabled one by one (a VAE's encoder and decoder), each
+# one's measurement holds the other's activations too, and the over-budget warning blamed
+# "the caller's loss" and advised `loss_fn=`, which cannot help (a new user's encoder measured
+# 8.68 MiB against a budget of 4.33). A probe notes whether another HCModule's step was in
+# flight when it started (called, its backward not ended: `_IN_FLIGHT`) or another HCModule
+# was called within its window (`_CALLS`); the warning then says so, and that one engine
+# around both is the way out.
+
 #: A measured step this fraction above the budget counts as within it (allocator rounding).
 TOLERANCE = 0.01
 
@@ -58,6 +73,8 @@ class StepPeakProbe:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.calls_at_start = _CALLS[0]  # NOTE [ Other engines in the step ]
+        self.others_inside = False
         self._profiler = None
         self._peak: int | None = None
         self._end_ptr: int | None = None
@@ -81,6 +98,7 @@ class StepPeakProbe:
         del marker
 
     def end(self) -> None:
+        self.others_inside = self.others_inside or _CALLS[0] > self.calls_at_start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._peak = int(torch.cuda.max_memory_allocated(self.device) - self._base)
@@ -169,6 +187,9 @@ class ClosedLoop:
     """The closed loop (a mixin of `HCModule`)."""
 
     def _run_measured(self, compiled, executor, args, kwargs, in_compiled_region):
+        _CALLS[0] += 1  # NOTE [ Other engines in the step ]
+        _IN_FLIGHT.discard(self)
+        others = any(engine is not self for engine in _IN_FLIGHT)
         device = step_device(compiled.root, args, kwargs)
         calibrate = self.calibrate is not False  # on by default, on CPU as on CUDA
         if device.type == "cpu" and in_compiled_region and calibrate:
@@ -190,9 +211,10 @@ class ClosedLoop:
         ):
             output = executor(*args, **kwargs)
             if "called-before-backward" not in self._warned:  # (said once: no hooks after)
-                self._await_backward(grad_leaves(executor, output))
+                self._await_backward(grad_leaves(executor, output), self._landed)
             return output
         probe = StepPeakProbe(device)
+        probe.others_inside = others
         try:
             output = executor(*args, **kwargs)
         except BaseException:
@@ -203,8 +225,12 @@ class ClosedLoop:
             probe.cancel()
             return output
         self._probe = (probe, compiled)
-        self._await_backward(leaves, probe.end)
+        self._await_backward(leaves, lambda: (probe.end(), self._landed()))
         return output
+
+    def _landed(self) -> None:
+        """This call's backward has ended (NOTE [ Other engines in the step ])."""
+        _IN_FLIGHT.discard(self)
 
     def _await_backward(self, leaves: list[torch.Tensor], on_start=None) -> None:
         """Note when the backward from `leaves` (this call's outputs) starts; then run
@@ -212,6 +238,8 @@ class ClosedLoop:
         backward ]: a later call that finds it not started warns)."""
         if not leaves:
             return
+        if on_start is not None:
+            _IN_FLIGHT.add(self)  # NOTE [ Other engines in the step ]
         started: list[bool] = []
 
         def on_grad(grad):
@@ -287,6 +315,7 @@ class ClosedLoop:
             return None
         (probe, compiled), self._probe = self._probe, None
         peak = probe.stop()
+        compiled.others_inside = probe.others_inside
         return None if peak is None else (compiled, peak)
 
     def _step_measured(self, compiled, peak: int) -> None:
@@ -334,6 +363,13 @@ class ClosedLoop:
                 "workspace or compiled kernels' buffers the plan did not see. "
             )
             advice = "pass loss_fn= so that hbp plans the loss too, or raise the budget."
+        if compiled.others_inside:  # NOTE [ Other engines in the step ]
+            unseen_said += (
+                "Another module run by hbp was called within this step (an encoder and a "
+                "decoder enabled one by one): its memory counts here too; enable the module "
+                "around them once instead. "
+            )
+            advice = "enable one module around them all, or raise the budget."
         message = (
             f"HCModule: the measured step peaked at {peak / MIB:.2f} MiB (allocator), "
             f"{excess / MIB:.2f} MiB above the budget of {compiled.budget_bytes / MIB:.2f} MiB: "

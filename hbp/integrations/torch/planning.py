@@ -56,6 +56,7 @@ class Compiled:
     budget_bytes: int = 0
     measured_peak_bytes: int | None = None
     last_measured_peak_bytes: int | None = None
+    others_inside: bool = False  # NOTE [ Other engines in the step ]: in the last measured step
     measurements: int = 0
     settled: bool = False
     last_measurement: bool = False  # the next measured step is the last: the plan is the least
