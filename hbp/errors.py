@@ -3,6 +3,8 @@ the field and the accepted values."""
 
 from __future__ import annotations
 
+import math
+
 from hbp.units import MIB
 
 
@@ -50,16 +52,22 @@ class BudgetError(HBPError, ValueError):
         return BudgetError(self.budget, self.minimum, f"{self.detail}; {more}".lstrip("; "))
 
 
-def in_mib(nbytes: int, decimals: int = 2) -> str:
-    """MiB with `decimals` decimals, or six below 0.01 MiB (small models: never "0.00")."""
-    return f"{nbytes / MIB:.{decimals}f}" if nbytes >= MIB / 100 else f"{nbytes / MIB:.6f}"
+def in_mib(nbytes: int, decimals: int = 2, up: bool = False) -> str:
+    """MiB with `decimals` decimals, or six below 0.01 MiB (small models: never "0.00");
+    `up`: rounded up, so that the figure read back as a budget is at least `nbytes` (a
+    minimum of 2.203 MiB reads "2.21", which plans, not "2.20", which does not)."""
+    decimals = decimals if nbytes >= MIB / 100 else 6
+    value = nbytes / MIB
+    if up:
+        value = math.ceil(value * 10**decimals - 1e-9) / 10**decimals
+    return f"{value:.{decimals}f}"
 
 
 def _mib_apart(a: int, b: int) -> tuple[str, str]:
-    """`a` and `b` in MiB with as many decimals (two to six) as tell them apart ("5.00 MiB"
-    under "5.00 MiB" reads as no difference)."""
+    """`a` and `b` (a minimum, rounded up) in MiB with as many decimals (two to six) as tell
+    them apart ("5.00 MiB" under "5.00 MiB" reads as no difference)."""
     for decimals in range(2, 7):
-        shown = in_mib(a, decimals), in_mib(b, decimals)
+        shown = in_mib(a, decimals), in_mib(b, decimals, up=True)
         if shown[0] != shown[1] or a == b:
             return shown
     return shown

@@ -17,13 +17,25 @@ def test_budget_error_states_budget_and_minimum_in_mib_and_bytes():
 def test_budget_error_on_small_models_never_prints_zero_mib():
     err = BudgetError(1000, 5000, "activations need more")
     assert "0.00 MiB" not in str(err)
-    assert "0.004768 MiB (5000 bytes)" in str(err) and str(err).endswith(": activations need more")
+    assert "0.004769 MiB (5000 bytes)" in str(err) and str(err).endswith(": activations need more")
 
 
 def test_budget_error_shows_a_budget_and_a_minimum_that_differ_as_different():
     err = BudgetError(5 * 2**20, 5 * 2**20 + 2568)
-    assert "budget of 5.000 MiB (5242880 bytes)" in str(err)
-    assert "smallest feasible budget is 5.002 MiB (5245448 bytes)" in str(err)
+    assert "budget of 5.00 MiB (5242880 bytes)" in str(err)
+    assert "smallest feasible budget is 5.01 MiB (5245448 bytes)" in str(err)
+    err = BudgetError(5 * 2**20 - 1, 5 * 2**20)
+    assert "budget of 4.999999 MiB" in str(err) and "budget is 5.000000 MiB" in str(err)
+
+
+def test_the_minimum_in_mib_read_back_as_a_budget_plans():
+    """The minimum is rounded up: a new user who copied "2.20 MiB" of a 2.203 MiB minimum got
+    the error again."""
+    from hbp.planner.budget import parse_budget
+
+    for minimum in (2_310_136, 5_000, 12 * 2**20, 123_456_789):
+        shown = str(BudgetError(1, minimum)).split("budget is ")[1].split(" MiB")[0]
+        assert parse_budget(f"{shown}MiB", 10**12) >= minimum, shown
 
 
 def test_config_error_names_field_value_and_accepted_values():
