@@ -119,7 +119,9 @@ def buffers_kept(pairs: list[tuple[nn.Module, str]], out: list[torch.Tensor]) ->
 # A recompute must neither write the real buffers a second time nor read their updated values:
 # it runs on copies of what they held when the original forward started (kept by the
 # checkpoint's forward context, per call), so it computes what the forward did, and the
-# buffers end the step updated once, as without hbp. A node that writes buffers is not pinned
+# buffers end the step updated once, as without hbp. The captures record which buffers each
+# node writes (`CapturedGraph.mutated_attrs`: op level from each op's run, module level from
+# each child call's, on fake copies). A node that writes buffers is not pinned
 # either (NOTE [ Running pinned values ]): its op cached then written in place by a later op of
 # the same call (`F.normalize(..., out=)` clamps its norm in place) made torch's selective
 # checkpoint raise "Tensor cached during selective activation checkpoint has been mutated".

@@ -187,10 +187,14 @@ def capture_modules(
     params_used: list[list[nn.Parameter]] = [[]]
     profiles: dict[str, OpProfile] = {}
     mutated_inputs: dict[str, tuple[str, ...]] = {}
+    mutated_attrs: dict[str, tuple[str, ...]] = {}  # NOTE [ Buffers a recomputed forward writes ]
     upstream_requires_grad = input_requires_grad
     prev = "input"
     for call in calls:
-        prof = _profile_module_call(call, faker, recorded_fake, norms, upstream_requires_grad)
+        written: list[str] = []
+        prof = _profile_module_call(
+            call, faker, recorded_fake, norms, upstream_requires_grad, written
+        )
         upstream_requires_grad = upstream_requires_grad or any(
             p.requires_grad for p in call.module.parameters()
         )
@@ -198,6 +202,8 @@ def capture_modules(
         profiles[name] = prof
         if prof.mutated_inputs:  # checkpointing this call would save an input it overwrites
             mutated_inputs[name] = (prev,)
+        if written:
+            mutated_attrs[name] = tuple(written)
         nodes.append(
             Node(
                 name=name,
@@ -237,6 +243,7 @@ def capture_modules(
         input_names=list(bound.arguments),
         signature=signature,
         mutated_inputs=mutated_inputs,
+        mutated_attrs=mutated_attrs,
         module_calls=[(c.path, c.occurrence) for c in calls],
         module_groups=[
             (path, k, first + 1, end + 1, tuple(c + 1 for c in children))
@@ -247,10 +254,23 @@ def capture_modules(
 
 
 def _profile_module_call(
-    call: _Call, faker: Faker, recorded_fake: bool, norms, upstream_requires_grad: bool
+    call: _Call,
+    faker: Faker,
+    recorded_fake: bool,
+    norms,
+    upstream_requires_grad: bool,
+    written: list[str],
 ) -> OpProfile:
     """Profile one recorded child call in isolation on fake copies of its recorded inputs
-    (real ones if the child itself cannot run on fake tensors)."""
+    (real ones if the child itself cannot run on fake tensors). The paths of the buffers the
+    call writes in place, norm statistics aside, are appended to `written` (on fake copies
+    only: a real run's writes are not told apart from the norms')."""
+    guarded = {id(b) for m in stat_tracking_norms(call.module) for b in m.buffers()}
+    buffers = [
+        (f"{call.path}.{k}" if call.path else k, b)
+        for k, b in call.module.named_buffers()
+        if id(b) not in guarded
+    ]
 
     def leaf_inputs(convert):
         def leaf(x):
@@ -268,8 +288,9 @@ def _profile_module_call(
     state = (*call.module.parameters(), *call.module.buffers())
     try:
         args, kwargs = leaf_inputs(faker.fresh)  # real inputs are detached outside the mode
+        versions = [(path, faker.tensor(b), faker.tensor(b)._version) for path, b in buffers]
         with faker.mode:
-            return profile_call(
+            prof = profile_call(
                 lambda *a, **k: call_module(faker, call.module, a, k),
                 args,
                 kwargs,
@@ -278,6 +299,8 @@ def _profile_module_call(
                 {},
                 params=tuple(faker.tensor(p) for p in call.module.parameters()),
             )
+        written.extend(path for path, fake, version in versions if fake._version != version)
+        return prof
     except Exception:  # noqa: BLE001 - a data-dependent child: profile it for real
         if recorded_fake:
             raise

@@ -6,6 +6,7 @@ forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,14 @@ from torch.utils.checkpoint import checkpoint
 from hbp.graph.torch.captured import MODULE, CapturedGraph
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.executors.checkpointing import FlatCall, draws_random
-from hbp.runtime.recompute import autocast_cache_disabled, checkpoint_context_fn
+from hbp.runtime.recompute import (
+    ReenterableContext,
+    autocast_cache_disabled,
+    buffer_owners,
+    buffers_kept,
+    checkpoint_context_fn,
+    throwaway_attrs,
+)
 
 
 def recomputed_ranges(plan: Plan) -> list[tuple[int, int]]:
@@ -156,6 +164,19 @@ class ModuleCallExecutor:
         self._random = {  # NOTE [ Random state of recomputed segments ]
             (u.key, u.children): draws_random(captured, u.start, u.stop) for u in self.units
         }
+        # NOTE [ Buffers a recomputed forward writes ] in hbp.runtime.recompute
+        names = [n.name for n in captured.graph.nodes]
+        self._written = {
+            (u.key, u.children): buffer_owners(
+                module,
+                [
+                    t
+                    for i in range(u.start, u.stop)
+                    for t in captured.mutated_attrs.get(names[i], ())
+                ],
+            )
+            for u in self.units
+        }
         self.runs: dict[tuple[str, int], dict[int, int]] = {}  # Sequential call -> {i: j}
         for u in self.units:
             if u.children is not None:
@@ -204,13 +225,24 @@ class ModuleCallExecutor:
         # keyword arguments by strong reference until the call's backward.
         leaves, spec = pytree.tree_flatten((args, kwargs))
         del args, kwargs
+        written = self._written[unit]
+        context_fn = self._context_fn
+        if written:  # NOTE [ Buffers a recomputed forward writes ] in hbp.runtime.recompute
+
+            def context_fn():
+                forward_ctx, recompute_ctx = self._context_fn()
+                before: list = []
+                return _both(forward_ctx, buffers_kept(written, before)), ReenterableContext(
+                    lambda: _both(recompute_ctx, throwaway_attrs(written, before))
+                )
+
         with autocast_cache_disabled():
             return checkpoint(
                 FlatCall(fn, spec),
                 *leaves,
                 use_reentrant=False,
                 preserve_rng_state=self._random[unit],
-                context_fn=self._context_fn,
+                context_fn=context_fn,
             )
 
     def _patched(
@@ -255,6 +287,12 @@ class ModuleCallExecutor:
 # the children of every parent of a recorded call (the siblings a skipped layer is among) and
 # lists, per step, the calls outside the recorded ones (`unplanned`); HCModule warns once
 # (`BudgetWarning`) with their paths.
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 class _Chain:
