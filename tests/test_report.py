@@ -76,6 +76,31 @@ def test_report_draws_only_the_workloads_named(runs, tmp_path, capsys):
     assert "no finished run of workload resnet" in capsys.readouterr().err
 
 
+def test_a_run_key_run_twice_is_reported_once_and_the_header_counts_agree(runs, tmp_path, capsys):
+    """Two sweeps of the same configs under one directory: each key is reported once (its
+    latest run) and the header says how many repeats were left out; with --workload, how many
+    rows the tables show."""
+    import json
+    import shutil
+
+    both = tmp_path / "both"
+    shutil.copytree(runs, both / "a")
+    shutil.copytree(runs, both / "b")
+    again = next((both / "b").glob("*naive*/metrics.json"))
+    metrics = json.loads(again.read_text())
+    metrics["started_at"] = "9999-01-01T00:00:00"  # the later run of its key
+    again.write_text(json.dumps(metrics))
+    assert main([str(both), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "4 finished runs, 4 older runs of the same run key left out, 2 failed" in out, out
+    report = write_report(both, tmp_path / "out")
+    naive = report.runs[report.runs["mode"] == "naive"]
+    assert again.parent.name in set(naive["run_dir"].map(lambda p: Path(p).name))
+    assert str(again.parent) in set(naive["run_dir"])
+    assert main([str(both), "--out", str(tmp_path / "out"), "--workload", "gpt2"]) == 0
+    assert "4 finished runs (1 in the tables)" in capsys.readouterr().out
+
+
 def test_comparison_table_has_ratios_to_naive(runs):
     report = write_report(runs, runs / "elsewhere")
     table = report.table.set_index(["workload", report.table["mode"].str.split("(").str[0]])

@@ -76,6 +76,7 @@ class Report:
     table: pd.DataFrame
     files: list[Path] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    repeats: int = 0  # finished runs left out: an older run of a key a later run has
 
     def format(self) -> str:
         """The comparison table, one markdown table per workload."""
@@ -109,6 +110,22 @@ def results_frame(root: str | Path) -> pd.DataFrame:
                 for v in frame[column]
             ]
     return frame
+
+
+def latest_of_each_key(runs: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """`runs` with one finished run per run key, the latest (`started_at`), and how many
+    were left out. Two finished runs with one key measured the same experiment (NOTE [ Run
+    keys ] in hbp.bench.rundir): a directory holding two sweeps of it, or a sweep run again
+    under another logger before the logger left the key, showed each mode twice under one
+    label, and one of the two naive runs became every ratio's denominator."""
+    if runs.empty or "run_key" not in runs:
+        return runs, 0
+    ok = ok_runs(runs)
+    keyed = ok[ok["run_key"].notna()]
+    order = keyed.get("started_at", pd.Series("", index=keyed.index)).fillna("").astype(str)
+    latest = order.groupby(keyed["run_key"]).idxmax()
+    dropped = keyed.index.difference(latest.to_numpy())
+    return runs.drop(index=dropped), len(dropped)
 
 
 def _budget_text(value) -> str:
@@ -158,7 +175,7 @@ def write_report(
 
     root = Path(root)
     out = Path(out) if out is not None else root
-    runs = results_frame(root)
+    runs, repeats = latest_of_each_key(results_frame(root))
     table = comparison_table(runs) if not runs.empty else pd.DataFrame()
     if table.empty:
         raise FileNotFoundError(f"no finished runs under {root}")
@@ -173,7 +190,7 @@ def write_report(
         )
     out.mkdir(parents=True, exist_ok=True)
     table = table[names.isin(chosen).to_numpy()]
-    report = Report(runs, table)
+    report = Report(runs, table, repeats=repeats)
     report.files.append(write_parquet(out / RESULTS_FILE, runs))
     # a chosen subset gets its own name: the whole directory's figure stays
     pareto = "pareto.png" if chosen == present else f"pareto_{'_'.join(chosen)}.png"

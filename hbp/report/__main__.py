@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     failed = (report.runs.get("status") == "error").sum() if "status" in report.runs else 0
-    print(f"{len(report.table)} finished runs, {failed} failed, under {args.root}\n")
+    shown = f" ({len(report.table)} in the tables)" if args.workload else ""
+    repeats = (
+        f", {report.repeats} older runs of the same run key left out" if report.repeats else ""
+    )
+    print(
+        f"{len(report.runs) - failed} finished runs{shown}{repeats}, {failed} failed, "
+        f"under {args.root}\n"
+    )
     print(report.format())
     print()
     if failed:
