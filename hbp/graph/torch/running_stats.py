@@ -11,7 +11,10 @@ from collections.abc import Iterator
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["frozen_running_stats", "stat_tracking_norms"]
+__all__ = ["NORM_STATISTICS", "frozen_running_stats", "stat_tracking_norms"]
+
+#: The buffers a norm layer updates in training.
+NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def stat_tracking_norms(module: nn.Module) -> list[_NormBase]:
@@ -23,7 +26,7 @@ def stat_tracking_norms(module: nn.Module) -> list[_NormBase]:
 def frozen_running_stats(norms: list[_NormBase]) -> Iterator[None]:
     """Inside: the given training-mode norm layers update throw-away copies of their running
     statistics, not the real buffers. Puts the real buffers back on exit, also on error."""
-    names = ("running_mean", "running_var", "num_batches_tracked")
+    names = NORM_STATISTICS
     saved = []
     for m in norms:
         if not (m.training and m.track_running_stats):

@@ -57,6 +57,7 @@ from torch.utils.checkpoint import (
 
 from hbp.graph.torch.capture import CapturedGraph
 from hbp.graph.torch.modes import MODES, enter_modes, exit_modes
+from hbp.graph.torch.running_stats import NORM_STATISTICS
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.executors.checkpointing import FlatCall, draws_random
 from hbp.runtime.executors.compiled import compiled_leaf_call
@@ -192,8 +193,7 @@ class PlanExecutor:
         # dispatched one by one)
         self._pins: dict[int, tuple[int, int, int]] = {}
         if compile_options is None:  # NOTE [ Buffers a recomputed forward writes ]
-            no_pins = self._mutated_roots() | set(captured.mutated_attrs)
-            self._collect_pins(plan.segments, 0, no_pins)
+            self._collect_pins(plan.segments, 0, self._mutated_roots() | self._writes_state())
         self.blocks = self._compile_level(plan.segments)
 
     # -- running ----------------------------------------------------------------------------
@@ -301,6 +301,16 @@ class PlanExecutor:
             block.context_fn = self._context_fn(block, depth, pinned, parent)
             block.draws_random = draws_random(self.captured, a, b)
         return block
+
+    def _writes_state(self) -> set[str]:
+        """Names of the nodes that write buffers other than norm statistics (not pinned: NOTE
+        [ Buffers a recomputed forward writes ]; an exported `aten.batch_norm`, which writes
+        its running statistics, may be: nothing it cached is written afterwards)."""
+        return {
+            name
+            for name, targets in self.captured.mutated_attrs.items()
+            if any(t.rpartition(".")[2] not in NORM_STATISTICS for t in targets)
+        }
 
     def _mutated_roots(self) -> set[str]:
         """Names of the storage roots of every value some node mutates in place (a pin on one
