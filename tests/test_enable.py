@@ -177,6 +177,43 @@ def test_two_modules_enabled_one_by_one_are_named_in_the_over_budget_warning():
     assert any("Another module run by hbp was called within this step" in m for m in said), said
 
 
+def test_training_through_methods_other_than_forward_is_warned_once():
+    """NOTE [ Training that goes around forward ]: a VAE trained through `encode` and
+    `decode` never calls the forward `enable` replaced; a warning says so once. A model
+    trained through its forward is not warned, nor one disabled before its backward."""
+
+    class VAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder = nn.Linear(16, 4), nn.Linear(4, 16)
+
+        def encode(self, x):
+            return self.encoder(x)
+
+        def decode(self, z):
+            return self.decoder(z)
+
+        def forward(self, x):
+            return self.decode(self.encode(x))
+
+    x = torch.randn(8, 16)
+    for through_forward in (False, True):
+        model = hbp.enable(VAE())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                out = model(x) if through_forward else model.decode(model.encode(x))
+                out.square().mean().backward()
+        said = [str(w.message) for w in caught if "forward was not called" in str(w.message)]
+        assert len(said) == (0 if through_forward else 1), said
+    model = hbp.enable(VAE())
+    hbp.disable(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.decode(model.encode(x)).sum().backward()
+    assert not [w for w in caught if "forward was not called" in str(w.message)]
+
+
 def test_a_model_with_an_enabled_submodule_is_refused_with_what_to_do():
     """NOTE [ One engine per step ]: enabling (or wrapping) a model whose submodule is enabled
     traced one engine into the other and fell back to module level with internal warnings;

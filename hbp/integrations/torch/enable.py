@@ -32,10 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hbp.errors import ConfigError
+from hbp.errors import BudgetWarning, ConfigError
 from hbp.integrations.torch.compile import dynamo_callback_set
 from hbp.integrations.torch.module import DEFAULT_BUDGET, ENGINE_ATTR, HCModule
 from hbp.integrations.torch.parallel import inner_model
+from hbp.integrations.torch.warn import warn_at_caller
 from hbp.integrations.torch.wrapped_forward import ForwardLayers, warned_layers
 
 __all__ = ["EnabledForward", "disable", "enable", "engine_of", "is_enabled"]
@@ -52,6 +53,7 @@ class _Engine(HCModule):
         self.previous_forward = previous_forward  # an instance forward set before, or None
         self.options = (budget, options)
         self.inside = False
+        self.called_with_grad = False  # NOTE [ Training that goes around forward ]
         # NOTE [ A forward wrapped before enable ] in wrapped_forward.py
         self.layers = ForwardLayers()
         if previous_forward is not None:
@@ -129,6 +131,7 @@ class EnabledForward:
             return engine.class_forward(*args, **kwargs)
         if not torch.is_grad_enabled():
             return engine.original_forward(*args, **kwargs)
+        engine.called_with_grad = True  # NOTE [ Training that goes around forward ]
         # asked here: inside `enter`, which Dynamo does not trace, torch.compile is not seen
         compiling = torch.compiler.is_compiling() or dynamo_callback_set()
         return engine.train_call(args, kwargs, compiling)
@@ -162,7 +165,40 @@ def enable(model: nn.Module, budget: Any = DEFAULT_BUDGET, **options) -> nn.Modu
     engine = _Engine(model, previous, budget, options)
     model.__dict__[ENGINE_ATTR] = engine
     model.__dict__["forward"] = EnabledForward(engine)
+    _watch_training_around(engine, model)
     return model
+
+
+def _watch_training_around(engine: _Engine, model: nn.Module) -> None:
+    """Warn once where a backward reaches `model`'s parameters before any call of its
+    forward with grad (NOTE [ Training that goes around forward ])."""
+    param = next((p for p in model.parameters() if p.requires_grad), None)
+    if param is None:
+        return
+    handles = []
+
+    def reached(_param) -> None:
+        handles.pop().remove()
+        if engine.called_with_grad or model.__dict__.get(ENGINE_ATTR) is not engine:
+            return
+        warn_at_caller(
+            f"hbp.enable({type(model).__name__}): a backward reached its parameters, but "
+            "its forward was not called with grad: training through other methods (a VAE's "
+            "encode and decode) runs them plainly, with no budget. Enable the modules they "
+            "call (hbp.enable(model.encoder)), or train through forward.",
+            BudgetWarning,
+        )
+
+    handles.append(param.register_post_accumulate_grad_hook(reached))
+
+
+# NOTE [ Training that goes around forward ]
+# `enable` replaces `forward`; a model trained through other methods (diffusers' AutoencoderKL
+# through `encode` and `decode`) never calls it, and its steps ran plainly, with no word (a
+# new user's VAE "enabled" at the default budget measured the plain step). The first time a
+# gradient is accumulated into one of the model's parameters, `enable` checks that its forward
+# was called with grad, and warns once if not. The hook goes with its first call; copies and
+# pickles of the model do not carry it.
 
 
 #: HCModule's options that change its plans only (NOTE [ Options changed after the first
