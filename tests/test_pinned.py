@@ -3,6 +3,7 @@ that keeps some nodes' outputs from the forward runs through torch's selective-c
 contexts with the gradients of plain autograd, runs those nodes' FLOPs once fewer, and holds
 what the simulator predicts, measured with the allocator."""
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -297,6 +298,46 @@ def test_a_pinned_value_mutated_in_place_later_is_recomputed_exactly():
     loss, grads = step(lambda: model(x), params)
     loss2, grads2 = step(lambda: PlanExecutor(captured, plan, model)(x), params)
     assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))
+
+
+class WritesItsOwn(nn.Module):
+    """A spectral-normed Linear, which writes its buffers in its power iteration, where
+    `F.normalize(..., out=)` clamps the norm it made in place; `F.gumbel_softmax(hard=True)`,
+    one fx node that scatters into the zeros it made."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.normed = nn.utils.parametrizations.spectral_norm(nn.Linear(D, D))
+
+    def forward(self, x):
+        h = torch.tanh(self.normed(torch.tanh(self.lin(x))))
+        return (h * torch.nn.functional.gumbel_softmax(h, hard=True)).square().mean()
+
+
+def test_a_node_that_writes_what_it_made_is_not_pinned():
+    """NOTE [ Buffers a recomputed forward writes ]: pinned, the spectral-normed Linear's
+    norm was cached, then clamped in place, and the recompute raised "Tensor cached during
+    selective activation checkpoint has been mutated". A node that writes buffers, or what it
+    made itself, runs recomputed instead, with exact gradients and its buffers written once."""
+    torch.manual_seed(0)
+    model, x = WritesItsOwn(), torch.randn(32, D, requires_grad=True)
+    reference = copy.deepcopy(model)
+    captured = capture(model, (x,))
+    names = [node.name for node in captured.graph.nodes]
+    assert "gumbel_softmax" in captured.writes_own_intermediates
+    assert "lin" not in captured.writes_own_intermediates
+    normed, n = names.index("normed"), len(names)
+    assert "normed" in captured.mutated_attrs
+    plan = Plan([Segment(0, 1), Segment(1, n - 3, True, pinned=(normed,)), Segment(n - 3, n)])
+    params = [x, *reference.parameters()]
+    torch.manual_seed(1)
+    loss, grads = step(lambda: reference(x), params)
+    got = [x, *model.parameters()]
+    torch.manual_seed(1)
+    loss2, grads2 = step(lambda: PlanExecutor(captured, plan, model)(x), got)
+    assert torch.equal(loss, loss2) and all(map(torch.equal, grads, grads2))
+    assert all(map(torch.equal, reference.buffers(), model.buffers()))  # written once
 
 
 class _ContextBeforeTheOp(torch.utils.checkpoint.SelectiveCheckpointContext):

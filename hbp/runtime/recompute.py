@@ -125,6 +125,8 @@ def buffers_kept(pairs: list[tuple[nn.Module, str]], out: list[torch.Tensor]) ->
 # either (NOTE [ Running pinned values ]): its op cached then written in place by a later op of
 # the same call (`F.normalize(..., out=)` clamps its norm in place) made torch's selective
 # checkpoint raise "Tensor cached during selective activation checkpoint has been mutated".
+# Nor is any node whose call writes into a tensor it made itself (`OpProfile.
+# writes_own_intermediates`, seen op by op when the capture profiles it), whatever it writes.
 
 
 def getattr_path(root: Any, path: str) -> Any:

@@ -35,6 +35,8 @@ class CapturedGraph:
         signature: `inspect.signature(module.forward)`.
         mutated_inputs: IR node name -> names of its input nodes it mutates in place.
         mutated_attrs: IR node name -> `get_attr` targets (buffers) it mutates in place.
+        writes_own_intermediates: IR node names whose call writes in place into a tensor it
+            made itself (not pinned: NOTE [ Buffers a recomputed forward writes ]).
         module_calls: at module granularity, (module path, occurrence) of IR node i + 1.
         module_groups: at module granularity, (path, occurrence, start, stop, child_starts)
             of each nn.Sequential call expanded into its children: IR nodes [start, stop) are
@@ -63,6 +65,7 @@ class CapturedGraph:
     signature: inspect.Signature | None = None
     mutated_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     mutated_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    writes_own_intermediates: frozenset[str] = frozenset()
     module_calls: list[tuple[str, int]] = field(default_factory=list)
     module_groups: list[tuple[str, int, int, int, tuple[int, ...]]] = field(default_factory=list)
     fallback_reason: str = ""

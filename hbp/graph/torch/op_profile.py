@@ -59,6 +59,9 @@ class OpProfile:
     # per parameter the node uses (in `params` order): its backward's gradient for it cannot
     # take a second one in place (NOTE [ Gradients of a parameter used twice ])
     param_grad_not_in_place: tuple[bool, ...] = ()
+    # an op of the call wrote in place into a tensor an earlier op of the call made (NOTE
+    # [ Buffers a recomputed forward writes ] in hbp.runtime.recompute: not pinned)
+    writes_own_intermediates: bool = False
 
 
 class _FakeLiveBytes(TorchDispatchMode):
@@ -74,6 +77,7 @@ class _FakeLiveBytes(TorchDispatchMode):
         self.peak = 0
         self.ops = 0  # ops seen so far
         self.draws_random = False  # an op drew from the random number generator
+        self.writes_own = False  # an op wrote into a storage an earlier op here made
         self.created: dict[int, int] = {}  # storage key -> index of the op that made it
         self._tensors: dict[int, list[int]] = {}  # storage key -> [bytes, live tensors]
 
@@ -81,6 +85,7 @@ class _FakeLiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.draws_random = self.draws_random or _draws_random(func, args, kwargs)
+        self.writes_own = self.writes_own or self._writes_own(func, args, kwargs)
         input_keys = {storage_key(t) for t in tensor_leaves((args, kwargs))}
         for t in tensor_leaves(out):
             key = storage_key(t)
@@ -98,6 +103,20 @@ class _FakeLiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         self.ops += 1
         return out
+
+    def _writes_own(self, func, args, kwargs) -> bool:
+        """Whether `func` writes in place into a storage an earlier op of this call made."""
+        schema = getattr(func, "_schema", None)
+        if schema is None:
+            return False
+        for k, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[k] if k < len(args) else kwargs.get(argument.name)
+            for t in tensor_leaves(value):
+                if storage_key(t) in self.created:
+                    return True
+        return False
 
     def will_free(self, tensors: list[torch.Tensor]) -> None:
         """Count the storages of these tensors, made before this mode, as freed (negative live
@@ -272,6 +291,7 @@ def _profile_call_once(
         output_after_last_save=after_last_save,
         value_bytes=sum(t.numel() * t.element_size() for t in tensor_leaves(output)),
         draws_random=memory.draws_random,
+        writes_own_intermediates=memory.writes_own,
     )
     if detached and not mutated and profile.requires_grad:
         if gradient_view_of is not None and alias_of == gradient_view_of and not profile.flops:

@@ -69,6 +69,7 @@ def profile_graph(
     params_used: list[list[nn.Parameter]] = []
     mutated_inputs: dict[str, tuple[str, ...]] = {}
     mutated_attrs: dict[str, tuple[str, ...]] = {}
+    writes_own: set[str] = set()
     profiles: dict[str, OpProfile] = {}
     placeholders = iter(input_names)
     outputs: list[str] = []
@@ -109,6 +110,8 @@ def profile_graph(
                 mutated_inputs[node.name] = profiles[node.name].mutated_inputs
             if attrs:
                 mutated_attrs[node.name] = attrs
+            if profiles[node.name].writes_own_intermediates:
+                writes_own.add(node.name)
             nodes.append(ir_node)
             fx_nodes.append(node)
             params_used.append(params)
@@ -143,6 +146,7 @@ def profile_graph(
         signature=signature,
         mutated_inputs=mutated_inputs,
         mutated_attrs=mutated_attrs,
+        writes_own_intermediates=frozenset(writes_own),
     )
 
 

@@ -303,14 +303,15 @@ class PlanExecutor:
         return block
 
     def _writes_state(self) -> set[str]:
-        """Names of the nodes that write buffers other than norm statistics (not pinned: NOTE
-        [ Buffers a recomputed forward writes ]; an exported `aten.batch_norm`, which writes
-        its running statistics, may be: nothing it cached is written afterwards)."""
+        """Names of the nodes that write buffers other than norm statistics, or tensors they
+        made themselves (not pinned: NOTE [ Buffers a recomputed forward writes ]; an exported
+        `aten.batch_norm`, which writes its running statistics, may be: nothing it cached is
+        written afterwards)."""
         return {
             name
             for name, targets in self.captured.mutated_attrs.items()
             if any(t.rpartition(".")[2] not in NORM_STATISTICS for t in targets)
-        }
+        } | set(self.captured.writes_own_intermediates)
 
     def _mutated_roots(self) -> set[str]:
         """Names of the storage roots of every value some node mutates in place (a pin on one
