@@ -363,6 +363,13 @@ class ClosedLoop:
                 "workspace or compiled kernels' buffers the plan did not see. "
             )
             advice = "pass loss_fn= so that hbp plans the loss too, or raise the budget."
+        if self.compile is not False:  # the plan is eager autograd's (NOTE [ The step around
+            # the module ] in loss.py)
+            unseen_said += (
+                "With compiled segments, Inductor's kernels save and allocate otherwise than "
+                "the eager autograd the plan models. "
+            )
+            advice = "compile=False keeps the budget, or raise the budget."
         if compiled.others_inside:  # NOTE [ Other engines in the step ]
             unseen_said += (
                 "Another module run by hbp was called within this step (an encoder and a "
