@@ -220,6 +220,11 @@ class _Step:
         self.constants: dict[fx.Node, Any] = {}
         self.next_stage = executor.first_backward
         self._positions: dict[int, itertools.count] = {}
+        # NOTE [ Buffers a recomputed forward writes ] in hbp.runtime.recompute: what the
+        # buffers the forward writes held before it, for the recomputations to start from
+        self.buffers_before = [
+            getattr(m, name).detach().clone() for m, name in executor.updated_attrs
+        ]
 
     # -- the forward's packs -----------------------------------------------------------------
 
@@ -295,7 +300,7 @@ class _Step:
 
         recompute = contextlib.ExitStack()
         recompute.enter_context(frozen_running_stats(ex.norms))
-        recompute.enter_context(throwaway_attrs(ex.updated_attrs))
+        recompute.enter_context(throwaway_attrs(ex.updated_attrs, self.buffers_before))
         recompute.enter_context(autocast_cache_disabled())
         if packs:
             recompute.enter_context(torch.enable_grad())
