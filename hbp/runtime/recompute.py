@@ -31,6 +31,7 @@ __all__ = [
     "buffer_owners",
     "buffers_kept",
     "getattr_path",
+    "stacked",
     "stat_tracking_norms",
     "throwaway_attrs",
 ]
@@ -86,6 +87,15 @@ def autocast_cache_disabled() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(previous)
+
+
+@contextlib.contextmanager
+def stacked(*contexts) -> Iterator[None]:
+    """Inside every one of `contexts`, entered in order (and left in reverse)."""
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 @contextlib.contextmanager

@@ -189,7 +189,6 @@ class ClosedLoop:
     def _run_measured(self, compiled, executor, args, kwargs, in_compiled_region):
         _CALLS[0] += 1  # NOTE [ Other engines in the step ]
         _IN_FLIGHT.discard(self)
-        others = any(engine is not self for engine in _IN_FLIGHT)
         device = step_device(compiled.root, args, kwargs)
         calibrate = self.calibrate is not False  # on by default, on CPU as on CUDA
         if device.type == "cpu" and in_compiled_region and calibrate:
@@ -214,7 +213,7 @@ class ClosedLoop:
                 self._await_backward(grad_leaves(executor, output), self._landed)
             return output
         probe = StepPeakProbe(device)
-        probe.others_inside = others
+        probe.others_inside = any(engine is not self for engine in _IN_FLIGHT)
         try:
             output = executor(*args, **kwargs)
         except BaseException:

@@ -6,7 +6,6 @@ forward pass.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from hbp.runtime.recompute import (
     buffer_owners,
     buffers_kept,
     checkpoint_context_fn,
+    stacked,
     throwaway_attrs,
 )
 
@@ -232,8 +232,8 @@ class ModuleCallExecutor:
             def context_fn():
                 forward_ctx, recompute_ctx = self._context_fn()
                 before: list = []
-                return _both(forward_ctx, buffers_kept(written, before)), ReenterableContext(
-                    lambda: _both(recompute_ctx, throwaway_attrs(written, before))
+                return stacked(forward_ctx, buffers_kept(written, before)), ReenterableContext(
+                    lambda: stacked(recompute_ctx, throwaway_attrs(written, before))
                 )
 
         with autocast_cache_disabled():
@@ -287,12 +287,6 @@ class ModuleCallExecutor:
 # the children of every parent of a recorded call (the siblings a skipped layer is among) and
 # lists, per step, the calls outside the recorded ones (`unplanned`); HCModule warns once
 # (`BudgetWarning`) with their paths.
-
-
-@contextlib.contextmanager
-def _both(first, second):
-    with first, second:
-        yield
 
 
 class _Chain:

@@ -77,6 +77,7 @@ from hbp.runtime.recompute import (
     buffers_kept,
     checkpoint_context_fn,
     getattr_path,
+    stacked,
     throwaway_attrs,
 )
 
@@ -388,14 +389,14 @@ class PlanExecutor:
                 caching, cached = nested_pin_contexts(key)
             frame = PinParent() if parent else None
             before: list[torch.Tensor] = []  # NOTE [ Buffers a recomputed forward writes ]
-            return _stacked(
+            return stacked(
                 forward_ctx,
                 buffers_kept(frozen, before),
                 caching,
                 pin_mark(),
                 parent_frame(frame, False),
             ), ReenterableContext(  # fmt: skip
-                lambda: _stacked(
+                lambda: stacked(
                     recompute_ctx,
                     cached,
                     throwaway_attrs(frozen, before),
@@ -523,11 +524,3 @@ class _NestedCall:
         values.clear()
         self.executor._run_level(self.children, env, set(outputs))
         return tuple(env[n] for n in outputs)
-
-
-@contextlib.contextmanager
-def _stacked(*contexts) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for c in contexts:
-            stack.enter_context(c)
-        yield
