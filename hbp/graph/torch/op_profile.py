@@ -107,7 +107,7 @@ class _FakeLiveBytes(TorchDispatchMode):
     def _writes_own(self, func, args, kwargs) -> bool:
         """Whether `func` writes in place into a storage an earlier op of this call made."""
         schema = getattr(func, "_schema", None)
-        if schema is None:
+        if schema is None or not schema.is_mutable:  # most ops: nothing to look for
             return False
         for k, argument in enumerate(schema.arguments):
             if argument.alias_info is None or not argument.alias_info.is_write:
