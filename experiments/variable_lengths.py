@@ -9,11 +9,13 @@ A transformers Qwen2 causal LM from a config (hidden 128, 4 layers, 4 heads, voc
 weights), batch 4, trained with AdamW for `--steps` steps on batches whose longest example
 (right-padded, attention mask, labels -100 on padding) has a length drawn from 48-128 tokens,
 the same batches for every row. Rows: the plain model; `hbp.enable(model)` at its default budget
-with the batches as they are (a new signature per new length), and padded to a multiple of 32
-and of 128 (`pad_to_multiple_of` of transformers' collators). Per row: wall seconds in all, in
-the first steps of new signatures, the signatures planned, each signature's allocator-measured
-peak over its budget, and the largest difference of the losses and final parameters from the
-plain model's. Writes outputs/bench/variable_lengths.md.
+(new lengths run plans carried from lengths planned before, where they fit) and with
+`carry_plans=False` (every length planned by the DP), with the batches as they are (a new
+signature per new length), and padded to a multiple of 32 and of 128 (`pad_to_multiple_of` of
+transformers' collators). Per row: wall seconds in all, in the first steps of new signatures,
+the signatures, how many ran carried plans, each signature's predicted recompute (% of the step's
+FLOPs) and allocator-measured peak over its budget, and the largest difference of the losses
+and final parameters from the plain model's. Writes outputs/bench/variable_lengths.md.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def train(model, data: list[dict], engine=None) -> dict:
     """Train on `data`; wall seconds, losses, and per new signature its first step's seconds
     and measured peak over budget."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    seen, first_steps, ratios, losses = set(), 0.0, [], []
+    seen, first_steps, ratios, losses, carried, recompute = set(), 0.0, [], [], 0, []
     started = time.perf_counter()
     for step, batch in enumerate(data):
         shape = tuple(batch["input_ids"].shape)
@@ -88,11 +90,15 @@ def train(model, data: list[dict], engine=None) -> dict:
             if engine is not None:
                 hc = engine()
                 ratios.append(hc.measured_peak_bytes / hc.compiled.budget_bytes)
+                carried += hc.compiled.plan.meta.get("solved_by") == "carried"
+                recompute.append(hc.compiled.plan.predicted_recompute_ratio)
     return {
         "seconds": time.perf_counter() - started,
         "first_steps": first_steps,
         "signatures": len(seen),
         "ratios": ratios,
+        "carried": carried,
+        "recompute": recompute,
         "losses": losses,
         "params": [p.detach().clone() for p in model.parameters()],
     }
@@ -107,28 +113,45 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     base = qwen2()
     lines = [
-        "| batches | run | wall s | in first steps of new signatures | signatures "
-        "| peak / budget (each signature) | max loss diff | max parameter diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batches | run | wall s | in first steps of new signatures | signatures | carried "
+        "| recompute (each signature) | peak / budget (each signature) | max loss diff "
+        "| max parameter diff |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, multiple in (("as collated", None), ("padded to 32", 32), ("padded to 128", 128)):
         data = batches(args.steps, multiple)
         plain = train(copy.deepcopy(base), data)
-        model = copy.deepcopy(base)
-        hbp.enable(model)
-        run = train(model, data, lambda model=model: hbp.engine_of(model))
-        loss_diff = max(abs(a - b) for a, b in zip(run["losses"], plain["losses"]))
-        param_diff = max((a - b).abs().max().item() for a, b in zip(run["params"], plain["params"]))
-        ratios = f"{min(run['ratios']):.3f}-{max(run['ratios']):.3f}"
-        for name, r in (("plain", plain), ("hbp.enable, default budget", run)):
+        rows = [("plain", plain, None)]
+        for name, options in (
+            ("hbp.enable, default budget", {}),
+            ("hbp.enable, carry_plans=False", {"carry_plans": False}),
+        ):
+            if multiple == 128 and options:
+                continue  # one signature: nothing to carry
+            model = copy.deepcopy(base)
+            hbp.enable(model, **options)
+            rows.append((name, train(model, data, lambda model=model: hbp.engine_of(model)), 1))
+        for name, r, hbp_run in rows:
             share = f"{r['first_steps']:.1f} s ({100 * r['first_steps'] / r['seconds']:.0f}%)"
-            hbp_only = name != "plain"
+            cells = [""] * 5
+            if hbp_run:
+                loss_diff = max(abs(a - b) for a, b in zip(r["losses"], plain["losses"]))
+                param_diff = max(
+                    (a - b).abs().max().item() for a, b in zip(r["params"], plain["params"])
+                )
+                cells = [
+                    str(r["carried"]),
+                    f"{100 * min(r['recompute']):.1f}-{100 * max(r['recompute']):.1f}%",
+                    f"{min(r['ratios']):.3f}-{max(r['ratios']):.3f}",
+                    f"{loss_diff:.1e}",
+                    f"{param_diff:.1e}",
+                ]
             lines.append(
                 f"| {label} | {name} | {r['seconds']:.1f} | {share} | {r['signatures']} | "
-                f"{ratios if hbp_only else ''} | {f'{loss_diff:.1e}' if hbp_only else ''} | "
-                f"{f'{param_diff:.1e}' if hbp_only else ''} |"
+                + " | ".join(cells)
+                + " |"
             )
-        print("\n".join(lines[-2:]), flush=True)
+            print(lines[-1], flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "variable_lengths.md"
     path.write_text("\n".join(lines) + "\n")

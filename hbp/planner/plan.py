@@ -80,6 +80,11 @@ def any_pinned(segments: list[Segment]) -> bool:
 TORCH_FLOPS = "; torch's FLOP counter counts matmuls, convolutions and attention"
 
 
+#: `Plan.meta["solved_by"]` of a plan made for another input size of the same step
+#: (NOTE [ Plans carried across sizes ] in hbp.planner.carry).
+CARRIED = "carried"
+
+
 @dataclass
 class Plan:
     """A plan with its predictions (bytes, FLOPs).
@@ -142,6 +147,10 @@ class Plan:
         ]
         if "solve_time_s" in self.meta:
             lines.append(f"  solved in {self.meta['solve_time_s']:.2f} s")
+        if self.meta.get("solved_by") == CARRIED:
+            lines.append(
+                "  carried: made for another input size of this step, simulated at this one"
+            )
         for s in self.segments:
             lines.extend(s.describe(1))
         for stage in self.schedule:

@@ -206,7 +206,7 @@ def _watch_training_around(engine: _Engine, model: nn.Module) -> None:
 #: (HCModule's own): enabled again with other values, the captures are kept.
 PLAN_OPTIONS = {
     name: inspect.signature(HCModule.__init__).parameters[name].default
-    for name in ("block_size", "planner", "plan_cache")
+    for name in ("block_size", "planner", "plan_cache", "carry_plans")
 }
 
 

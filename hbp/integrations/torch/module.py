@@ -118,6 +118,12 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
             the captured graph's structure, the budget and the options, and the ops' measured
             workspaces (in its `scratch` folder) by op signature: a restarted job or another
             run of a sweep reads them there instead of planning and measuring again.
+        carry_plans: a new input signature of the same structure as one planned before
+            (another sequence length or batch size) first tries the plans made for the
+            others: the one that recomputes least of those the simulator puts within its
+            budget runs, in milliseconds instead of the planner's seconds, at the cost of
+            possibly more recompute than its own plan (NOTE [ Plans carried across sizes ] in
+            hbp.planner.carry). False: every signature gets its own plan.
 
     Attributes:
         plan: the plan of the most recent training call (None before the first).
@@ -141,6 +147,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
         compile: bool | dict = False,
         keeps_outputs: bool | None = None,
         plan_cache=None,
+        carry_plans: bool = True,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -183,6 +190,7 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
             raise ConfigError("keeps_outputs", keeps_outputs, "None, True or False")
         self.keeps_outputs = keeps_outputs
         self.plan_cache = plan_cache
+        self.carry_plans = carry_plans
         self._compiled: dict[tuple, Compiled] = {}
         self._uncaptured: dict[tuple, CaptureError] = {}  # signatures no capture reaches
         #: module-level captures by signature less the Python state (NOTE [ Module calls fix
@@ -226,6 +234,18 @@ class HCModule(Planning, ClosedLoop, WatchedOutputs, CompiledSegments, nn.Module
     @plan_cache.setter
     def plan_cache(self, plan_cache) -> None:
         self._plan_cache = PlanCache.of(plan_cache)
+
+    @property
+    def carry_plans(self) -> bool:
+        """Whether a new input signature first tries the plans of others of its structure
+        (set: for the signatures planned from then on)."""
+        return self._carry_plans
+
+    @carry_plans.setter
+    def carry_plans(self, carry_plans: bool) -> None:
+        if not isinstance(carry_plans, bool):
+            raise ConfigError("carry_plans", carry_plans, "True or False")
+        self._carry_plans = carry_plans
 
     @property
     def planner(self) -> str:

@@ -21,8 +21,9 @@ from hbp.integrations.torch.closed_loop import step_device
 from hbp.integrations.torch.parallel import FSDP2_ROOT, is_fsdp2, refuse_parallel_wrappers
 from hbp.integrations.torch.signature import signature, state_changes, without_python_state
 from hbp.integrations.torch.warn import warn_at_caller
-from hbp.planner.budget import BudgetKind
+from hbp.planner.budget import Budget, BudgetKind
 from hbp.planner.cache import graph_fingerprint
+from hbp.planner.carry import CARRIED, Donor, carried_plan, structure_key
 from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
 from hbp.runtime.executors import make_executor
@@ -31,6 +32,10 @@ from hbp.runtime.heap import heap_returned_after
 
 #: Distinct input signatures after which HCModule warns that it keeps re-planning.
 MANY_SIGNATURES = 8
+
+#: Calls of an input signature run by carried plans, after which its next call plans its own
+#: (NOTE [ A carried plan until its signature is frequent ]).
+OWN_PLAN_AFTER = 50
 
 
 @dataclass
@@ -70,6 +75,9 @@ class Compiled:
     planned_for: tuple = ()  # HCModule's `_plan_options()` when `plan` was made
     unseen_bytes: int = 0  # what a measured step held above its plan's prediction (closed loop)
     cache_fingerprint: str | None = None  # the graph's, as first planned (`plan_cache`)
+    structure: str | None = None  # `structure_key` of an op-level capture (carried plans)
+    least: list | None = None  # its least-peak plan's segments, once a carried plan asked
+    carried_calls: int = 0  # calls run by carried plans (`_own_plan_due`)
 
     def measure_again(self, last: bool = False) -> None:
         """The closed loop measures the next step, that of a new plan; with `last`, that
@@ -159,6 +167,9 @@ class Planning:
             and not foreign_profiler_running()
         ):
             compiled = None  # NOTE [ Captured under a profiler ]
+        own_plan_due = compiled is not None and self._own_plan_due(compiled)
+        if own_plan_due:
+            compiled.planned_for = ()  # planned again below, by the DP
         if compiled is not None and compiled.planned_for == self._plan_options():
             self._current = compiled
             return compiled
@@ -181,7 +192,8 @@ class Planning:
                         "signatures",
                         f"HCModule has planned for {len(self._compiled)} different input "
                         "signatures: every new shape/dtype/requires_grad pattern is captured "
-                        "and planned again. Pad or bucket inputs to a few shapes.",
+                        "again, and planned again unless the plan of another size fits it. "
+                        "Pad or bucket inputs to a few shapes.",
                     )
             self._current = compiled  # `hc.captured` shows the capture, a BudgetError or not
             # its first plan, or NOTE [ Options changed after the first step ]
@@ -192,6 +204,9 @@ class Planning:
             try:
                 self._plan_capture(compiled)  # a BudgetError keeps the capture for other options
             except BudgetError as err:
+                if own_plan_due:  # the DP's cuts do not reach what the carried plan does
+                    compiled.planned_for = self._plan_options()
+                    return compiled
                 if not first:  # a new budget for a signature planned before
                     raise
                 raise self._budget_error_at_these_inputs(err, args, kwargs) from err
@@ -278,6 +293,8 @@ class Planning:
         )
         compiled.device = step_device(root, args, kwargs)
         compiled.scratch_measured = scratch_measured
+        if captured.granularity != MODULE:
+            compiled.structure = structure_key(graph)
         if not scratch_measured:
             warn_at_caller(
                 "HCModule: planned under a running profiler, which the measurement of kernel "
@@ -298,8 +315,12 @@ class Planning:
         start = time.perf_counter()
         settled = self._settled_plan(compiled)  # NOTE [ Plans the measurements settled on ]
         cached = settled[0] if settled is not None else self._cached_plan(captured, pins)
+        carried = None if cached is not None else self._carried_plan(compiled)
         if cached is not None:
             plan = cached
+        elif carried is not None:  # NOTE [ Plans carried across sizes ] in hbp.planner.carry
+            plan = carried
+            compiled.carried_calls += 1  # this call's
         elif captured.granularity == MODULE:
             target = self._target(captured, naive, compiled.device)
             try:
@@ -334,7 +355,7 @@ class Planning:
                 if way_out is not None:
                     said = said.with_detail(way_out)
                 raise said from err
-        if cached is None:
+        if cached is None and carried is None:  # a carried plan is not this size's own
             self._cache_plan(captured, pins, plan)
         compiled.plan_time_s = time.perf_counter() - start
         self._use_plan(compiled, plan)
@@ -354,6 +375,73 @@ class Planning:
     # first step, as a first plan is); a step of the old plan still being measured counts
     # for `measured_peak_bytes` only. What is learned of the caller stays: the outputs it
     # keeps (NOTE [ Outputs the caller lets go ]) are a fact of its loop, not of a plan.
+
+    def _own_plan_due(self, compiled: Compiled) -> bool:
+        """Whether this call of a signature run by a carried plan is the one from which it
+        runs its own (NOTE [ A carried plan until its signature is frequent ])."""
+        if compiled.plan is None or compiled.plan.meta.get("solved_by") != CARRIED:
+            return False
+        due = compiled.carried_calls == OWN_PLAN_AFTER  # once: then the count is past it
+        compiled.carried_calls += 1
+        return due
+
+    # NOTE [ A carried plan until its signature is frequent ]
+    # A carried plan may recompute more than the signature's own (a few percent of the step's
+    # FLOPs on the models tried, docs/results.md), on every step it runs; its own plan costs
+    # the planner's seconds once. Dynamic padding meets most lengths a few times, where
+    # carrying saves the most; a job that buckets its lengths meets each thousands of times,
+    # where the recompute would add up. So the call of a signature after OWN_PLAN_AFTER calls
+    # run by carried plans plans it as a first call would without carrying, from the capture
+    # made; its first step is measured, as any new plan's is. Where the DP finds no plan (a
+    # byte budget that only the carried plan's cuts reach), the carried plan stays.
+
+    def _carried_plan(self, compiled: Compiled, budget: Budget | None = None) -> Plan | None:
+        """A plan of another input signature of the same structure that fits this one's
+        budget (`budget`: instead of HCModule's; NOTE [ Plans carried across sizes ] in
+        hbp.planner.carry), or None: carrying is off, the capture is module-level, no
+        signature of its structure was planned by the DP for these options, or none of their
+        plans fits."""
+        budget = self._budget if budget is None else budget
+        if (
+            not self.carry_plans
+            or compiled.structure is None
+            or self.planner == "uniform"
+            or compiled.carried_calls >= OWN_PLAN_AFTER
+        ):
+            return None
+        options = self._plan_options()
+        donors = [
+            c
+            for c in {id(c): c for c in self._compiled.values()}.values()
+            if c is not compiled
+            and c.plan is not None
+            and c.structure == compiled.structure
+            and c.pins == compiled.pins
+            and c.planned_for == options
+            and c.plan.meta.get("solved_by") != CARRIED
+        ]
+        if not donors:
+            return None
+        if budget.kind in (BudgetKind.ACTIVATIONS, BudgetKind.MIN):
+            for donor in donors:  # each one's least-peak plan, made once
+                if donor.least is None:
+                    donor.least = self._least_segments(donor)
+        return carried_plan(
+            compiled.captured.graph,
+            budget,
+            [Donor(c.captured.graph, c.plan, c.least) for c in donors],
+        )
+
+    def _least_segments(self, compiled: Compiled) -> list:
+        """The top-level segments of the least-peak plan of `compiled`'s capture."""
+        from hbp.planner import min_feasible_peak
+
+        return min_feasible_peak(
+            compiled.captured.graph,
+            block_size=self.block_size,
+            nested=self.planner != "one_level",
+            pins=compiled.pins,
+        )[1]
 
     def _plan_options(self) -> tuple:
         """What a plan is made for, besides its capture: changed, the capture is planned
@@ -547,7 +635,13 @@ class Planning:
         from hbp.planner import plan as make_plan
 
         captured = compiled.captured
-        if captured.granularity == MODULE:
+        carried = None
+        if compiled.plan.meta.get("solved_by") == CARRIED and target_bytes != "min":
+            # a new size's plan made again from its measured step: carried again, if one fits
+            carried = self._carried_plan(compiled, Budget.parse(int(target_bytes)))
+        if carried is not None:
+            plan = carried
+        elif captured.granularity == MODULE:
             plan = self._module_level_plan(captured, compiled.naive_peak_bytes, target_bytes)
         else:
             target = target_bytes if target_bytes == "min" else int(target_bytes)
@@ -559,7 +653,8 @@ class Planning:
                 pins=compiled.pins,
             )
         self._use_plan(compiled, plan)
-        self._keep_settled(compiled, plan)
+        if carried is None:  # a carried plan is not this size's own
+            self._keep_settled(compiled, plan)
 
     def _use_plan(self, compiled, plan: Plan) -> None:
         """`plan` is what `compiled` runs from its next step: its executor made, the one with
