@@ -81,6 +81,15 @@ def test_budget_and_number_formats_are_fixed():
     assert format_cell("pareto", True) == "yes"
 
 
+def test_a_peak_over_its_budget_never_prints_as_one_and_small_flops_keep_digits():
+    assert format_cell("peak / budget", 1.0000001) == "1.001"  # bytes over read as over
+    assert format_cell("peak / budget", 1.0) == "1.000"
+    assert format_cell("peak / budget", 0.9876) == "0.988"
+    assert format_cell("step GFLOPs", 0.0012345) == "0.00123"  # a tiny model's step
+    assert format_cell("step GFLOPs", 12.3456) == "12.35"
+    assert format_cell("step GFLOPs", 0.0) == "0.00"
+
+
 def test_distributed_summary_has_world_size_and_rank_peaks():
     rank_peaks = [int(12.8 * MIB), int(13.1 * MIB)]
     frame = summary_frame([row(distributed="ddp", world_size=2, rank_peak_bytes=rank_peaks)])

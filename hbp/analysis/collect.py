@@ -268,12 +268,27 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 # Fixed formats per column (never "1.61e+03"): sizes and times with a fixed number of
 # decimals, ratios with three, gradient errors in scientific notation.
+def _small_to_three_digits(value: float) -> str:
+    """Two decimals, or three significant digits below 1 (a tiny model's 0.00123 GFLOPs)."""
+    return f"{value:.2f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+
+
+def _over_rounds_up(value: float) -> str:
+    """Three decimals, rounded up above 1: a peak a few bytes over its budget reads 1.001,
+    not 1.000."""
+    if value > 1:
+        return f"{math.ceil(value * 1000) / 1000:.3f}"
+    return f"{value:.3f}"
+
+
+#: How a float column prints: a format string or a function, by the end of the column's name.
 COLUMN_FORMATS = {
     "MiB": "{:.2f}",
     "ratio": "{:.3f}",
     "/ naive": "{:.3f}",
     "peak / naive": "{:.3f}",
-    "GFLOPs": "{:.2f}",
+    "/ budget": _over_rounds_up,
+    "GFLOPs": _small_to_three_digits,
     "ms": "{:.1f}",
     "grad err": "{:.1e}",
     "recompute": "{:.3f}",
@@ -290,7 +305,8 @@ def format_cell(column: str, value) -> str:
         return "yes" if value else ""
     if isinstance(value, (float, np.floating)):
         keys = [k for k in COLUMN_FORMATS if str(column).endswith(k)]
-        return (COLUMN_FORMATS[max(keys, key=len)] if keys else "{:.3f}").format(float(value))
+        form = COLUMN_FORMATS[max(keys, key=len)] if keys else "{:.3f}"
+        return form(float(value)) if callable(form) else form.format(float(value))
     if isinstance(value, (np.integer,)):
         return str(int(value))
     return str(value)
