@@ -8,7 +8,9 @@ The Llama decoder of the planner benchmarks (`bench_capture.llama`: hidden 128, 
 2048, 2 x 128 tokens). Per step: CPU s of the whole step (forward and backward), and for a
 first step of its signature the capture's and the plan's CPU s as HCModule records them
 (`Compiled.capture_time_s`, `plan_time_s`; the rest is the calibration, the step itself and
-the measured closed loop). Writes outputs/bench/new_signatures_<layers>.md.
+the measured closed loop), and what made the plan (`Plan.meta["solved_by"]`: "carried" for a
+plan carried from another signature, NOTE [ Plans carried across sizes ]). Writes
+outputs/bench/new_signatures_<layers>.md.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def main() -> None:
     lines = [
         f"Llama, {args.layers} layers, HCModule at its default budget (CPU s, one thread)",
         "",
-        "| step | batch x tokens | step | capture | plan |",
-        "|---|---|---:|---:|---:|",
+        "| step | batch x tokens | step | capture | plan | plan made by |",
+        "|---|---|---:|---:|---:|---|",
     ]
     for what, batch, length in STEPS:
         x = ids[:batch, :length]
@@ -61,7 +63,10 @@ def main() -> None:
         new = compiled is not before and what != "warm step"
         capture = f"{compiled.capture_time_s:.2f}" if new else ""
         planned = f"{compiled.plan_time_s:.2f}" if new else ""
-        lines.append(f"| {what} | {batch} x {length} | {seconds:.2f} | {capture} | {planned} |")
+        made_by = compiled.plan.meta.get("solved_by", "") if new else ""
+        lines.append(
+            f"| {what} | {batch} x {length} | {seconds:.2f} | {capture} | {planned} | {made_by} |"
+        )
         print(lines[-1], flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"new_signatures_{args.layers}.md"
