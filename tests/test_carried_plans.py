@@ -6,6 +6,7 @@ the budget; its own plan after `OWN_PLAN_AFTER` calls; off with `carry_plans=Fal
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -82,7 +83,9 @@ def test_a_longer_lengths_plan_carried_to_a_shorter_one_fits_its_budget():
 def test_nothing_is_carried_where_no_plan_fits_or_nothing_needs_one():
     long, short = graphs(80, 40)
     plain = plan(short, 1.0)  # nothing recomputed: the short step's plain plan
-    assert [(s.start, s.stop, s.recompute) for s in plain.segments] == [(0, len(short.nodes), False)]
+    assert [(s.start, s.stop, s.recompute) for s in plain.segments] == [
+        (0, len(short.nodes), False)
+    ]
     tight = int(0.6 * simulate(long).peak_bytes)
     assert carried_plan(long, Budget.parse(tight), [Donor(short, plain)]) is None
     assert carried_plan(short, Budget.parse(1.0), [Donor(long, plan(long, 0.5))]) is None
@@ -92,32 +95,40 @@ def test_nothing_is_carried_where_no_plan_fits_or_nothing_needs_one():
     assert carried_plan(short, Budget.parse(0.5), []) is None
 
 
-@pytest.mark.parametrize("budget", ["min", "50%act"])
-def test_a_relative_budget_is_resolved_against_a_least_peak_plan_reached_here(budget):
+def test_a_relative_budget_is_resolved_against_a_least_peak_plan_reached_here():
     long, short = graphs(80, 64)
     least = min_feasible_peak(long)[1]
-    carried = carried_plan(short, Budget.parse(budget), [Donor(long, plan(long, budget), least)])
+    donor = Donor(long, plan(long, "50%act"), least)
+    carried = carried_plan(short, Budget.parse("50%act"), [donor])
     assert carried is not None
     exact_least = min_feasible_peak(short)[0]
     reached = simulate(short, copy.deepcopy(least)).peak_bytes
-    assert reached >= exact_least  # the least peak is at most any plan's
+    assert exact_least <= reached <= 1.05 * exact_least  # an upper bound, near the least
     naive = simulate(short).peak_bytes
-    expected = reached if budget == "min" else reached + (naive - reached) // 2
-    assert carried.budget_bytes == expected
+    assert carried.budget_bytes == reached + (naive - reached) // 2
     assert carried.predicted_peak_bytes <= carried.budget_bytes
-    if budget != "min":  # NOTE [ Least-peak plans are carried for "min" alone ]
-        reaching = simulate(short, carried.segments)
-        assert reaching.recompute_flops < simulate(short, copy.deepcopy(least)).recompute_flops
+    # the least-peak plan resolves the budget; the plan run is the donor's own
+    assert [s.start for s in carried.segments] == [s.start for s in donor.plan.segments]
+    assert carried_plan(short, Budget.parse("min"), [donor]) is None  # the least itself: planned
 
 
-def test_a_least_peak_plan_is_not_carried_as_the_plan_of_a_budget_above_it():
-    long, short = graphs(80, 40)
-    least = min_feasible_peak(short)[1]
-    donor = Donor(short, plan(short, 1.0), least)  # its plan: the plain step, above any budget
-    assert simulate(long, copy.deepcopy(least)).peak_bytes < plan(long, "50%act").budget_bytes
-    assert carried_plan(long, Budget.parse("50%act"), [donor]) is None  # the DP's, then
-    carried = carried_plan(long, Budget.parse("min"), [donor])
-    assert carried is not None and carried.predicted_peak_bytes <= carried.budget_bytes
+def test_a_least_peak_known_only_loosely_resolves_nothing():
+    long, short = graphs(80, 64)
+    own = plan(long, "50%act")
+    loose = own.segments  # as the least-peak plan: its peak is far above the least
+    assert simulate(short, copy.deepcopy(loose)).peak_bytes > 1.05 * min_feasible_peak(short)[0]
+    assert carried_plan(short, Budget.parse("50%act"), [Donor(long, own, loose)]) is None
+    # a fraction needs no least peak
+    assert carried_plan(short, Budget.parse(0.6), [Donor(long, plan(long, 0.6), loose)])
+
+
+def test_a_plan_that_fits_by_recomputing_far_more_than_at_its_own_size_is_not_carried():
+    long, short = graphs(80, 64)
+    donor = plan(long, 0.6)
+    assert carried_plan(short, Budget.parse(0.6), [Donor(long, donor)]) is not None
+    # the same plan, as if it had recomputed nothing at its own size
+    thrifty = dataclasses.replace(donor, predicted_recompute_flops=0.0)
+    assert carried_plan(short, Budget.parse(0.6), [Donor(long, thrifty)]) is None
 
 
 def test_new_lengths_run_carried_plans_with_the_plain_models_gradients(count_captures):

@@ -29,15 +29,16 @@ __all__ = ["CARRIED", "Donor", "carried_plan", "structure_key"]
 # length batches), 40x a plain step. The graphs of one step at two sizes have the same nodes
 # and wiring; only bytes and FLOPs differ. A plan is positions in that wiring, so a plan made
 # for one size runs at another, and the simulator gives its peak and recompute there in
-# milliseconds. `carried_plan` takes, of the plans made for other sizes (for "min", their
-# least-peak plans too), the one that recomputes least among those whose simulated peak fits
-# this size's budget; where none fits, the caller plans as before. What it gives up: the least recompute
+# milliseconds. `carried_plan` takes, of the plans made for other sizes, the one that
+# recomputes least among those whose simulated peak fits this size's budget (and that do not
+# recompute much more than at their own size: NOTE [ What a carried plan must meet ]); where
+# none fits, the caller plans as before. What it gives up: the least recompute
 # at this size (the DP could find a plan that recomputes less), never the budget (every
 # candidate is simulated here, and HCModule measures the first step as it does any plan's).
-# A budget relative to the least peak ("N%act", "min") is resolved against the least of the
-# donors' least-peak plans simulated here: a peak that a plan reaches, at least the least
-# peak, equal to it where a donor was as long or longer (docs/results.md has the figures).
-# Plans made from the DP are the donors, never carried ones: carrying does not drift.
+# A budget relative to the least peak ("N%act") is resolved against the least of the donors'
+# least-peak plans simulated here: a peak that a plan reaches, at least the least peak, equal
+# to it where a donor was as long or longer (docs/results.md has the figures). Plans made from
+# the DP are the donors, never carried ones: carrying does not drift.
 
 
 def structure_key(graph: Graph) -> str:
@@ -92,42 +93,43 @@ class Donor:
 
 
 def carried_plan(
-    graph: Graph, budget: Budget, donors: Sequence[Donor], info: GraphInfo | None = None
+    graph: Graph,
+    budget: Budget,
+    donors: Sequence[Donor],
+    info: GraphInfo | None = None,
+    *,
+    block_size: int = 1,
+    nested: bool = True,
 ) -> Plan | None:
-    """The donors' plan (for "min", or least-peak plan) that recomputes least of those
-    whose simulated peak on `graph` fits `budget` resolved for `graph`, finished for `graph`;
-    None where none fits, where the budget is met by the plain step (nothing to plan), where a
-    budget relative to the least peak has no donor's least-peak plan, or for "fit" (NOTE
-    [ Plans carried across sizes ])."""
-    if budget.kind is BudgetKind.FIT or not donors:
+    """The donors' plan that recomputes least of those whose simulated peak on `graph` fits
+    `budget` resolved for `graph`, finished for `graph`; None where none fits, or fits without
+    recomputing much more than its donor did (`RECOMPUTE_GROWTH`), where the budget is met by
+    the plain step (nothing to plan), where a budget relative to the least peak has no least
+    peak known within `LEAST_PEAK_SLACK`, or for "min" and "fit" (NOTE [ Plans carried
+    across sizes ], NOTE [ What a carried plan must meet ]). `block_size`, `nested`: the
+    planner's, for the floor under the least peak."""
+    if budget.kind in (BudgetKind.FIT, BudgetKind.MIN) or not donors:
         return None
     info = info or GraphInfo.of(graph)
     naive = simulate(graph, info=info)
-    sims = {}  # segments' key -> (segments, simulation), each candidate simulated once
-
-    def simulated(segments: list[Segment]):
-        key = _segments_key(segments)
-        if key not in sims:
-            mine = copy.deepcopy(segments)
-            sims[key] = (mine, simulate(graph, mine, info=info))
-        return sims[key]
-
-    least = [simulated(d.least)[1].peak_bytes for d in donors if d.least is not None]
-    relative = budget.kind in (BudgetKind.ACTIVATIONS, BudgetKind.MIN)
-    if relative and not least:
-        return None
-    budget_bytes = budget.resolve(naive.peak_bytes, lambda: min(least))
-    if budget_bytes == "min":
-        budget_bytes = min(least)
+    budget_bytes = budget.resolve(naive.peak_bytes, lambda: 0)
+    if budget.kind is BudgetKind.ACTIVATIONS and budget_bytes < naive.peak_bytes:
+        least = _least_peak_reached(graph, info, donors, block_size, nested)
+        if least is None:
+            return None
+        budget_bytes = budget.resolve(naive.peak_bytes, lambda: least)
     if budget_bytes >= naive.peak_bytes:
         return None
-    # NOTE [ Least-peak plans are carried for "min" alone ]
-    candidates = {} if budget.kind is not BudgetKind.MIN else dict(sims)
+    fits = []
     for donor in donors:
-        if not donor.plan.schedule:  # an explicit schedule is not a plan of segments
-            segments, sim = simulated(donor.plan.segments)
-            candidates[_segments_key(segments)] = (segments, sim)
-    fits = [(s, sim) for s, sim in candidates.values() if sim.peak_bytes <= budget_bytes]
+        if donor.plan.schedule:  # an explicit schedule is not a plan of segments
+            continue
+        segments = copy.deepcopy(donor.plan.segments)
+        sim = simulate(graph, segments, info=info)
+        ratio = sim.recompute_flops / naive.total_flops if naive.total_flops else 0.0
+        allowed = donor.plan.predicted_recompute_ratio * RECOMPUTE_GROWTH + RECOMPUTE_SLACK
+        if sim.peak_bytes <= budget_bytes and ratio <= allowed:
+            fits.append((segments, sim))
     if not fits:
         return None
     segments, sim = min(fits, key=lambda x: (x[1].recompute_flops, x[1].peak_bytes))
@@ -136,13 +138,48 @@ def carried_plan(
     return finish_plan(graph, segments, budget_bytes, info=info, naive=naive, meta=meta, sim=sim)
 
 
-# NOTE [ Least-peak plans are carried for "min" alone ]
-# A donor's least-peak plan gives the least peak a relative budget is resolved against; as a
-# plan to run, it recomputes as much as a plan can. Carried to a longer length whose budget
-# the donors' own plans exceed, it fits (about half the budget on a Qwen2) and recomputed
-# 28-39% of the step's FLOPs more than that length's own plan (docs/results.md): a plan
-# the DP's seconds are better spent on. So it is a candidate only where the budget is "min",
-# the least peak itself, the budget the donors' own plans were made for.
+#: A carried plan may recompute at most this many times its donor's share of the step's FLOPs,
+#: plus `RECOMPUTE_SLACK` (NOTE [ What a carried plan must meet ]).
+RECOMPUTE_GROWTH = 1.25
+RECOMPUTE_SLACK = 0.01
+#: A relative budget is resolved against a least-peak plan's peak at most this far above the
+#: floor under the least peak (NOTE [ What a carried plan must meet ]).
+LEAST_PEAK_SLACK = 0.05
+
+
+def _least_peak_reached(graph, info, donors, block_size: int, nested: bool) -> int | None:
+    """The least peak the donors' least-peak plans reach on `graph`, where it is within
+    `LEAST_PEAK_SLACK` of the floor under the least peak, else None."""
+    from hbp.planner.cuts import cut_choices
+    from hbp.planner.dp.least_peak import union_floor
+
+    reached = [
+        simulate(graph, copy.deepcopy(d.least), info=info).peak_bytes
+        for d in donors
+        if d.least is not None
+    ]
+    if not reached:
+        return None
+    floor = union_floor(info, cut_choices(info, block_size), nested)
+    least = min(reached)
+    return least if least <= floor * (1 + LEAST_PEAK_SLACK) else None
+
+
+# NOTE [ What a carried plan must meet ]
+# Fitting the budget is not enough. A plan made for another size can fit this one by
+# recomputing far more than this size's own plan would: a T5 whose source and target lengths
+# vary apart ran a carried plan recomputing 41% of its step's FLOPs where its own plan
+# recomputed 8% (a new-user trial), and a donor's least-peak plan, carried as a plan to a
+# longer Qwen2 length, 28-39% more than that length's own (docs/results.md). The own plan's
+# recompute is what the DP would find; the donor's own share at its size is the nearest fact
+# at hand, so a carried plan may recompute at most RECOMPUTE_GROWTH times it, plus
+# RECOMPUTE_SLACK of the step (a Qwen2's carried plans: up to 1.1 times), and the least-peak
+# plans only resolve budgets, never run. A budget relative to the least peak ("N%act") needs
+# this size's least peak; the donors' least-peak plans simulated here reach an upper bound of
+# it, used where it is within LEAST_PEAK_SLACK of the floor under the least peak (NOTE [ A floor
+# under the least peak ] in hbp.planner.dp.least_peak), a lower bound of it: so the budget is
+# at most that far from the one this size's own least peak gives. "min" asks for the least
+# peak itself and is never carried.
 
 
 def _segments_key(segments: list[Segment]) -> tuple:

@@ -422,7 +422,9 @@ class Planning:
         ]
         if not donors:
             return None
-        if budget.kind in (BudgetKind.ACTIVATIONS, BudgetKind.MIN):
+        if budget.kind in (BudgetKind.MIN, BudgetKind.FIT):  # never carried
+            return None
+        if budget.kind is BudgetKind.ACTIVATIONS:
             for donor in donors:  # each one's least-peak plan, made once
                 if donor.least is None:
                     donor.least = self._least_segments(donor)
@@ -430,6 +432,8 @@ class Planning:
             compiled.captured.graph,
             budget,
             [Donor(c.captured.graph, c.plan, c.least) for c in donors],
+            block_size=self.block_size,
+            nested=self.planner != "one_level",
         )
 
     def _least_segments(self, compiled: Compiled) -> list:
