@@ -31,6 +31,7 @@ _LAZY = {
     "enable": ("hbp.integrations.torch", "enable"),
     "disable": ("hbp.integrations.torch", "disable"),
     "engine_of": ("hbp.integrations.torch", "engine_of"),
+    "is_enabled": ("hbp.integrations.torch", "is_enabled"),
     "Budget": ("hbp.planner.budget", "Budget"),
     "measure_step": ("hbp.runtime.measure", "measure_step"),
     "estimate": ("hbp.estimate", "estimate"),

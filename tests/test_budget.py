@@ -160,3 +160,15 @@ def test_a_module_level_plans_budget_error_says_the_least_fraction_and_the_way_o
     message = str(raised.value)
     assert "module-level plan" in message and "'50%act', the default" in message
     assert re.search(r"budget=\d\.\d\d or more plans", message), message
+
+
+def test_a_least_fraction_prints_the_plain_peak_rounded_as_the_minimum_is():
+    """A minimum equal to the plain step's peak (parameter gradients alone) read "0.66 MiB"
+    rounded up and the plain peak "0.65 MiB": a least peak above the plain step's."""
+    from hbp.errors import in_mib
+    from hbp.planner.budget import least_fraction
+
+    nbytes = 683284  # 0.6516 MiB
+    said = least_fraction(nbytes, nbytes)
+    assert in_mib(nbytes, up=True) == "0.66"
+    assert "plain step's peak (0.66 MiB)" in said and "budget=1.00 or more" in said

@@ -238,3 +238,23 @@ def test_a_carried_plan_made_again_from_a_measured_step_is_carried_again(tmp_pat
     hc._replan(compiled, first.predicted_peak_bytes - 1)  # below every carried plan's peak
     assert compiled.plan.meta["solved_by"] != CARRIED
     assert compiled.plan.predicted_peak_bytes < first.predicted_peak_bytes
+
+
+def test_a_carried_plan_that_recomputes_less_than_the_signatures_own_stays(monkeypatch):
+    import hbp.planner
+
+    monkeypatch.setattr(planning, "OWN_PLAN_AFTER", 1)
+    real = hbp.planner.plan
+
+    def costlier(graph, budget, **options):  # the DP's plan, as if it recomputed more
+        made = real(graph, budget, **options)
+        return dataclasses.replace(made, predicted_recompute_flops=float("inf"))
+
+    hc = hbp.HCModule(lm(), budget=0.6, calibrate=False)
+    hc(*batch(80)[0], **batch(80)[1]).loss.backward()
+    hc(*batch(64)[0], **batch(64)[1]).loss.backward()
+    carried = hc.plan
+    assert carried.meta["solved_by"] == CARRIED
+    monkeypatch.setattr(hbp.planner, "plan", costlier)
+    hc(*batch(64)[0], **batch(64)[1]).loss.backward()  # its own plan was due
+    assert hc.plan is carried

@@ -372,3 +372,12 @@ def test_a_data_parallel_wrapper_is_enabled_inside_and_refused_by_hcmodule():
         hbp.HCModule(nn.DataParallel(copy.deepcopy(plain)))
     hbp.disable(wrapper)
     assert not is_enabled(model)
+
+
+def test_is_enabled_is_public():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert not hbp.is_enabled(model)
+    hbp.enable(model)
+    assert hbp.is_enabled(model)
+    hbp.disable(model)
+    assert not hbp.is_enabled(model)

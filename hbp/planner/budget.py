@@ -178,7 +178,7 @@ def least_fraction(minimum: int, naive_peak_bytes: int) -> str:
     bytes, as a BudgetError of a fraction says it."""
     least = math.ceil(minimum / naive_peak_bytes * 100 - 1e-9) / 100
     return (
-        f"as a fraction of the plain step's peak ({in_mib(naive_peak_bytes)} MiB), "
+        f"as a fraction of the plain step's peak ({in_mib(naive_peak_bytes, up=True)} MiB), "
         f"budget={least:.2f} or more plans"
     )
 
