@@ -172,5 +172,5 @@ def test_pareto_notebook_makes_its_own_small_sweep_when_outputs_is_empty(
     assert "no runs in" in texts[0] and f"3 runs in {empty}" in texts[0]
     assert len(list(empty.glob("*/metrics.json"))) == 3
     assert "| naive | - | " in texts[1] and "| checkpoint |" in texts[1] and "tiny(" in texts[1]
-    assert "pareto front:" in texts[2]
+    assert "pareto front of synthetic_dag:" in texts[2]  # the workload named
     assert (tmp_path / "figures" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
