@@ -168,12 +168,19 @@ def test_carry_plans_false_plans_every_length_and_a_carried_budget_is_the_same()
     assert on.plan.predicted_recompute_flops >= off.plan.predicted_recompute_flops
 
 
-def test_a_signature_gets_its_own_plan_after_it_ran_carried_plans_often(monkeypatch):
-    monkeypatch.setattr(planning, "OWN_PLAN_AFTER", 3)
+def planned_at_80(monkeypatch, own_plan_after: int) -> tuple:
+    """(model, a plain copy, its HCModule at 0.6 planned at 80 tokens), with signatures
+    getting their own plans after `own_plan_after` carried calls."""
+    monkeypatch.setattr(planning, "OWN_PLAN_AFTER", own_plan_after)
     model = lm()
     reference = copy.deepcopy(model)
     hc = hbp.HCModule(model, budget=0.6, calibrate=False)
     hc(*batch(80)[0], **batch(80)[1]).loss.backward()
+    return model, reference, hc
+
+
+def test_a_signature_gets_its_own_plan_after_it_ran_carried_plans_often(monkeypatch):
+    model, reference, hc = planned_at_80(monkeypatch, 3)
     solved = []
     for _ in range(4):
         args, kwargs = batch(64)
@@ -198,11 +205,7 @@ def test_carry_plans_is_checked():
 def test_a_signature_keeps_its_carried_plan_where_the_planner_finds_none(monkeypatch):
     import hbp.planner
 
-    monkeypatch.setattr(planning, "OWN_PLAN_AFTER", 1)
-    model = lm()
-    reference = copy.deepcopy(model)
-    hc = hbp.HCModule(model, budget=0.6, calibrate=False)
-    hc(*batch(80)[0], **batch(80)[1]).loss.backward()
+    model, reference, hc = planned_at_80(monkeypatch, 1)
     hc(*batch(64)[0], **batch(64)[1]).loss.backward()
     carried = hc.plan
     assert carried.meta["solved_by"] == CARRIED
@@ -243,15 +246,13 @@ def test_a_carried_plan_made_again_from_a_measured_step_is_carried_again(tmp_pat
 def test_a_carried_plan_that_recomputes_less_than_the_signatures_own_stays(monkeypatch):
     import hbp.planner
 
-    monkeypatch.setattr(planning, "OWN_PLAN_AFTER", 1)
     real = hbp.planner.plan
 
     def costlier(graph, budget, **options):  # the DP's plan, as if it recomputed more
         made = real(graph, budget, **options)
         return dataclasses.replace(made, predicted_recompute_flops=float("inf"))
 
-    hc = hbp.HCModule(lm(), budget=0.6, calibrate=False)
-    hc(*batch(80)[0], **batch(80)[1]).loss.backward()
+    _, _, hc = planned_at_80(monkeypatch, 1)
     hc(*batch(64)[0], **batch(64)[1]).loss.backward()
     carried = hc.plan
     assert carried.meta["solved_by"] == CARRIED

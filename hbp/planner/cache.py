@@ -26,7 +26,15 @@ from hbp.files import kept_or_warned, write_text
 from hbp.graph.ir import Graph, Node
 from hbp.planner.plan import Plan
 
-__all__ = ["PLAN_FORMAT", "PlanCache", "graph_fingerprint", "load_plan", "plan_key", "save_plan"]
+__all__ = [
+    "PLAN_FORMAT",
+    "PlanCache",
+    "graph_digest",
+    "graph_fingerprint",
+    "load_plan",
+    "plan_key",
+    "save_plan",
+]
 
 #: Bumped whenever the planner may choose differently for the same inputs: entries written
 #: under another format are not read.
@@ -45,31 +53,42 @@ _NAMED = ("inputs", "saved_inputs", "grad_passthrough")
 def graph_fingerprint(graph: Graph) -> str:
     """A hex digest of everything the planner reads of `graph` (NOTE [ What the fingerprint
     reads ])."""
-    index = {node.name: i for i, node in enumerate(graph.nodes)}
     names = [f.name for f in fields(Node) if f.name not in _LABELS]
-    rows = []
-    for node in graph.nodes:
-        row = []
+
+    def row(node: Node, position) -> list:
+        out = []
         for name in names:
             value = getattr(node, name)
             if name in _NAMED:
-                value = [index.get(v, v) for v in value]
+                value = [position(v) for v in value]
             elif name == "alias_of" and value is not None:
-                value = index.get(value, value)
-            row.append(value)
-        rows.append(row)
+                value = position(value)
+            out.append(value)
+        return out
+
+    return graph_digest(graph, row, head=(names,), tail=(int(graph.rng_state_bytes),))
+
+
+def graph_digest(graph: Graph, row, head: tuple = (), tail: tuple = ()) -> str:
+    """A hex digest of `head`, `row(node, position)` of every node (`position`: a node's
+    name to its index), the graph's outputs, gradient outputs and held outputs by position,
+    and `tail` (JSON)."""
+    index = {node.name: i for i, node in enumerate(graph.nodes)}
+
+    def position(name):
+        return index.get(name, name)
 
     def positions(names):
-        return None if names is None else [index.get(v, v) for v in names]
+        return None if names is None else [position(v) for v in names]
 
     text = json.dumps(
         [
-            names,
-            rows,
+            *head,
+            [row(node, position) for node in graph.nodes],
             positions(graph.outputs),
             positions(graph.grad_outputs),
             positions(graph.held_outputs),
-            int(graph.rng_state_bytes),
+            *tail,
         ],
         default=str,
         separators=(",", ":"),

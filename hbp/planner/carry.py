@@ -9,8 +9,6 @@ sizes, instead of the DP (NOTE [ Plans carried across sizes ]).
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +16,7 @@ from hbp.analysis.liveness import GraphInfo
 from hbp.analysis.simulate import simulate
 from hbp.graph.ir import Graph
 from hbp.planner.budget import Budget, BudgetKind
+from hbp.planner.cache import graph_digest
 from hbp.planner.dp.finish import finish_plan
 from hbp.planner.plan import CARRIED, Plan, Segment
 
@@ -45,19 +44,15 @@ def structure_key(graph: Graph) -> str:
     """A hex digest of `graph`'s nodes and wiring without its sizes: the ops, the modules,
     who reads and saves whom (by position), the flags the planner and the executors read,
     and the outputs; equal for the graphs of one step at two sizes."""
-    index = {node.name: i for i, node in enumerate(graph.nodes)}
 
-    def positions(names) -> list | None:
-        return None if names is None else [index.get(v, v) for v in names]
-
-    rows = [
-        (
+    def row(node, position) -> tuple:
+        return (
             node.op,
             node.module,
-            positions(node.inputs),
-            positions(node.saved_inputs),
-            positions(node.grad_passthrough),
-            None if node.alias_of is None else index.get(node.alias_of, node.alias_of),
+            [position(v) for v in node.inputs],
+            [position(v) for v in node.saved_inputs],
+            [position(v) for v in node.grad_passthrough],
+            None if node.alias_of is None else position(node.alias_of),
             node.requires_grad,
             node.saves_output,
             node.is_input,
@@ -65,20 +60,8 @@ def structure_key(graph: Graph) -> str:
             node.draws_random,
             node.writes_in_place,
         )
-        for node in graph.nodes
-    ]
-    text = json.dumps(
-        [
-            rows,
-            positions(graph.outputs),
-            positions(graph.grad_outputs),
-            positions(graph.held_outputs),
-            bool(graph.rng_state_bytes),
-        ],
-        default=str,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(text.encode()).hexdigest()
+
+    return graph_digest(graph, row, tail=(bool(graph.rng_state_bytes),))
 
 
 @dataclass
