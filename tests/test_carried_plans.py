@@ -14,6 +14,7 @@ from helpers.compare import run_step
 from helpers.step import assert_same_step
 from models.toy import HFStyleLM
 from models.traits import ShapeBranches
+from torch import nn
 
 import hbp
 import hbp.integrations.torch.planning as planning
@@ -21,7 +22,7 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, ConfigError
 from hbp.planner import min_feasible_peak, plan
 from hbp.planner.budget import Budget
-from hbp.planner.carry import CARRIED, Donor, carried_plan, structure_key
+from hbp.planner.carry import CARRIED, Donor, carried_plan, donor_floor_gap, structure_key
 
 
 def lm() -> HFStyleLM:
@@ -259,3 +260,47 @@ def test_a_carried_plan_that_recomputes_less_than_the_signatures_own_stays(monke
     monkeypatch.setattr(hbp.planner, "plan", costlier)
     hc(*batch(64)[0], **batch(64)[1]).loss.backward()  # its own plan was due
     assert hc.plan is carried
+
+
+class ResidualMLP(nn.Module):
+    """Residual MLP blocks over a sequence: the floor under its least peak is far below it."""
+
+    def __init__(self, dim: int = 64, depth: int = 4):
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, dim), nn.Linear(dim, 1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+            )
+            for _ in range(depth)
+        )
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def test_the_donors_own_gap_over_the_floor_lets_the_default_budget_carry():
+    """The floor under this model's least peak is 11-32% below it at every length; the donor
+    measured that gap at its own length, so its least-peak plan resolves "50%act" here."""
+    on, off = [
+        hbp.HCModule(copy.deepcopy(ResidualMLP()), calibrate=False, carry_plans=carry)
+        for carry in (True, False)
+    ]
+    torch.manual_seed(0)
+    for hc in (on, off):
+        for length in (96, 64):
+            hc(torch.randn(4, length, 16)).square().mean().backward()
+    assert on.plan.meta["solved_by"] == CARRIED
+    assert off.plan.budget_bytes <= on.plan.budget_bytes <= 1.05 * off.plan.budget_bytes
+    assert on.plan.predicted_peak_bytes <= on.plan.budget_bytes
+    long, short = (c.captured.graph for c in on._compiled.values())
+    least, segments = min_feasible_peak(long)
+    gap = donor_floor_gap(long, least)
+    assert gap > 1.1  # the floor is far under the least peak
+    donor = Donor(long, plan(long, "50%act"), segments, gap)
+    assert carried_plan(short, Budget.parse("50%act"), [donor]) is not None
+    without_gap = dataclasses.replace(donor, least_over_floor=1.0)
+    assert carried_plan(short, Budget.parse("50%act"), [without_gap]) is None

@@ -23,7 +23,7 @@ from hbp.integrations.torch.signature import signature, state_changes, without_p
 from hbp.integrations.torch.warn import warn_at_caller
 from hbp.planner.budget import Budget, BudgetKind
 from hbp.planner.cache import graph_fingerprint
-from hbp.planner.carry import CARRIED, Donor, carried_plan, structure_key
+from hbp.planner.carry import CARRIED, Donor, carried_plan, donor_floor_gap, structure_key
 from hbp.planner.module_level import module_level_plan
 from hbp.planner.plan import Plan
 from hbp.runtime.executors import make_executor
@@ -77,6 +77,7 @@ class Compiled:
     cache_fingerprint: str | None = None  # the graph's, as first planned (`plan_cache`)
     structure: str | None = None  # `structure_key` of an op-level capture (carried plans)
     least: list | None = None  # its least-peak plan's segments, once a carried plan asked
+    least_over_floor: float = 1.0  # its least peak over the floor under it (carried plans)
     carried_calls: int = 0  # calls run by carried plans (`_own_plan_due`)
 
     def measure_again(self, last: bool = False) -> None:
@@ -432,25 +433,26 @@ class Planning:
         if budget.kind is BudgetKind.ACTIVATIONS:
             for donor in donors:  # each one's least-peak plan, made once
                 if donor.least is None:
-                    donor.least = self._least_segments(donor)
+                    self._find_least(donor)
         return carried_plan(
             compiled.captured.graph,
             budget,
-            [Donor(c.captured.graph, c.plan, c.least) for c in donors],
+            [Donor(c.captured.graph, c.plan, c.least, c.least_over_floor) for c in donors],
             block_size=self.block_size,
             nested=self.planner != "one_level",
         )
 
-    def _least_segments(self, compiled: Compiled) -> list:
-        """The top-level segments of the least-peak plan of `compiled`'s capture."""
+    def _find_least(self, compiled: Compiled) -> None:
+        """`compiled.least`: the top-level segments of its capture's least-peak plan, and
+        `least_over_floor`: its least peak over the floor under it (NOTE [ What a carried plan
+        must meet ] in hbp.planner.carry)."""
         from hbp.planner import min_feasible_peak
 
-        return min_feasible_peak(
-            compiled.captured.graph,
-            block_size=self.block_size,
-            nested=self.planner != "one_level",
-            pins=compiled.pins,
-        )[1]
+        graph, nested = compiled.captured.graph, self.planner != "one_level"
+        least, compiled.least = min_feasible_peak(
+            graph, block_size=self.block_size, nested=nested, pins=compiled.pins
+        )
+        compiled.least_over_floor = donor_floor_gap(graph, least, self.block_size, nested)
 
     def _plan_options(self) -> tuple:
         """What a plan is made for, besides its capture: changed, the capture is planned
