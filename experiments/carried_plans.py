@@ -46,7 +46,7 @@ def captured_graphs(lengths) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from hbp.planner import min_feasible_peak, plan
     from hbp.planner.budget import Budget
-    from hbp.planner.carry import Donor, carried_plan, structure_key
+    from hbp.planner.carry import Donor, carried_plan, donor_floor_gap, structure_key
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="50%act")
@@ -55,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     graphs = captured_graphs(LENGTHS)
     assert len({structure_key(g) for g in graphs.values()}) == 1
-    own, least, seconds = {}, {}, {}
+    own, least, gap, seconds = {}, {}, {}, {}
     for length, graph in graphs.items():
         started = time.process_time()
         own[length] = plan(graph, budget)
         seconds[length] = time.process_time() - started
-        least[length] = min_feasible_peak(graph)[1]
+        peak, least[length] = min_feasible_peak(graph)
+        gap[length] = donor_floor_gap(graph, peak)
     lines = [
         f"Budget {budget!r}. Each cell: carried plan's budget / the DP's budget, predicted peak / "
         "budget, recompute less the DP plan's (% of step FLOPs); '-': no carried plan fits.",
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             if target == source:
                 cells.append("")
                 continue
-            donor = Donor(graphs[source], own[source], least[source])
+            donor = Donor(graphs[source], own[source], least[source], gap[source])
             started = time.process_time()
             carried = carried_plan(graphs[target], Budget.parse(budget), [donor])
             carried_ms.append(1000 * (time.process_time() - started))
