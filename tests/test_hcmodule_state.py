@@ -264,3 +264,34 @@ def test_plan_summary_is_readable():
     assert text.startswith("HCModule: op-level capture")
     assert str(plan) in text and "predicted peak" in text and "recompute" in text
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_autocast_inside_the_forward_leaves_autocast_as_it_found_it():
+    """A recompute that stops early between a node's autocast enter and exit left autocast's
+    nesting one higher per stop: its weight-cast cache was never cleared again, and a later
+    autocast region, anyone's, reused bf16 copies of weights changed since (NOTE [ Modes left
+    open by an early stop ])."""
+    from models.traits import Distill
+
+    def nesting() -> int:
+        level = torch._C.autocast_increment_nesting()
+        torch._C.autocast_decrement_nesting()
+        return level - 1
+
+    before = nesting()
+    torch.manual_seed(0)
+    hc = hbp.HCModule(Distill(), budget=0.5, calibrate=False)
+    x = torch.randn(512, 64)
+    for _ in range(2):
+        loss, _ = hc(x)
+        loss.backward()
+    assert any(s.recompute for s in hc.plan.segments)
+    assert nesting() == before
+    other, inputs = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = other(inputs)
+    with torch.no_grad():
+        other.weight.add_(1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        second = other(inputs)
+    assert not torch.equal(first, second)  # the cast of the changed weight, not a cached one

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import (
 )
 
 from hbp.graph.torch.capture import CapturedGraph
-from hbp.graph.torch.modes import MODES, enter_modes, exit_modes
+from hbp.graph.torch.modes import MODES, enter_modes, exit_modes, modes_closed_after
 from hbp.graph.torch.running_stats import NORM_STATISTICS
 from hbp.planner.plan import Plan, Segment
 from hbp.runtime.executors.checkpointing import FlatCall, draws_random
@@ -499,12 +499,13 @@ class LeafCall:
 
     def __call__(self, values: list, outputs: tuple) -> tuple:
         options = self.executor.compile_options
-        if options is not None:
-            return compiled_leaf_call(self.variants, self.build, options, values, outputs)
-        module = self.variants.get(outputs)
-        if module is None:
-            module = self.variants[outputs] = self.build(outputs)
-        return module.forward(values)  # NOTE [ Calling the generated code ]
+        with modes_closed_after():  # NOTE [ Modes left open by an early stop ]
+            if options is not None:
+                return compiled_leaf_call(self.variants, self.build, options, values, outputs)
+            module = self.variants.get(outputs)
+            if module is None:
+                module = self.variants[outputs] = self.build(outputs)
+            return module.forward(values)  # NOTE [ Calling the generated code ]
 
     def build(self, outputs: tuple) -> fx.GraphModule:
         """The segment's generated code, returning `outputs`."""
