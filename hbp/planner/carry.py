@@ -17,7 +17,9 @@ from hbp.analysis.simulate import simulate
 from hbp.graph.ir import Graph
 from hbp.planner.budget import Budget, BudgetKind
 from hbp.planner.cache import graph_digest
+from hbp.planner.cuts import cut_choices
 from hbp.planner.dp.finish import finish_plan
+from hbp.planner.dp.least_peak import union_floor
 from hbp.planner.plan import CARRIED, Plan, Segment
 
 __all__ = [
@@ -94,8 +96,8 @@ def carried_plan(
     nested: bool = True,
 ) -> Plan | None:
     """The donors' plan that recomputes least of those whose simulated peak on `graph` fits
-    `budget` resolved for `graph`, finished for `graph`; None where none fits, or fits without
-    recomputing much more than its donor did (`RECOMPUTE_GROWTH`), where the budget is met by
+    `budget` resolved for `graph`, finished for `graph`; None where none fits, or fits only by
+    recomputing much more than at its donor's size (`RECOMPUTE_GROWTH`), where the budget is met by
     the plain step (nothing to plan), where a budget relative to the least peak has no least
     peak known within `LEAST_PEAK_SLACK`, or for "min" and "fit" (NOTE [ Plans carried
     across sizes ], NOTE [ What a carried plan must meet ]). `block_size`, `nested`: the
@@ -143,9 +145,6 @@ LEAST_PEAK_SLACK = 0.05
 def floor_under_least_peak(info: GraphInfo, block_size: int = 1, nested: bool = True) -> int:
     """The floor under the least peak of `info`'s graph over the planner's cut choices (a
     lower bound: NOTE [ A floor under the least peak ] in hbp.planner.dp.least_peak)."""
-    from hbp.planner.cuts import cut_choices
-    from hbp.planner.dp.least_peak import union_floor
-
     return union_floor(info, cut_choices(info, block_size), nested)
 
 
@@ -190,9 +189,3 @@ def _least_peak_reached(graph, info, donors, block_size: int, nested: bool) -> i
 # so a donor's least-peak plan resolves the budget where it reaches at most the floor times
 # the donor's own gap, plus LEAST_PEAK_SLACK. "min" asks for the least peak itself and is
 # never carried.
-
-
-def _segments_key(segments: list[Segment]) -> tuple:
-    return tuple(
-        (s.start, s.stop, s.recompute, s.pinned, _segments_key(s.children)) for s in segments
-    )

@@ -413,6 +413,7 @@ class Planning:
             or compiled.structure is None
             or self.planner == "uniform"
             or compiled.carried_calls >= OWN_PLAN_AFTER
+            or budget.kind in (BudgetKind.MIN, BudgetKind.FIT)  # never carried
         ):
             return None
         options = self._plan_options()
@@ -427,8 +428,6 @@ class Planning:
             and c.plan.meta.get("solved_by") != CARRIED
         ]
         if not donors:
-            return None
-        if budget.kind in (BudgetKind.MIN, BudgetKind.FIT):  # never carried
             return None
         if budget.kind is BudgetKind.ACTIVATIONS:
             for donor in donors:  # each one's least-peak plan, made once
@@ -445,13 +444,12 @@ class Planning:
     def _find_least(self, compiled: Compiled) -> None:
         """`compiled.least`: the top-level segments of its capture's least-peak plan, and
         `least_over_floor`: its least peak over the floor under it (NOTE [ What a carried plan
-        must meet ] in hbp.planner.carry)."""
+        must meet ] in hbp.planner.carry); the least peak "N%act" is resolved against where
+        planned (NOTE [ Relative budgets resolved where they are planned ] in hbp.planner)."""
         from hbp.planner import min_feasible_peak
 
         graph, nested = compiled.captured.graph, self.planner != "one_level"
-        least, compiled.least = min_feasible_peak(
-            graph, block_size=self.block_size, nested=nested, pins=compiled.pins
-        )
+        least, compiled.least = min_feasible_peak(graph, block_size=self.block_size, nested=nested)
         compiled.least_over_floor = donor_floor_gap(graph, least, self.block_size, nested)
 
     def _plan_options(self) -> tuple:
