@@ -266,8 +266,6 @@ def results_table(frame: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-# Fixed formats per column (never "1.61e+03"): sizes and times with a fixed number of
-# decimals, ratios with three, gradient errors in scientific notation.
 def _small_to_three_digits(value: float) -> str:
     """Two decimals, or three significant digits below 1 (a tiny model's 0.00123 GFLOPs)."""
     return f"{value:.2f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
@@ -281,6 +279,8 @@ def _over_rounds_up(value: float) -> str:
     return f"{value:.3f}"
 
 
+# Fixed formats per column (never "1.61e+03"): sizes and times with a fixed number of
+# decimals, ratios with three, gradient errors in scientific notation.
 #: How a float column prints: a format string or a function, by the end of the column's name.
 COLUMN_FORMATS = {
     "MiB": "{:.2f}",
