@@ -286,3 +286,21 @@ def test_closed_loop_names_what_a_module_level_plan_does_not_predict():
     assert hc.captured.granularity == "module" and measured > hc.budget_bytes
     said = [str(w.message) for w in caught if issubclass(w.category, hbp.BudgetWarning)]
     assert said and all("module-level plan did not predict" in m for m in said), said
+
+
+def test_a_byte_budget_above_the_plain_step_holds_the_step_to_the_bytes_given():
+    """Planned as the plain step's simulated peak (nothing to recompute), the measured step,
+    with the caller's mse_loss beside it, was held to that peak: warned about and planned
+    again to recompute under a budget of 64 MiB (NOTE [ A byte budget above the plain step ])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(128, 128), nn.GELU())])
+    x, target = torch.randn(1024, 128), torch.randn(1024, 128)
+    hc = hbp.HCModule(model, budget="64MiB", calibrate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "measured step peaked ... above the budget"
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            F.mse_loss(hc(x), target).backward()
+    assert hc.measured_peak_bytes > hc.plan.naive_peak_bytes  # the loss beside the plan
+    assert hc.budget_bytes == 64 * 2**20
+    assert not any(s.recompute for s in hc.plan.segments)
