@@ -188,7 +188,7 @@ class Planning:
                 # NOTE [ What the capture fixed ]: a forward that set its own attributes while
                 # it was traced (a cache's length) finds its capture under the state it left
                 self._compiled.setdefault((tag, self._signature(args, kwargs)), compiled)
-                if len({id(c) for c in self._compiled.values()}) == MANY_SIGNATURES + 1:
+                if len(self._captures()) == MANY_SIGNATURES + 1:
                     self._warn_once(
                         "signatures",
                         f"HCModule has planned for {len(self._compiled)} different input "
@@ -216,10 +216,15 @@ class Planning:
                 self._use_plan(compiled, carried)  # the DP's cuts held no better plan
         return compiled
 
+    def _captures(self) -> list[Compiled]:
+        """Each capture made once (a capture can be kept under two signatures: NOTE [ What
+        the capture fixed ])."""
+        return list({id(c): c for c in self._compiled.values()}.values())
+
     def _budget_error_at_these_inputs(self, err: BudgetError, args, kwargs) -> BudgetError:
         """`err`, naming this call's input shapes where other signatures were planned before
         (variable-length batches: a longer one can need more than the budget gives)."""
-        others = len({id(c) for c in self._compiled.values()}) - 1  # one capture, two keys
+        others = len(self._captures()) - 1
         if others < 1:
             return err
         named = [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]
@@ -435,7 +440,7 @@ class Planning:
         options = self._plan_options()
         donors = [
             c
-            for c in {id(c): c for c in self._compiled.values()}.values()
+            for c in self._captures()
             if c is not compiled
             and c.plan is not None
             and c.structure == compiled.structure
