@@ -7,6 +7,7 @@ step and the allocator's peak meets the budget from the first step; without it, 
 loop (on by default, on CPU as on CUDA) measures the first step and plans again, so the budget
 holds from the second step on."""
 
+import copy
 import warnings
 
 import pytest
@@ -304,3 +305,34 @@ def test_a_byte_budget_above_the_plain_step_holds_the_step_to_the_bytes_given():
     assert hc.measured_peak_bytes > hc.plan.naive_peak_bytes  # the loss beside the plan
     assert hc.budget_bytes == 64 * 2**20
     assert not any(s.recompute for s in hc.plan.segments)
+
+
+@pytest.mark.parametrize("budget", [0.8, "50%act"])
+@pytest.mark.parametrize("carry_plans", [True, False])
+def test_a_new_length_leaves_room_for_the_loss_outside_from_its_first_step(budget, carry_plans):
+    """The first length's step goes over by the caller's loss and is planned again; the
+    lengths after it are planned with room for it from their first step, measured by the
+    allocator, without a warning, and train as the plain model (NOTE [ The loss outside the
+    module, at a new size ]). Carried, a plan is the first length's, made again with room
+    for the loss; planned for each length, each planned for the whole budget went over."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    plain = copy.deepcopy(model)
+    hc = hbp.HCModule(model, budget, carry_plans=carry_plans)
+    idx, targets = batch()
+    loss = entropy_regularised_loss
+    with pytest.warns(hbp.BudgetWarning, match="Planned again"):
+        loss(hc(idx), targets).backward()
+        assert hc.measured_peak_bytes > 1.05 * hc.budget_bytes
+    loss(plain(idx), targets).backward()
+    assert hc.compiled.outside_per_output_byte > 1.0  # the softmaxes and the gradients
+    for length in (T + 64, T - 96, T + 128):
+        x, y = torch.randint(0, V, (B, length)), torch.randint(0, V, (B, length))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", hbp.BudgetWarning)
+            loss(hc(x), y).backward()
+            measured = hc.measured_peak_bytes
+        loss(plain(x), y).backward()
+        assert measured <= 1.01 * hc.budget_bytes, (length, measured, hc.budget_bytes)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

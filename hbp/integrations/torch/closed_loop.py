@@ -19,6 +19,7 @@ from hbp.allocator import (
     release_results,
     without_kineto_lines,
 )
+from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, BudgetWarning
 from hbp.graph.torch.capture import MODULE
 from hbp.integrations.torch.outputs import grad_leaves
@@ -288,6 +289,10 @@ class ClosedLoop:
         through its backward, then its measured peak (`measured`: (compiled, peak) or None)
         (NOTE [ A measured step read before the next call ])."""
         peak = measured[1] if measured is not None and measured[0] is compiled else None
+        if peak is not None:  # NOTE [ The loss outside the module, at a new size ]
+            rate = _loss_outside_per_output_byte(compiled, peak)
+            if rate is not None:
+                compiled.outside_per_output_byte = rate
         if peak is not None and compiled.outputs_seen is not None:
             # NOTE [ Kept outputs after unseen memory ]: the outputs' plan nets them out
             compiled.unseen_bytes = max(peak - compiled.plan.predicted_peak_bytes, 0)
@@ -306,6 +311,28 @@ class ClosedLoop:
     # first: it blamed "memory the plan did not see", told the caller to raise the budget,
     # and planned below the budget for the kept outputs' bytes. The next call dropped the
     # measurement: memory beyond the outputs cost a second step over the budget.
+
+    def _room_for_the_loss_outside(self, compiled) -> None:
+        """Plan `compiled` again, below its budget, where the caller's loss outside the module,
+        as measured steps of this module showed it, would take the end of its forward above
+        the budget (NOTE [ The loss outside the module, at a new size ])."""
+        rate = max((c.outside_per_output_byte for c in self._captures()), default=0.0)
+        if not rate or self._budget.is_min or loss_in_graph(compiled):
+            return
+        outside = int(rate * output_bytes(compiled))
+        for _ in range(MAX_REPLANS):
+            forward_end = simulate(compiled.captured.graph, compiled.plan).forward_end_bytes
+            over = forward_end + outside - compiled.budget_bytes
+            if over <= 0:
+                return
+            target = compiled.plan.budget_bytes - over
+            if target <= 0:
+                return
+            try:
+                self._replan(compiled, target)
+            except BudgetError:
+                return  # the closed loop measures the step, and says what it can do
+            compiled.unseen_bytes = compiled.budget_bytes - target
 
     def _stop_probe(self):
         """(compiled, peak) of a measured step whose backward has ended, else None; the
@@ -417,3 +444,42 @@ def loss_in_graph(compiled) -> bool:
     graph = compiled.captured.graph
     seeds = graph.backward_seeds()
     return bool(seeds) and all(graph.node(s).output_bytes <= LOSS_BYTES for s in seeds)
+
+
+# NOTE [ The loss outside the module, at a new size ]
+# The closed loop learns from a signature's first step what its plan did not see, and plans
+# that signature again; each new signature learned it anew, over the budget on its own first
+# step: a GPT-2 whose cross-entropy is computed outside the module went 1.31x over at one
+# length and 1.32x at the next, each with a warning. A loss outside the module runs between
+# the end of the forward and the start of the backward, on the outputs backward starts from
+# (the logits), and its memory grows with them (a cross-entropy: its log-softmax, their
+# gradient and the logits' gradient, 3.0x the logits at every length measured). So where a
+# measured step peaked above its plan and backward starts from outputs larger than a loss,
+# that peak less what the plan holds at the end of the forward, per byte of those outputs,
+# is kept with the capture. A new signature's plan (or a known one's new plan) whose forward
+# ends within less than that rate times its own outputs' bytes of the budget is planned
+# again, for the budget less that memory (less the outputs' gradients, which the plan counts
+# at the backward's start): one plan more where the closed loop would have made it after an
+# over-budget step, and none where the plan leaves the room. The loop still measures the
+# step, and corrects a rate that did not hold; a plan for "min" is the least already.
+
+
+def output_bytes(compiled) -> int:
+    """Bytes of the outputs backward starts from that are more than a loss (a scalar)."""
+    graph = compiled.captured.graph
+    sizes = (graph.node(s).output_bytes for s in graph.backward_seeds())
+    return sum(size for size in sizes if size > LOSS_BYTES)
+
+
+def _loss_outside_per_output_byte(compiled, peak: int) -> float | None:
+    """The memory a loss outside the module took in a step measured at `peak`, per byte of
+    the outputs backward starts from; None where no loss is outside or the step peaked
+    within its plan (the loss's memory is then not known: NOTE [ The loss outside the
+    module, at a new size ])."""
+    outputs = output_bytes(compiled)
+    if outputs <= 0 or loss_in_graph(compiled):
+        return None
+    if peak <= compiled.plan.predicted_peak_bytes + TOLERANCE * compiled.budget_bytes:
+        return None
+    forward_end = simulate(compiled.captured.graph, compiled.plan).forward_end_bytes
+    return max(peak - forward_end, 0) / outputs

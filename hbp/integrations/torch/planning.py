@@ -74,6 +74,9 @@ class Compiled:
     device: Any = None  # where the step runs
     planned_for: tuple = ()  # HCModule's `_plan_options()` when `plan` was made
     unseen_bytes: int = 0  # what a measured step held above its plan's prediction (closed loop)
+    # the caller's loss outside the module, per byte of the outputs backward starts from, as
+    # a measured step showed it (NOTE [ The loss outside the module, at a new size ])
+    outside_per_output_byte: float = 0.0
     cache_fingerprint: str | None = None  # the graph's, as first planned (`plan_cache`)
     structure: str | None = None  # `structure_key` of an op-level capture (carried plans)
     least: list | None = None  # its least-peak plan's segments, once a carried plan asked
@@ -317,64 +320,66 @@ class Planning:
         """Plan `compiled`'s capture for the current options (budget, block_size, planner)
         and make its executor; the closed loop starts again (NOTE [ Options changed after
         the first step ])."""
-        from hbp.planner import plan as make_plan  # the planner is pure: import on use
-
-        captured, naive, pins = compiled.captured, compiled.naive_peak_bytes, compiled.pins
-        graph = captured.graph
         start = time.perf_counter()
+        captured, pins = compiled.captured, compiled.pins
         settled = self._settled_plan(compiled)  # NOTE [ Plans the measurements settled on ]
         cached = settled[0] if settled is not None else self._cached_plan(captured, pins)
-        carried = None if cached is not None else self._carried_plan(compiled)
-        if cached is not None:
-            plan = cached
-        elif carried is not None:  # NOTE [ Plans carried across sizes ] in hbp.planner.carry
-            plan = carried
+        plan = cached if cached is not None else self._new_plan(compiled)
+        if cached is None and plan.meta.get("solved_by") == CARRIED:
             compiled.carried_calls += 1  # this call's
-        elif captured.granularity == MODULE:
-            target = self._target(captured, naive, compiled.device)
-            try:
-                plan = self._module_level_plan(captured, naive, target)
-            except BudgetError as err:
-                way_out = self._budget.way_out(err.minimum, naive)
-                raise (err.with_detail(way_out) if way_out else err) from err
-        else:
-            try:
-                relative = self._budget.kind is BudgetKind.ACTIVATIONS  # resolved by `plan`
-                plan = make_plan(
-                    graph,
-                    self._budget if relative else self._target(captured, naive, compiled.device),
-                    block_size=self.block_size,
-                    planner=self.planner,
-                    pins=pins,
-                )
-            except BudgetError as err:
-                budget = self._budget
-                if (
-                    budget.kind is BudgetKind.BYTES
-                    and type(budget.given) is int
-                    and budget.value == 1
-                ):
-                    raise BudgetError(
-                        err.budget,
-                        err.minimum,
-                        "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
-                    ) from err
-                said = self._budget_error_without_outputs(graph, err)
-                way_out = budget.way_out(said.minimum, naive)
-                if way_out is not None:
-                    said = said.with_detail(way_out)
-                raise said from err
-        if cached is None and carried is None:  # a carried plan is not this size's own
+        elif cached is None:  # a carried plan is not this size's own
             self._cache_plan(captured, pins, plan)
-        compiled.plan_time_s = time.perf_counter() - start
         self._use_plan(compiled, plan)
-        self._warn_about(captured, compiled.executor)
         compiled.budget_bytes = self._held_to(plan) if settled is None else settled[1]
+        if settled is None:  # NOTE [ The loss outside the module, at a new size ]
+            self._room_for_the_loss_outside(compiled)
+        compiled.plan_time_s = time.perf_counter() - start
+        self._warn_about(captured, compiled.executor)
         compiled.planned_for = self._plan_options()
         compiled.measured_peak_bytes = None
         compiled.measure_again()
         if self.verbose:
             print(plan_summary(compiled))
+
+    def _new_plan(self, compiled: Compiled) -> Plan:
+        """A plan of `compiled`'s capture for the budget: carried from another size where one
+        fits (NOTE [ Plans carried across sizes ] in hbp.planner.carry), else planned."""
+        from hbp.planner import plan as make_plan  # the planner is pure: import on use
+
+        budget = self._budget
+        carried = self._carried_plan(compiled)
+        if carried is not None:
+            return carried
+        captured, naive = compiled.captured, compiled.naive_peak_bytes
+        if captured.granularity == MODULE:
+            target = self._target(captured, naive, compiled.device)
+            try:
+                return self._module_level_plan(captured, naive, target)
+            except BudgetError as err:
+                way_out = budget.way_out(err.minimum, naive)
+                raise (err.with_detail(way_out) if way_out else err) from err
+        graph = captured.graph
+        try:
+            relative = budget.kind is BudgetKind.ACTIVATIONS  # resolved by `plan`
+            return make_plan(
+                graph,
+                budget if relative else self._target(captured, naive, compiled.device),
+                block_size=self.block_size,
+                planner=self.planner,
+                pins=compiled.pins,
+            )
+        except BudgetError as err:
+            if budget.kind is BudgetKind.BYTES and type(budget.given) is int and budget.value == 1:
+                raise BudgetError(
+                    err.budget,
+                    err.minimum,
+                    "budget=1 is an int, i.e. 1 byte; the whole naive step peak is budget=1.0",
+                ) from err
+            said = self._budget_error_without_outputs(graph, err)
+            way_out = budget.way_out(said.minimum, naive)
+            if way_out is not None:
+                said = said.with_detail(way_out)
+            raise said from err
 
     # NOTE [ Options changed after the first step ]
     # `hc.budget = 0.3` (or a new block_size or planner) between steps plans every signature
