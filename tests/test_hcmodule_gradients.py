@@ -224,3 +224,57 @@ def test_packed_position_ids_passed_keep_the_mask():
     assert sdpa_input_counts(hc) == [4, 4]  # q, k, v and the mask
     for name in expected:
         torch.testing.assert_close(got[name], expected[name])
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *[m for _ in range(6) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())]
+    )
+
+
+def test_module_backward_hooks_run_as_in_the_plain_model():
+    """A full backward hook that scales a layer's input gradient, and a pre-hook: a planned
+    step has no module boundaries to run them at, so such calls run the plain module, with a
+    warning (NOTE [ Module backward hooks ]); the gradients were silently unscaled before."""
+    x = torch.randn(32, 64)
+    for register in ("register_full_backward_hook", "register_full_backward_pre_hook"):
+        grads, calls = [], []
+        for wrap in (False, True):
+            model = _mlp()
+
+            def hook(module, *grads_in_or_out):
+                calls.append(wrap)
+                return tuple(None if g is None else 3.0 * g for g in grads_in_or_out[0])
+
+            getattr(model[6], register)(hook)
+            run = hbp.HCModule(model, budget="min") if wrap else model
+            if wrap:
+                with pytest.warns(hbp.BudgetWarning, match="backward hooks .* on 6 are not run"):
+                    run(x).square().mean().backward()
+            else:
+                run(x).square().mean().backward()
+            grads.append([p.grad for p in model.parameters()])
+        assert calls == [False, True]
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
+
+
+def test_parameters_swapped_by_functional_call_give_the_plain_gradients():
+    """`torch.func.functional_call` with fast weights (p * 0.99, as MAML's): a recompute in
+    backward read the module's own parameters, back in place by then (NOTE [ Parameters
+    swapped for one call ]); such calls run the plain module, with a warning."""
+    x = torch.randn(32, 64)
+    grads = []
+    for wrap in (False, True):
+        model = _mlp()
+        run = hbp.HCModule(model, budget="min") if wrap else model
+        fast = {f"module.{n}" if wrap else n: p * 0.99 for n, p in model.named_parameters()}
+        if wrap:
+            with pytest.warns(hbp.BudgetWarning, match="functional_call"):
+                torch.func.functional_call(run, fast, (x,)).square().mean().backward()
+        else:
+            torch.func.functional_call(run, fast, (x,)).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

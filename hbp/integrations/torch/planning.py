@@ -134,7 +134,37 @@ class Planning:
     def _plans_for(self, args, kwargs) -> bool:
         if not torch.is_grad_enabled():
             return False
-        differentiable = any(p.requires_grad for p in self.module.parameters())
+        params, hooked = [], []
+        for name, m in self.module.named_modules():
+            params.extend(p for p in m._parameters.values() if p is not None)
+            if m._backward_hooks or m._backward_pre_hooks:
+                hooked.append(name or type(m).__name__)
+        if hooked or nn.modules.module._global_backward_hooks or (
+            nn.modules.module._global_backward_pre_hooks
+        ):
+            self._warn_once(
+                "backward-hooks",
+                "HCModule: module backward hooks (register_full_backward_hook, "
+                f"register_full_backward_pre_hook) on {', '.join(hooked[:3]) or 'every module'}"
+                f"{' and others' if len(hooked) > 3 else ''} are not run by a planned step, whose "
+                "graph has no module boundaries: calls with them run the plain module and the "
+                "budget is not enforced (NOTE [ Module backward hooks ]). Tensor hooks on "
+                "parameters (register_hook, register_post_accumulate_grad_hook) run as usual.",
+                BudgetWarning,
+            )
+            return False
+        if not all(isinstance(p, nn.Parameter) for p in params):
+            self._warn_once(
+                "swapped-parameters",
+                "HCModule: the module's parameters are replaced by other tensors for this call "
+                "(torch.func.functional_call, a stateless reparametrisation): a recompute in "
+                "backward would read the module's own parameters, which are back in place by "
+                "then, so such calls run the plain module and the budget is not enforced for "
+                "them (NOTE [ Parameters swapped for one call ]).",
+                BudgetWarning,
+            )
+            return False
+        differentiable = any(p.requires_grad for p in params)
         if not differentiable:
             leaves, _ = tree_flatten((args, kwargs))
             differentiable = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
@@ -148,6 +178,25 @@ class Planning:
             )
             return False
         return differentiable
+
+    # NOTE [ Module backward hooks ]
+    # A module's full backward hooks are attached by nn.Module's call around that module's
+    # inputs and outputs (an identity autograd Function each side). A captured step is one
+    # graph of ops without module boundaries, so they never ran: a hook that scales a layer's
+    # input gradient left a Pegasus's gradients silently unscaled (a new-user trial; Opacus
+    # computes per-sample gradients this way). A call of a module that has any runs the plain
+    # module, with a warning; running them within a plan would need the capture to keep the
+    # hooked modules' boundaries.
+
+    # NOTE [ Parameters swapped for one call ]
+    # `torch.func.functional_call(model, weights, ...)` puts `weights` in the modules' places
+    # for the call's forward and puts the Parameters back when it returns (MAML's fast weights,
+    # an ensemble's stacked states). The executor reads parameters from the modules when a
+    # segment runs, so a recompute in backward ran on the Parameters, not on the weights of
+    # the forward: the loss was right and 41 of 42 gradients of a RoBERTa were not, with no
+    # warning (a new-user trial). Each call was also a new signature (new tensors), captured
+    # again. Until a segment keeps the tensors its forward read for its recompute, a call
+    # whose parameters are not the module's Parameters runs the plain module, with a warning.
 
     def _prepare(
         self,
