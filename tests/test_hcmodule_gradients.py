@@ -243,7 +243,7 @@ def test_module_backward_hooks_run_as_in_the_plain_model():
         for wrap in (False, True):
             model = _mlp()
 
-            def hook(module, *grads_in_or_out):
+            def hook(module, *grads_in_or_out, wrap=wrap, calls=calls):
                 calls.append(wrap)
                 return tuple(None if g is None else 3.0 * g for g in grads_in_or_out[0])
 
