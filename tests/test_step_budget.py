@@ -336,3 +336,32 @@ def test_a_new_length_leaves_room_for_the_loss_outside_from_its_first_step(budge
         assert measured <= 1.01 * hc.budget_bytes, (length, measured, hc.budget_bytes)
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_stepped_inside_backward_leaves_no_profiler_running():
+    """Optimizers stepped per parameter from `register_post_accumulate_grad_hook`: the
+    measurement window's optimizer hook stopped the CPU profiler inside the autograd engine,
+    which turned it back on when backward returned, for the rest of the process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())])
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in m.parameters()}
+
+        def step_one(p, optimizers=optimizers):
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(step_one)
+    hc = hbp.HCModule(model, budget=0.9)
+    for step in range(3):
+        x = torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
+        hc(x).square().mean().backward()
+        plain(x).square().mean().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    assert 0 < hc.measured_peak_bytes <= 1.01 * hc.budget_bytes  # read: the window closed
+    assert not torch.autograd._profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        hc(x).square().mean().backward()  # the caller's own profiler starts
