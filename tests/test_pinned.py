@@ -377,3 +377,34 @@ def test_a_pinned_view_is_recomputed_when_the_policy_is_asked_before_the_op(monk
     """Without `op_output`, an in-place result on a pinned node is still not stored."""
     monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", _ContextBeforeTheOp)
     test_a_pinned_value_mutated_in_place_later_is_recomputed_exactly()
+
+
+@pytest.mark.parametrize("name", list(plans(15)))
+def test_pinned_plans_take_a_second_backward_through_a_retained_graph(chain, name):
+    """`retain_graph=True` then another backward, and a gradient penalty (`autograd.grad(...,
+    create_graph=True)`, then backward through both): torch's cached mode freed each pinned
+    value as the first recompute read it, and the second backward raised "Trying to backward an
+    extra time" (NOTE [ Pinned values and a second backward ])."""
+    model, x, captured = chain
+    params = [x, *model.parameters()]
+    executor = PlanExecutor(captured, Plan(plans(len(captured.graph))[name]), model)
+
+    def twice(fn):
+        loss = fn()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad for p in params]
+
+    def penalised(fn):
+        loss = fn()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        (loss + sum(g.square().sum() for g in grads)).backward()
+        return [p.grad for p in params]
+
+    for run in (twice, penalised):
+        for p in params:
+            p.grad = None
+        expected = run(lambda: model(x))
+        for p in params:
+            p.grad = None
+        assert all(map(torch.equal, expected, run(lambda: executor(x)))), run.__name__

@@ -139,8 +139,10 @@ class Planning:
             params.extend(p for p in m._parameters.values() if p is not None)
             if m._backward_hooks or m._backward_pre_hooks:
                 hooked.append(name or type(m).__name__)
-        if hooked or nn.modules.module._global_backward_hooks or (
-            nn.modules.module._global_backward_pre_hooks
+        if (
+            hooked
+            or nn.modules.module._global_backward_hooks
+            or nn.modules.module._global_backward_pre_hooks
         ):
             self._warn_once(
                 "backward-hooks",

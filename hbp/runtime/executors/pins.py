@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_CachedMode = torch_checkpoint._CachedTorchDispatchMode
+#: torch's key of an op's entries in a selective-checkpoint storage (the op itself before it
+#: keyed compiled regions apart)
+_storage_key = getattr(torch_checkpoint, "_sac_storage_key", lambda func, args: func)
 
 _PINNING = threading.local()  # .segment: the key of the segment whose pin runs now
 _PARENTS = threading.local()  # .stack: the PinParent frames running now, innermost last
@@ -32,8 +38,9 @@ _PARENTS = threading.local()  # .stack: the PinParent frames running now, innerm
 # results: storing them would keep the input's storage, not the node's). A recompute's early
 # stop raises inside a node, between `pin_begin` and `pin_end`: every recompute context (and
 # a pinning forward) restores the mark on exit (`pin_mark`), else the next forward would pin
-# every op. The storage is made per checkpoint call (context_fn), so a second backward of a
-# retained graph finds the cache consumed (torch raises). A pin on a value some node later
+# every op. The storage is made per checkpoint call (context_fn); torch's cached mode frees
+# each entry as its recompute reads it, and a second backward of a retained graph found it
+# consumed (NOTE [ Pinned values and a second backward ]). A pin on a value some node later
 # mutates in place (through any view) is dropped: torch refuses a stored tensor whose version
 # changed, and recomputing it is always exact. Compiled segments (NOTE [ Compiled segments ])
 # run without pins: their ops reach the dispatch modes as one compiled region; the plan then
@@ -50,6 +57,44 @@ _PARENTS = threading.local()  # .stack: the PinParent frames running now, innerm
 # overwriting the pinned ops' entries with their values. Calls of C in an ancestor's pass
 # (under a P frame made there) store nothing. A pass of P that stops before C runs leaves the
 # storage as the forward made it: C's pass recomputes everything.
+
+
+# NOTE [ Pinned values and a second backward ]
+# A backward that keeps its graph (`retain_graph=True`, or `autograd.grad(...,
+# create_graph=True)`: a gradient penalty's first pass) can be followed by another one through
+# the same forward, whose recomputes read the pinned values again; torch's cached mode had
+# freed each as the first recompute read it, and raised "Trying to backward an extra time"
+# (a Gemma's gradient penalty at any budget that recomputes; a new-user trial). The cached
+# mode of a pinning checkpoint (`across_backwards`) keeps an entry where the backward reading
+# it keeps its graph (`torch._C._autograd._get_current_graph_task_keep_graph()`), as autograd
+# keeps a saved tensor then: it lives with the retained graph, and the last backward frees it
+# as before.
+
+
+class _CachedAcrossBackwards(_CachedMode):
+    """torch's cached mode, keeping each entry it answers while the backward keeps its graph
+    (NOTE [ Pinned values and a second backward ])."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        key = _storage_key(func, args)
+        idx = self.func_counter.get(key, 0)
+        entries = self.storage.get(key)
+        entry = entries.get(idx) if isinstance(entries, dict) else None
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if entry is not None and entries.get(idx) is not entry:  # consumed: kept
+            entries[idx] = entry
+        return out
+
+
+def across_backwards(cached):
+    """`cached` (torch's cached selective-checkpoint mode, or a null context) keeping its
+    entries for another backward through a retained graph (NOTE [ Pinned values and a second
+    backward ])."""
+    if type(cached) is _CachedMode:
+        cached.__class__ = _CachedAcrossBackwards
+    return cached
 
 
 def pin_begin(segment: tuple[int, int, int]) -> None:
@@ -147,6 +192,7 @@ def nested_pin_contexts(key: tuple[int, int, int]) -> tuple:
     frame, recompute = _PARENTS.stack[-1]
     if not recompute:
         caching, cached = create_selective_checkpoint_contexts(_save_nothing)
+        cached = across_backwards(cached)
         frame.children[key] = weakref.ref(cached)
         return caching, cached
     ref = frame.children.get(key)

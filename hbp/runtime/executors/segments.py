@@ -63,6 +63,7 @@ from hbp.runtime.executors.checkpointing import FlatCall, draws_random
 from hbp.runtime.executors.compiled import compiled_leaf_call
 from hbp.runtime.executors.pins import (
     PinParent,
+    across_backwards,
     nested_pin_contexts,
     parent_frame,
     pin_begin,
@@ -385,6 +386,7 @@ class PlanExecutor:
             caching = cached = contextlib.nullcontext()
             if pinned and depth == 0:
                 caching, cached = create_selective_checkpoint_contexts(pin_policy(key))
+                cached = across_backwards(cached)  # NOTE [ Pinned values and a second backward ]
             elif pinned:
                 caching, cached = nested_pin_contexts(key)
             frame = PinParent() if parent else None
