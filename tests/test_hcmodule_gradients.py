@@ -278,3 +278,33 @@ def test_parameters_swapped_by_functional_call_give_the_plain_gradients():
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_a_forward_hook_that_stores_an_activation_sees_every_steps_tensor():
+    """A hook that stores a block's output for an auxiliary loss (feature distillation):
+    traced through, it stored the tracer's value at the first step and nothing later (NOTE
+    [ A module with forward hooks is one node ]); the module is now one node, called with its
+    hooks at every step."""
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
+        )
+        stored = {}
+        model[2].register_forward_hook(lambda m, i, o, stored=stored: stored.update(h=o))
+        run = hbp.HCModule(model, budget="min") if wrap else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(512, 64, generator=torch.Generator().manual_seed(step))
+            loss = run(x).square().mean() + stored.pop("h").square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        results.append((losses, [p.detach() for p in model.parameters()]))
+        if wrap:
+            assert any(s.recompute for s in run.plan.segments)
+    assert all(map(torch.equal, results[0][0], results[1][0]))
+    assert all(map(torch.equal, results[0][1], results[1][1]))

@@ -57,6 +57,28 @@ _FACTORIES = (
 ).split()
 
 
+#: Libraries whose own forward hooks are part of their models (transformers collects
+#: hidden states and attentions with them): not the user's hooks.
+LIBRARY_HOOKS = ("transformers.", "diffusers.", "timm.", "torchvision.")
+
+
+def user_hooks(module: nn.Module) -> list:
+    """The forward (pre-)hooks on `module` that its library did not install itself."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return [h for h in hooks if not getattr(h, "__module__", "").startswith(LIBRARY_HOOKS)]
+
+
+# NOTE [ A module with forward hooks is one node ]
+# Traced through, a submodule's forward hooks ran once, at capture, on the tracer's values:
+# a hook that stores a block's output for an auxiliary loss (feature distillation, probing)
+# stored a proxy at the first step and nothing at the later ones, which run the captured
+# graph (a Bloom: a TypeError, then a KeyError; a new-user trial). A submodule with hooks of
+# the user's (not its library's own) is kept as one node of the graph, called through
+# nn.Module's call at every step: its hooks see the real tensors, and what they return is the
+# module's output. The plan cuts around the node, not inside it; a recompute of the node runs
+# its hooks again.
+
+
 # torch.nn modules traced through rather than kept as leaves (see `_Tracer.is_leaf_module`).
 _TRACED_TORCH_NN = (
     nn.Transformer,
@@ -152,6 +174,8 @@ class _Tracer(fx.Tracer):
         # nn.TransformerEncoder would be one node, with nothing to cut.
         if isinstance(m, _TRACED_TORCH_NN):
             return False
+        if module_qualified_name and user_hooks(m):  # NOTE [ A module with forward hooks is
+            return True  # one node ]
         return super().is_leaf_module(m, module_qualified_name)
 
     # fx patches nn.Module.__call__ / __getattr__ while tracing; computing a value runs real

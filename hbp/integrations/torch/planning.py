@@ -17,6 +17,7 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, BudgetWarning, CaptureError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
+from hbp.graph.torch.trace import user_hooks
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.integrations.torch.parallel import FSDP2_ROOT, is_fsdp2, refuse_parallel_wrappers
 from hbp.integrations.torch.signature import signature, state_changes, without_python_state
@@ -87,17 +88,6 @@ class Compiled:
         """The closed loop measures the next step, that of a new plan; with `last`, that
         step ends the loop (a plan at the least: no plan it could make does better)."""
         self.settled, self.measurements, self.last_measurement = False, 0, last
-
-
-#: Libraries whose own forward hooks are part of their models (transformers collects
-#: hidden states and attentions with them): no warning is about them.
-LIBRARY_HOOKS = ("transformers.", "diffusers.", "timm.", "torchvision.")
-
-
-def user_hooks(module: nn.Module) -> list:
-    """The forward (pre-)hooks on `module` that its library did not install itself."""
-    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
-    return [h for h in hooks if not getattr(h, "__module__", "").startswith(LIBRARY_HOOKS)]
 
 
 # NOTE [ Captured under a profiler ]
