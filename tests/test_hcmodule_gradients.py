@@ -308,3 +308,33 @@ def test_a_forward_hook_that_stores_an_activation_sees_every_steps_tensor():
             assert any(s.recompute for s in run.plan.segments)
     assert all(map(torch.equal, results[0][0], results[1][0]))
     assert all(map(torch.equal, results[0][1], results[1][1]))
+
+
+def test_a_parameter_hook_sees_the_steps_gradient_once():
+    """The calibration measured ops on the parameters themselves (an op's argument, a module
+    node's own), and a hook of the caller's on one saw those gradients before the step's own
+    (NOTE [ The measured run leaves the caller's hooks alone ])."""
+
+    class AddMM(torch.nn.Module):  # its weight an argument of the op (as GPT-2's Conv1D)
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+        def forward(self, x):
+            return torch.addmm(x, x, self.weight).tanh()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[AddMM() for _ in range(4)], *_mlp())
+    model[6].register_forward_hook(lambda *_: None)  # a module node (NOTE [ A module with
+    # forward hooks is one node ] in hbp/graph/torch/trace.py)
+    hooked = (model[1].weight, model[6].weight)
+    seen = [[] for _ in hooked]
+    for p, got in zip(hooked, seen):
+        p.register_hook(lambda g, got=got: got.append(g.clone()))
+    hc = hbp.HCModule(model, budget="min")
+    x = torch.randn(512, 64)
+    for step in range(2):
+        hc(x).square().mean().backward()
+        for p, got in zip(hooked, seen):  # the step's gradient, once, accumulated into .grad
+            assert len(got) == step + 1
+            assert torch.equal(p.grad, got[0] if step == 0 else got[0] + got[1])

@@ -335,11 +335,12 @@ class _Values:
 
     def prepare(self, arg: Any) -> Any:
         """An argument for a measured run: a node's value with its tensors detached and
-        requiring grad as in the training step (parameters as they are)."""
+        requiring grad as in the training step (parameters too: NOTE [ The measured run
+        leaves the caller's hooks alone ] in measure_op.py)."""
         if not isinstance(arg, fx.Node):
             return arg
         if arg.op == "get_attr":
-            return fetch_attr(self.gm, arg.target)
+            return tree_map(_without_hooks, fetch_attr(self.gm, arg.target))
         requires_grad = self._requires_grad(arg)
 
         def fresh(t: Any) -> Any:
@@ -594,3 +595,10 @@ _NOISE = 4096
 # than `_NOISE` bytes over (a scalar a fake kernel makes is left, so that a capture that could
 # not be calibrated, under another profiler, plans as a calibrated one does); other layouts
 # only raise it.
+
+
+def _without_hooks(value: Any) -> Any:
+    """An alias of a tensor that requires grad (its storage, without its autograd hooks)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return value.detach().requires_grad_(True)
+    return value

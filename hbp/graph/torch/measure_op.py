@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hbp.allocator import allocator_peaks
@@ -44,19 +45,35 @@ def measure_op(
     if device is None:
         return None
     grad_inputs = [t for t in leaves if _is_grad_leaf(t)]
-    if node.op == "call_module":
-        grad_inputs += [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad]
+    swapped = contextlib.nullcontext()
+    if node.op == "call_module":  # NOTE [ The measured run leaves the caller's hooks alone ]
+        module = gm.get_submodule(node.target)
+        by_id: dict[int, torch.Tensor] = {}  # one alias per parameter: tied names share it
+        aliases = {
+            name: by_id.setdefault(id(p), p.detach().requires_grad_(p.requires_grad))
+            for name, p in module.named_parameters(remove_duplicate=False)
+        }
+        swapped = _reparametrize_module(module, aliases)
+        grad_inputs += [p for p in by_id.values() if p.requires_grad]
     grad_inputs = list({id(t): t for t in grad_inputs}.values())
     seed_bytes: list[int] = []
     state: dict[str, Any] = {}
 
     def run_forward() -> None:
-        with torch.enable_grad():
+        with torch.enable_grad(), swapped:
             out = run_node(gm, node, args, kwargs)
         state["outputs"] = [
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
-        if value is not None:  # NOTE [ A measured op's output is its value ]
+        if value is not None:  # NOTE [ The measured run leaves the caller's hooks alone ]
+            # A module the graph calls as one node (an nn.Linear, a module with the user's forward hooks)
+            # is measured with its own parameters, and its measured backward computed their gradients: a
+            # hook of the caller's on a parameter (`p.register_hook`: gradient-norm logging) ran on them,
+            # twice before the step's own call in a new-user trial (norms 67.9 and 1617.0, then the
+            # step's 0.0028). The measured run swaps in aliases of the parameters (the same storage,
+            # without their hooks) for its forward, and its backward asks for their gradients.
+
+            # NOTE [ A measured op's output is its value ]
             state["value"] = tree_map(_detached, out)
         if not state["outputs"] or not grad_inputs:
             state["out"] = out
