@@ -52,7 +52,7 @@ from hbp.graph.ir import Node
 from hbp.graph.torch.breaks import REAL_RESULTS, guard
 from hbp.graph.torch.captured import CapturedGraph
 from hbp.graph.torch.fallback import buffers_restored
-from hbp.graph.torch.measure_op import Strides, fetch_attr, measure_op, run_node
+from hbp.graph.torch.measure_op import Strides, fetch_attr, measure_op, run_node, without_hooks
 from hbp.graph.torch.normalise import changes_metadata
 from hbp.graph.torch.op_profile import PROFILED_LIKE
 from hbp.graph.torch.op_signature import graph_key, signature
@@ -340,7 +340,7 @@ class _Values:
         if not isinstance(arg, fx.Node):
             return arg
         if arg.op == "get_attr":
-            return tree_map(_without_hooks, fetch_attr(self.gm, arg.target))
+            return tree_map(without_hooks, fetch_attr(self.gm, arg.target))
         requires_grad = self._requires_grad(arg)
 
         def fresh(t: Any) -> Any:
@@ -595,10 +595,3 @@ _NOISE = 4096
 # than `_NOISE` bytes over (a scalar a fake kernel makes is left, so that a capture that could
 # not be calibrated, under another profiler, plans as a calibrated one does); other layouts
 # only raise it.
-
-
-def _without_hooks(value: Any) -> Any:
-    """An alias of a tensor that requires grad (its storage, without its autograd hooks)."""
-    if isinstance(value, torch.Tensor) and value.requires_grad:
-        return value.detach().requires_grad_(True)
-    return value

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hbp.allocator import allocator_peaks
 from hbp.graph.torch.modes import MODES, enter_modes
 
-__all__ = ["Strides", "fetch_attr", "measure_op", "run_node"]
+__all__ = ["Strides", "fetch_attr", "measure_op", "run_node", "without_hooks"]
 
 #: A gradient layout: the strides of a dense gradient, or its strides followed by its storage
 #: offset and its storage's length in elements (a view into a larger gradient: a slice of a
@@ -65,15 +65,7 @@ def measure_op(
         state["outputs"] = [
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
-        if value is not None:  # NOTE [ The measured run leaves the caller's hooks alone ]
-            # A module the graph calls as one node (an nn.Linear, a module with the user's forward hooks)
-            # is measured with its own parameters, and its measured backward computed their gradients: a
-            # hook of the caller's on a parameter (`p.register_hook`: gradient-norm logging) ran on them,
-            # twice before the step's own call in a new-user trial (norms 67.9 and 1617.0, then the
-            # step's 0.0028). The measured run swaps in aliases of the parameters (the same storage,
-            # without their hooks) for its forward, and its backward asks for their gradients.
-
-            # NOTE [ A measured op's output is its value ]
+        if value is not None:  # NOTE [ A measured op's output is its value ]
             state["value"] = tree_map(_detached, out)
         if not state["outputs"] or not grad_inputs:
             state["out"] = out
@@ -117,6 +109,24 @@ def measure_op(
         value.append(state["value"])
     by_id = {id(t): g for t, g in zip(grad_inputs, grads)}
     return forward, backward, tuple(_layout(by_id.get(id(t))) for t in leaves)
+
+
+# NOTE [ The measured run leaves the caller's hooks alone ]
+# An op measured alone ran on the parameters themselves (an op's parameter argument, a module
+# the graph calls as one node), and its measured backward computed their gradients: a hook of
+# the caller's on a parameter (`p.register_hook`: gradient-norm logging) ran on them, twice
+# before the step's own call in a new-user trial (norms 67.9 and 1617.0, then the step's
+# 0.0028). The measured run takes aliases of the parameters (the same storage, without their
+# hooks): as arguments (`without_hooks`, from `_Values.prepare` in calibrate.py), and swapped
+# into a module node's module for its forward, its backward asking for their gradients.
+
+
+def without_hooks(value: Any) -> Any:
+    """An alias of a tensor that requires grad (its storage, without its autograd hooks);
+    anything else as it is (NOTE [ The measured run leaves the caller's hooks alone ])."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return value.detach().requires_grad_(True)
+    return value
 
 
 # NOTE [ A measured op's output is its value ]

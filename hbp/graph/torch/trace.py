@@ -174,8 +174,9 @@ class _Tracer(fx.Tracer):
         # nn.TransformerEncoder would be one node, with nothing to cut.
         if isinstance(m, _TRACED_TORCH_NN):
             return False
-        if module_qualified_name and user_hooks(m):  # NOTE [ A module with forward hooks is
-            return True  # one node ]
+        # NOTE [ A module with forward hooks is one node ]
+        if module_qualified_name and user_hooks(m):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
     # fx patches nn.Module.__call__ / __getattr__ while tracing; computing a value runs real
