@@ -317,7 +317,7 @@ class ClosedLoop:
         as measured steps of this module showed it, would take the end of its forward above
         the budget (NOTE [ The loss outside the module, at a new size ])."""
         rate = max((c.outside_per_output_byte for c in self._captures()), default=0.0)
-        if not rate or self._budget.is_min or loss_in_graph(compiled):
+        if not rate or self._budget.is_min or not loss_outside(compiled):
             return
         outside = int(rate * output_bytes(compiled))
         for _ in range(MAX_REPLANS):
@@ -454,14 +454,22 @@ def loss_in_graph(compiled) -> bool:
 # the end of the forward and the start of the backward, on the outputs backward starts from
 # (the logits), and its memory grows with them (a cross-entropy: its log-softmax, their
 # gradient and the logits' gradient, 3.0x the logits at every length measured). So where a
-# measured step peaked above its plan and backward starts from outputs larger than a loss,
-# that peak less what the plan holds at the end of the forward, per byte of those outputs,
-# is kept with the capture. A new signature's plan (or a known one's new plan) whose forward
-# ends within less than that rate times its own outputs' bytes of the budget is planned
-# again, for the budget less that memory (less the outputs' gradients, which the plan counts
-# at the backward's start): one plan more where the closed loop would have made it after an
-# over-budget step, and none where the plan leaves the room. The loop still measures the
-# step, and corrects a rate that did not hold; a plan for "min" is the least already.
+# measured step peaked above its plan and backward starts from outputs none of which is a
+# loss (`loss_outside`), that peak less what the plan holds at the end of the forward, per
+# byte of those outputs, is kept with the capture. A new signature's plan (or a known one's
+# new plan) whose forward ends within less than that rate times its own outputs' bytes of the
+# budget is planned again, for the budget less the overshoot (up to `MAX_REPLANS` times):
+# plans the closed loop would have made after an over-budget step, and none where the plan
+# leaves the room. The loop still measures the step, and corrects a rate that did not hold;
+# a plan for "min" is the least already.
+
+
+def loss_outside(compiled) -> bool:
+    """Whether the caller's loss is outside the module: backward starts from outputs, none of
+    them a scalar (a model's own loss from its labels is one, and the caller's loss then)."""
+    graph = compiled.captured.graph
+    seeds = graph.backward_seeds()
+    return bool(seeds) and all(graph.node(s).output_bytes > LOSS_BYTES for s in seeds)
 
 
 def output_bytes(compiled) -> int:
@@ -477,7 +485,7 @@ def _loss_outside_per_output_byte(compiled, peak: int) -> float | None:
     within its plan (the loss's memory is then not known: NOTE [ The loss outside the
     module, at a new size ])."""
     outputs = output_bytes(compiled)
-    if outputs <= 0 or loss_in_graph(compiled):
+    if outputs <= 0 or not loss_outside(compiled):
         return None
     if peak <= compiled.plan.predicted_peak_bytes + TOLERANCE * compiled.budget_bytes:
         return None
