@@ -252,7 +252,11 @@ def test_save_pretrained_from_pretrained_deepcopy_and_pickle(tmp_path):
     model, _, kwargs = gpt2()
     hbp.enable(model, budget="min")
     _step(model, kwargs)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path)  # sets config.architectures and config.dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "config.dtype None -> 'float32' since ..."
+        _step(model, kwargs)
+    assert len(hbp.engine_of(model)._captures()) == 1  # not captured again (CONFIG_RECORDS)
     loaded = type(model).from_pretrained(tmp_path)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name

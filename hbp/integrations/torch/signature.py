@@ -72,6 +72,11 @@ def without_python_state(key: tuple) -> tuple:
 #: Attribute values a forward can branch on, compared from step to step (NOTE [ What the
 #: capture fixed ]).
 PLAIN_VALUES = (bool, int, float, str, type(None))
+#: A transformers config's records of its checkpoint, not what a forward reads: the classes
+#: and the dtype its weights were saved as (`save_pretrained` sets them, from None: a
+#: Trainer's first checkpoint made every shape a new signature, captured again; the
+#: parameters' dtypes are in the signature already).
+CONFIG_RECORDS = frozenset({"architectures", "dtype", "torch_dtype", "transformers_version"})
 
 
 def python_state(module: nn.Module, index: int, configs: set[int]) -> tuple:
@@ -84,7 +89,11 @@ def python_state(module: nn.Module, index: int, configs: set[int]) -> tuple:
     config = module.__dict__.get("config")
     if config is not None and id(config) not in configs and hasattr(config, "__dict__"):
         configs.add(id(config))
-        state += [(f"config.{k}", v) for k, v in vars(config).items() if type(v) in PLAIN_VALUES]
+        state += [
+            (f"config.{k}", v)
+            for k, v in vars(config).items()
+            if type(v) in PLAIN_VALUES and k not in CONFIG_RECORDS
+        ]
     return (index, *state) if state else ()
 
 
