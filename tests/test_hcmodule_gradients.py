@@ -7,6 +7,7 @@ and several optimizer steps in a row."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -338,3 +339,37 @@ def test_a_parameter_hook_sees_the_steps_gradient_once():
         for p, got in zip(hooked, seen):  # the step's gradient, once, accumulated into .grad
             assert len(got) == step + 1
             assert torch.equal(p.grad, got[0] if step == 0 else got[0] + got[1])
+
+
+def test_a_forward_hook_that_stores_an_activation_is_not_traced_on_fake_tensors(monkeypatch):
+    """Where only the export tracer reaches the step (fx fails on the model: a diffusers
+    UNet2DModel given a tensor timestep), a hook that stores a block's output ran on its fake
+    tensors once: the caller's loss and the parameters' .grad were fake tensors, then the hook
+    stored nothing. The step is captured at module level instead, whose calls run the hooks on
+    real tensors at every step."""
+    from hbp.graph.torch import capture as capture_stage
+
+    monkeypatch.setattr(capture_stage, "_TRACERS", (capture_stage._export_trace,))
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
+        )
+        stored = {}
+        model[2].register_forward_hook(lambda m, i, o, stored=stored: stored.update(h=o))
+        run = hbp.HCModule(model, budget="min") if wrap else model
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's CaptureWarning, the closed loop's
+            for step in range(2):
+                x = torch.randn(512, 64, generator=torch.Generator().manual_seed(step))
+                loss = run(x).square().mean() + stored.pop("h").square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+        assert all(type(p.grad) is torch.Tensor for p in model.parameters())
+        results.append((losses, [p.grad for p in model.parameters()]))
+        if wrap:
+            assert run.captured.granularity == "module"
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
+        torch.testing.assert_close(a, b)

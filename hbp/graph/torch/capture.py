@@ -54,7 +54,12 @@ from hbp.graph.torch.profile import profile_graph
 from hbp.graph.torch.proxy import InputAttributeRead
 from hbp.graph.torch.scratch_store import ScratchStore
 from hbp.graph.torch.state import ForwardSideEffect, ModelState, ModuleState, same_value
-from hbp.graph.torch.trace import checkpoints_inlined, fake_failures_quiet, trace_module
+from hbp.graph.torch.trace import (
+    checkpoints_inlined,
+    fake_failures_quiet,
+    trace_module,
+    user_hooks,
+)
 
 __all__ = [
     "MODES",
@@ -186,6 +191,12 @@ def _export_trace(
     module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
     """Op level by running the forward on fake tensors (`hbp.graph.torch.export`)."""
+    hooked = [name for name, m in module.named_modules() if name and user_hooks(m)]
+    if hooked:  # NOTE [ A module with forward hooks is one node ] in trace.py
+        raise RuntimeError(
+            f"forward hooks on {', '.join(hooked[:3])} would run once, on the tracer's fake "
+            "tensors, and never again: a hook that stores an output would keep a fake tensor"
+        )
     assigned: list[str] = []
     checkpoints: list[int] = []  # one entry per torch.utils.checkpoint call traced through
     state = ModuleState(module)

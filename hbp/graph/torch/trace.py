@@ -76,7 +76,10 @@ def user_hooks(module: nn.Module) -> list:
 # the user's (not its library's own) is kept as one node of the graph, called through
 # nn.Module's call at every step: its hooks see the real tensors, and what they return is the
 # module's output. The plan cuts around the node, not inside it; a recompute of the node runs
-# its hooks again.
+# its hooks again. The export tracer cannot keep a module whole: it refuses a module with
+# such hooks (they ran on its fake tensors: a UNet's caller computed its loss, and got its
+# parameters' .grad, as fake tensors), and the step is captured at module level, whose calls
+# run the hooks.
 
 
 # torch.nn modules traced through rather than kept as leaves (see `_Tracer.is_leaf_module`).

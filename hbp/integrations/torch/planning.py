@@ -674,14 +674,7 @@ class Planning:
             )
         hooked = [name for name, m in self.module.named_modules() if name and user_hooks(m)]
         listed = f"{', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''}"
-        if hooked and captured.tracer == "export":
-            self._warn_once(
-                "hooks",
-                f"forward hooks on {listed} were traced into the captured graph: what they "
-                "compute is kept, their Python side effects (storing tensors, logging) do not "
-                "happen again on later steps",
-            )
-        elif hooked and any(s.recompute for s in executor.plan.segments):
+        if hooked and any(s.recompute for s in executor.plan.segments):
             self._warn_once(
                 "hooks",
                 f"forward hooks on {listed} run again when HCModule recomputes their modules "
