@@ -307,16 +307,28 @@ def test_a_byte_budget_above_the_plain_step_holds_the_step_to_the_bytes_given():
     assert not any(s.recompute for s in hc.plan.segments)
 
 
+class ContiguousLM(TiedLM):
+    """Its logits through `.contiguous()` of a contiguous tensor (OPT's): an output that is a
+    view of a value, with no bytes of its own, which read as a scalar loss."""
+
+    def forward(self, idx):
+        logits, h = super().forward(idx)
+        return logits.contiguous(), h
+
+
 @pytest.mark.parametrize("budget", [0.8, "50%act"])
 @pytest.mark.parametrize("carry_plans", [True, False])
-def test_a_new_length_leaves_room_for_the_loss_outside_from_its_first_step(budget, carry_plans):
+@pytest.mark.parametrize("model_class", [TiedLM, ContiguousLM])
+def test_a_new_length_leaves_room_for_the_loss_outside_from_its_first_step(
+    budget, carry_plans, model_class
+):
     """The first length's step goes over by the caller's loss and is planned again; the
     lengths after it are planned with room for it from their first step, measured by the
     allocator, without a warning, and train as the plain model (NOTE [ The loss outside the
     module, at a new size ]). Carried, a plan is the first length's, made again with room
     for the loss; planned for each length, each planned for the whole budget went over."""
     torch.manual_seed(0)
-    model = TiedLM()
+    model = model_class()
     plain = copy.deepcopy(model)
     hc = hbp.HCModule(model, budget, carry_plans=carry_plans)
     idx, targets = batch()

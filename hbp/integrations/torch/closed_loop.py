@@ -443,7 +443,17 @@ def loss_in_graph(compiled) -> bool:
     no part of what a measured step held above its plan, and `loss_fn=` is no advice."""
     graph = compiled.captured.graph
     seeds = graph.backward_seeds()
-    return bool(seeds) and all(graph.node(s).output_bytes <= LOSS_BYTES for s in seeds)
+    return bool(seeds) and all(value_bytes(graph, s) <= LOSS_BYTES for s in seeds)
+
+
+def value_bytes(graph, name: str) -> int:
+    """Bytes of the storage of node `name`'s output: its own, or the value it is a view of
+    (an output made by `.contiguous()` of a contiguous tensor is its input: 0 bytes of its
+    own, which read as a scalar loss: an OPT's logits)."""
+    node = graph.node(name)
+    while node.alias_of is not None:
+        node = graph.node(node.alias_of)
+    return node.output_bytes
 
 
 # NOTE [ The loss outside the module, at a new size ]
@@ -469,13 +479,13 @@ def loss_outside(compiled) -> bool:
     them a scalar (a model's own loss from its labels is one, and the caller's loss then)."""
     graph = compiled.captured.graph
     seeds = graph.backward_seeds()
-    return bool(seeds) and all(graph.node(s).output_bytes > LOSS_BYTES for s in seeds)
+    return bool(seeds) and all(value_bytes(graph, s) > LOSS_BYTES for s in seeds)
 
 
 def output_bytes(compiled) -> int:
     """Bytes of the outputs backward starts from that are more than a loss (a scalar)."""
     graph = compiled.captured.graph
-    sizes = (graph.node(s).output_bytes for s in graph.backward_seeds())
+    sizes = (value_bytes(graph, s) for s in graph.backward_seeds())
     return sum(size for size in sizes if size > LOSS_BYTES)
 
 
