@@ -282,7 +282,23 @@ def profiler_peak_bytes(
     allocated where the measured window ends (later events are left out)."""
     if _EventType is None:  # pragma: no cover
         raise RuntimeError("profiler_peak_bytes needs torch._C._profiler._EventType (torch >= 2.1)")
+    return _peak_of(_cpu_events(prof), marker_ptr, end_ptr)
+
+
+def window_peak_bytes(prof: torch.profiler.profile, marker_ptr: int, end_ptr: int) -> int | None:
+    """`profiler_peak_bytes` of a window whose start and end markers are both among `prof`'s
+    events, else None: a profiler the caller started inside the window took its events (a
+    torch.profiler.profile between the step and the read of its measurement: the window read
+    0 bytes, and an over-budget step was taken for a measured one)."""
     events = _cpu_events(prof)
+    ends = {(e[3], e[1]) for e in events}
+    if (marker_ptr, _MARKER_BYTES) not in ends or (end_ptr, _MARKER_BYTES) not in ends:
+        return None
+    return _peak_of(events, marker_ptr, end_ptr)
+
+
+def _peak_of(events: list[tuple], marker_ptr: int | None, end_ptr: int | None) -> int:
+    """`profiler_peak_bytes` of the CPU allocator's `events` (`_cpu_events`)."""
     if not events:
         return 0
     marker = None

@@ -377,3 +377,21 @@ def test_an_optimizer_stepped_inside_backward_leaves_no_profiler_running():
     assert not torch.autograd._profiler_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         hc(x).square().mean().backward()  # the caller's own profiler starts
+
+
+def test_a_profiler_started_inside_the_measured_window_is_said_not_read_as_zero():
+    """A profiler of the caller's started after backward, before the measurement was read,
+    took the window's events: the step read as 0 bytes, and an over-budget step was taken for
+    one within the budget. Now it is not measured, with a warning, and measured again."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    hc = hbp.HCModule(model, 0.8)
+    idx, targets = batch()
+    entropy_regularised_loss(hc(idx), targets).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        torch.ones(3).sum()
+    with pytest.warns(hbp.BudgetWarning, match="a profiler started after a step's backward"):
+        assert hc.measured_peak_bytes is None
+    with pytest.warns(hbp.BudgetWarning, match="Planned again"):  # measured again: over
+        entropy_regularised_loss(hc(idx), targets).backward()
+        assert hc.measured_peak_bytes > 1.05 * hc.budget_bytes

@@ -15,8 +15,8 @@ from torch.utils._pytree import tree_flatten
 from hbp.allocator import (
     close_open_windows,
     foreign_profiler_running,
-    profiler_peak_bytes,
     release_results,
+    window_peak_bytes,
     without_kineto_lines,
 )
 from hbp.analysis.simulate import simulate
@@ -121,8 +121,8 @@ class StepPeakProbe:
         with without_kineto_lines():
             profiler.stop()
         self._end_marker = None  # freed with the profiler off: not an event of the window
-        if self._end_ptr is not None:
-            self._peak = profiler_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
+        if self._end_ptr is not None:  # None where the caller's profiler took the window
+            self._peak = window_peak_bytes(profiler, self._marker_ptr, self._end_ptr)
         release_results(profiler)
         return self._peak
 
@@ -340,8 +340,18 @@ class ClosedLoop:
         if self._probe is None:
             return None
         (probe, compiled), self._probe = self._probe, None
+        ended = probe.ended
         peak = probe.stop()
         compiled.others_inside = probe.others_inside
+        if ended and peak is None:  # the window's events were taken (`window_peak_bytes`)
+            self._warn_once(
+                "profiler-took-window",
+                "HCModule: a profiler started after a step's backward and before the optimizer "
+                "step or the next call, while hbp's allocator measurement of that step still "
+                "recorded; it took the measurement's events, and the step is measured again "
+                "at its next call. Start profilers after optimizer.step().",
+                BudgetWarning,
+            )
         return None if peak is None else (compiled, peak)
 
     def _step_measured(self, compiled, peak: int) -> None:
