@@ -93,6 +93,12 @@ def test_closed_loop_says_when_the_callers_loss_makes_the_budget_infeasible():
     (message,) = [str(w.message) for w in record if "cannot be met" in str(w.message)]
     assert f"peaked at {measured / 2**20:.2f} MiB" in message
     assert f"the least is {budget / 2**20:.2f} MiB" in message
+    # said once, not again at each new shape (NOTE [ The least plan where the budget cannot be
+    # met ])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hbp.BudgetWarning)
+        entropy_regularised_loss(hc(idx[:8]), targets[:8]).backward()
+        assert hc.measured_peak_bytes > 1.05 * hc.compiled.budget_bytes
 
 
 class LMWithItsLoss(TiedLM):
@@ -395,3 +401,23 @@ def test_a_profiler_started_inside_the_measured_window_is_said_not_read_as_zero(
     with pytest.warns(hbp.BudgetWarning, match="Planned again"):  # measured again: over
         entropy_regularised_loss(hc(idx), targets).backward()
         assert hc.measured_peak_bytes > 1.05 * hc.budget_bytes
+
+
+def test_where_the_budget_cannot_be_met_the_least_plan_runs():
+    """The caller's loss leaves no plan within the budget: the step kept the plan that went
+    over; it now runs the least plan, the nearest to the budget (NOTE [ The least plan where
+    the budget cannot be met ])."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    idx, targets = batch()
+    hc = hbp.HCModule(model, 0.6)
+    with pytest.warns(hbp.BudgetWarning, match="planned for the least, the nearest to the budget"):
+        entropy_regularised_loss(hc(idx), targets).backward()
+        first = hc.measured_peak_bytes
+    with pytest.raises(hbp.BudgetError) as least:
+        hbp.HCModule(copy.deepcopy(model), 1)(idx)
+    assert hc.plan.predicted_peak_bytes == least.value.minimum
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hbp.BudgetWarning)  # the loop's last measurement: quiet
+        entropy_regularised_loss(hc(idx), targets).backward()
+        assert hc.measured_peak_bytes < 0.95 * first
