@@ -421,3 +421,33 @@ def test_where_the_budget_cannot_be_met_the_least_plan_runs():
         warnings.simplefilter("error", hbp.BudgetWarning)  # the loop's last measurement: quiet
         entropy_regularised_loss(hc(idx), targets).backward()
         assert hc.measured_peak_bytes < 0.95 * first
+
+
+def test_room_for_the_loss_below_a_plan_with_slack():
+    """A plan whose peak sits well under its budget (a small transformers model at the
+    default budget) kept its forward's end when planned again for the budget less the loss's
+    overshoot: the new budget was still above its peak. Planned from its peak down instead, a
+    new length's first step is within the budget (a Falcon at 40 tokens: 1.023x before, with
+    a warning; NOTE [ The loss outside the module, at a new size ])."""
+    from models.real import quiet_transformers
+
+    t = quiet_transformers()
+    torch.manual_seed(0)
+    config = t.FalconConfig(
+        vocab_size=800, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, alibi=False
+    )
+    model = t.FalconForCausalLM(config)
+    hbp.enable(model)
+    engine = hbp.engine_of(model)
+    generator = torch.Generator().manual_seed(1)
+    for step, length in enumerate((96, 40, 72)):
+        ids = torch.randint(3, 800, (4, length), generator=generator)
+        with warnings.catch_warnings():
+            if step:  # the first length goes over once and is planned again
+                warnings.simplefilter("error", hbp.BudgetWarning)
+            else:
+                warnings.simplefilter("ignore", hbp.BudgetWarning)
+            logits = model(input_ids=ids).logits
+            F.cross_entropy(logits[:, :-1].reshape(-1, 800), ids[:, 1:].reshape(-1)).backward()
+            measured = engine.measured_peak_bytes  # read here: the warning is this step's
+        assert step == 0 or measured <= 1.01 * engine.budget_bytes, (length, measured)

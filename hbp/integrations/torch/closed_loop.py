@@ -325,7 +325,9 @@ class ClosedLoop:
             over = forward_end + outside - compiled.budget_bytes
             if over <= 0:
                 return
-            target = compiled.plan.budget_bytes - over
+            # below the plan's peak: a plan that is within a lower budget already does not
+            # change (its forward end with it)
+            target = min(compiled.plan.budget_bytes, compiled.plan.predicted_peak_bytes) - over
             if target <= 0:
                 return
             try:
