@@ -373,3 +373,26 @@ def test_a_forward_hook_that_stores_an_activation_is_not_traced_on_fake_tensors(
             assert run.captured.granularity == "module"
     for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("hooked", [0, 2, 5])
+def test_the_recomputed_hooks_warning_is_said_where_a_hook_runs_again(hooked):
+    """ "forward hooks on ... run again" was said wherever the plan recomputed anything; it is
+    said where a hooked module's call is recomputed, that is where the hook runs more than
+    once a step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
+    )
+    calls = []
+    model[hooked].register_forward_hook(lambda *_: calls.append(1))
+    hc = hbp.HCModule(model, budget="min", calibrate=False)
+    x = torch.randn(512, 64)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        hc(x).square().mean().backward()
+    calls.clear()
+    hc(x).square().mean().backward()
+    warned = any("run again when HCModule recomputes" in str(w.message) for w in said)
+    assert any(s.recompute for s in hc.plan.segments)
+    assert warned == (len(calls) > 1), (len(calls), warned)

@@ -674,7 +674,7 @@ class Planning:
             )
         hooked = [name for name, m in self.module.named_modules() if name and user_hooks(m)]
         listed = f"{', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''}"
-        if hooked and any(s.recompute for s in executor.plan.segments):
+        if hooked and _recomputes_hooked(captured, executor.plan, hooked, self.module):
             self._warn_once(
                 "hooks",
                 f"forward hooks on {listed} run again when HCModule recomputes their modules "
@@ -736,6 +736,29 @@ class Planning:
         if key not in self._warned:
             self._warned.add(key)
             warn_at_caller(message, category)
+
+
+def _recomputes_hooked(captured: CapturedGraph, plan: Plan, hooked: list[str], module) -> bool:
+    """Whether `plan` recomputes a call of a module with the user's forward hooks (`hooked`,
+    paths in `module`): at op level, where such a call's node (NOTE [ A module with forward
+    hooks is one node ] in hbp/graph/torch/trace.py) lies in a recomputed segment; at module
+    level, where any segment is recomputed."""
+    if captured.granularity == MODULE:
+        return any(s.recompute for s in plan.segments)
+    modules = {id(module.get_submodule(path)) for path in hooked}
+    gm = captured.gm
+    calls = [
+        i
+        for i, n in enumerate(captured.fx_nodes)
+        if n.op == "call_module" and id(gm.get_submodule(n.target)) in modules
+    ]
+
+    def recomputed(segments, i: int) -> bool:
+        return any(
+            s.start <= i < s.stop and (s.recompute or recomputed(s.children, i)) for s in segments
+        )
+
+    return any(recomputed(plan.segments, i) for i in calls)
 
 
 def _held_output_bytes(graph) -> int:
