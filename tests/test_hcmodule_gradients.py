@@ -227,6 +227,13 @@ def test_packed_position_ids_passed_keep_the_mask():
         torch.testing.assert_close(got[name], expected[name])
 
 
+def _blocks() -> torch.nn.Sequential:
+    """Six (Linear, Tanh) blocks, each a module a hook can go on."""
+    return torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
+    )
+
+
 def _mlp() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -289,9 +296,7 @@ def test_a_forward_hook_that_stores_an_activation_sees_every_steps_tensor():
     results = []
     for wrap in (False, True):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
-        )
+        model = _blocks()
         stored = {}
         model[2].register_forward_hook(lambda m, i, o, stored=stored: stored.update(h=o))
         run = hbp.HCModule(model, budget="min") if wrap else model
@@ -353,9 +358,7 @@ def test_a_forward_hook_that_stores_an_activation_is_not_traced_on_fake_tensors(
     results = []
     for wrap in (False, True):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
-        )
+        model = _blocks()
         stored = {}
         model[2].register_forward_hook(lambda m, i, o, stored=stored: stored.update(h=o))
         run = hbp.HCModule(model, budget="min") if wrap else model
@@ -381,9 +384,7 @@ def test_the_recomputed_hooks_warning_is_said_where_a_hook_runs_again(hooked):
     said where a hooked module's call is recomputed, that is where the hook runs more than
     once a step."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
-    )
+    model = _blocks()
     calls = []
     model[hooked].register_forward_hook(lambda *_: calls.append(1))
     hc = hbp.HCModule(model, budget="min", calibrate=False)
