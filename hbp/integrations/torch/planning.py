@@ -124,16 +124,17 @@ class Planning:
     def _plans_for(self, args, kwargs) -> bool:
         if not torch.is_grad_enabled():
             return False
-        params, hooked = [], []
-        for name, m in self.module.named_modules():
-            params.extend(p for p in m._parameters.values() if p is not None)
-            if m._backward_hooks or m._backward_pre_hooks:
-                hooked.append(name or type(m).__name__)
+        differentiable, swapped, backward_hooks = _walked(self.module)
         if (
-            hooked
+            backward_hooks
             or nn.modules.module._global_backward_hooks
             or nn.modules.module._global_backward_pre_hooks
         ):
+            hooked = [
+                name or type(m).__name__
+                for name, m in self.module.named_modules()
+                if m._backward_hooks or m._backward_pre_hooks
+            ]
             self._warn_once(
                 "backward-hooks",
                 "HCModule: module backward hooks (register_full_backward_hook, "
@@ -145,7 +146,7 @@ class Planning:
                 BudgetWarning,
             )
             return False
-        if not all(isinstance(p, nn.Parameter) for p in params):
+        if swapped:
             self._warn_once(
                 "swapped-parameters",
                 "HCModule: the module's parameters are replaced by other tensors for this call "
@@ -156,7 +157,6 @@ class Planning:
                 BudgetWarning,
             )
             return False
-        differentiable = any(p.requires_grad for p in params)
         if not differentiable:
             leaves, _ = tree_flatten((args, kwargs))
             differentiable = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
@@ -736,6 +736,29 @@ class Planning:
         if key not in self._warned:
             self._warned.add(key)
             warn_at_caller(message, category)
+
+
+def _walked(module: nn.Module) -> tuple[bool, bool, bool]:
+    """Whether any parameter of `module` requires grad, whether any is not an nn.Parameter
+    (swapped for the call: NOTE [ Parameters swapped for one call ]), and whether any module
+    has backward hooks (NOTE [ Module backward hooks ]): one walk at every call, over the
+    module dicts directly (`modules()` builds a memo set as it goes, at twice the cost)."""
+    differentiable = swapped = backward_hooks = False
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if m is None:  # a submodule slot set to None
+            continue
+        if m._backward_hooks or m._backward_pre_hooks:
+            backward_hooks = True
+        for p in m._parameters.values():
+            if p is not None:
+                if p.requires_grad:
+                    differentiable = True
+                if not isinstance(p, nn.Parameter):
+                    swapped = True
+        stack.extend(m._modules.values())
+    return differentiable, swapped, backward_hooks
 
 
 def _recomputes_hooked(captured: CapturedGraph, plan: Plan, hooked: list[str], module) -> bool:
