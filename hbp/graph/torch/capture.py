@@ -57,8 +57,8 @@ from hbp.graph.torch.state import ForwardSideEffect, ModelState, ModuleState, sa
 from hbp.graph.torch.trace import (
     checkpoints_inlined,
     fake_failures_quiet,
+    hooked_submodules,
     trace_module,
-    user_hooks,
 )
 
 __all__ = [
@@ -191,7 +191,7 @@ def _export_trace(
     module: nn.Module, bound: inspect.BoundArguments, signature: inspect.Signature, args, kwargs
 ) -> CapturedGraph:
     """Op level by running the forward on fake tensors (`hbp.graph.torch.export`)."""
-    hooked = [name for name, m in module.named_modules() if name and user_hooks(m)]
+    hooked = hooked_submodules(module)
     if hooked:  # NOTE [ A module with forward hooks is one node ] in trace.py
         raise RuntimeError(
             f"forward hooks on {', '.join(hooked[:3])} would run once, on the tracer's fake "

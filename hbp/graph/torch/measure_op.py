@@ -48,13 +48,13 @@ def measure_op(
     swapped = contextlib.nullcontext()
     if node.op == "call_module":  # NOTE [ The measured run leaves the caller's hooks alone ]
         module = gm.get_submodule(node.target)
-        by_id: dict[int, torch.Tensor] = {}  # one alias per parameter: tied names share it
+        alias_of: dict[int, torch.Tensor] = {}  # one alias per parameter: tied names share it
         aliases = {
-            name: by_id.setdefault(id(p), p.detach().requires_grad_(p.requires_grad))
+            name: alias_of.setdefault(id(p), without_hooks(p))
             for name, p in module.named_parameters(remove_duplicate=False)
         }
         swapped = _reparametrize_module(module, aliases)
-        grad_inputs += [p for p in by_id.values() if p.requires_grad]
+        grad_inputs += [p for p in alias_of.values() if p.requires_grad]
     grad_inputs = list({id(t): t for t in grad_inputs}.values())
     seed_bytes: list[int] = []
     state: dict[str, Any] = {}

@@ -68,6 +68,11 @@ def user_hooks(module: nn.Module) -> list:
     return [h for h in hooks if not getattr(h, "__module__", "").startswith(LIBRARY_HOOKS)]
 
 
+def hooked_submodules(module: nn.Module) -> list[str]:
+    """The paths of `module`'s submodules (not itself) with forward hooks of the user's."""
+    return [name for name, m in module.named_modules() if name and user_hooks(m)]
+
+
 # NOTE [ A module with forward hooks is one node ]
 # Traced through, a submodule's forward hooks ran once, at capture, on the tracer's values:
 # a hook that stores a block's output for an auxiliary loss (feature distillation, probing)

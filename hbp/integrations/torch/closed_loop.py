@@ -474,9 +474,14 @@ def loss_in_graph(compiled) -> bool:
     """Whether backward starts only from scalars the captured step computes itself (a loss
     passed as `loss_fn=`, or a model's own loss from its labels): then the caller's loss is
     no part of what a measured step held above its plan, and `loss_fn=` is no advice."""
+    sizes = _seed_bytes(compiled)
+    return bool(sizes) and all(size <= LOSS_BYTES for size in sizes)
+
+
+def _seed_bytes(compiled) -> list[int]:
+    """The storage bytes of each output backward starts from (`value_bytes`)."""
     graph = compiled.captured.graph
-    seeds = graph.backward_seeds()
-    return bool(seeds) and all(value_bytes(graph, s) <= LOSS_BYTES for s in seeds)
+    return [value_bytes(graph, s) for s in graph.backward_seeds()]
 
 
 def value_bytes(graph, name: str) -> int:
@@ -510,16 +515,13 @@ def value_bytes(graph, name: str) -> int:
 def loss_outside(compiled) -> bool:
     """Whether the caller's loss is outside the module: backward starts from outputs, none of
     them a scalar (a model's own loss from its labels is one, and the caller's loss then)."""
-    graph = compiled.captured.graph
-    seeds = graph.backward_seeds()
-    return bool(seeds) and all(value_bytes(graph, s) > LOSS_BYTES for s in seeds)
+    sizes = _seed_bytes(compiled)
+    return bool(sizes) and all(size > LOSS_BYTES for size in sizes)
 
 
 def output_bytes(compiled) -> int:
     """Bytes of the outputs backward starts from that are more than a loss (a scalar)."""
-    graph = compiled.captured.graph
-    sizes = (value_bytes(graph, s) for s in graph.backward_seeds())
-    return sum(size for size in sizes if size > LOSS_BYTES)
+    return sum(size for size in _seed_bytes(compiled) if size > LOSS_BYTES)
 
 
 def _loss_outside_per_output_byte(compiled, peak: int) -> float | None:
@@ -527,10 +529,9 @@ def _loss_outside_per_output_byte(compiled, peak: int) -> float | None:
     the outputs backward starts from; None where no loss is outside or the step peaked
     within its plan (the loss's memory is then not known: NOTE [ The loss outside the
     module, at a new size ])."""
-    outputs = output_bytes(compiled)
-    if outputs <= 0 or not loss_outside(compiled):
+    if not loss_outside(compiled):  # then every output it starts from has bytes
         return None
     if peak <= compiled.plan.predicted_peak_bytes + TOLERANCE * compiled.budget_bytes:
         return None
     forward_end = simulate(compiled.captured.graph, compiled.plan).forward_end_bytes
-    return max(peak - forward_end, 0) / outputs
+    return max(peak - forward_end, 0) / output_bytes(compiled)

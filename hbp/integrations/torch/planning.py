@@ -17,7 +17,7 @@ from hbp.analysis.simulate import simulate
 from hbp.errors import BudgetError, BudgetWarning, CaptureError, ConfigError
 from hbp.graph.torch.capture import MODULE, CapturedGraph, capture
 from hbp.graph.torch.scratch_store import ScratchStore
-from hbp.graph.torch.trace import user_hooks
+from hbp.graph.torch.trace import hooked_submodules
 from hbp.integrations.torch.closed_loop import step_device
 from hbp.integrations.torch.parallel import FSDP2_ROOT, is_fsdp2, refuse_parallel_wrappers
 from hbp.integrations.torch.signature import signature, state_changes, without_python_state
@@ -672,7 +672,7 @@ class Planning:
                 "than the model's own checkpointing did; budget='min' keeps the least, or give "
                 "bytes",
             )
-        hooked = [name for name, m in self.module.named_modules() if name and user_hooks(m)]
+        hooked = hooked_submodules(self.module)
         listed = f"{', '.join(hooked[:3])}{'...' if len(hooked) > 3 else ''}"
         if hooked and _recomputes_hooked(captured, executor.plan, hooked, self.module):
             self._warn_once(

@@ -65,7 +65,7 @@ _PARENTS = threading.local()  # .stack: the PinParent frames running now, innerm
 # the same forward, whose recomputes read the pinned values again; torch's cached mode had
 # freed each as the first recompute read it, and raised "Trying to backward an extra time"
 # (a Gemma's gradient penalty at any budget that recomputes; a new-user trial). The cached
-# mode of a pinning checkpoint (`across_backwards`) keeps an entry where the backward reading
+# mode of a pinning checkpoint (`pin_contexts`) keeps an entry where the backward reading
 # it keeps its graph (`torch._C._autograd._get_current_graph_task_keep_graph()`), as autograd
 # keeps a saved tensor then: it lives with the retained graph, and the last backward frees it
 # as before.
@@ -88,13 +88,14 @@ class _CachedAcrossBackwards(_CachedMode):
         return out
 
 
-def across_backwards(cached):
-    """`cached` (torch's cached selective-checkpoint mode, or a null context) keeping its
-    entries for another backward through a retained graph (NOTE [ Pinned values and a second
+def pin_contexts(policy) -> tuple:
+    """`create_selective_checkpoint_contexts(policy)`, its cached mode keeping its entries
+    for another backward through a retained graph (NOTE [ Pinned values and a second
     backward ])."""
+    caching, cached = create_selective_checkpoint_contexts(policy)
     if type(cached) is _CachedMode:
         cached.__class__ = _CachedAcrossBackwards
-    return cached
+    return caching, cached
 
 
 def pin_begin(segment: tuple[int, int, int]) -> None:
@@ -191,8 +192,7 @@ def nested_pin_contexts(key: tuple[int, int, int]) -> tuple:
     (if that call's frame is gone, the segment saves nothing: nothing is stored)."""
     frame, recompute = _PARENTS.stack[-1]
     if not recompute:
-        caching, cached = create_selective_checkpoint_contexts(_save_nothing)
-        cached = across_backwards(cached)
+        caching, cached = pin_contexts(_save_nothing)
         frame.children[key] = weakref.ref(cached)
         return caching, cached
     ref = frame.children.get(key)

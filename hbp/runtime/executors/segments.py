@@ -50,10 +50,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import (
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
 from hbp.graph.torch.capture import CapturedGraph
 from hbp.graph.torch.modes import MODES, enter_modes, exit_modes, modes_closed_after
@@ -63,10 +60,10 @@ from hbp.runtime.executors.checkpointing import FlatCall, draws_random
 from hbp.runtime.executors.compiled import compiled_leaf_call
 from hbp.runtime.executors.pins import (
     PinParent,
-    across_backwards,
     nested_pin_contexts,
     parent_frame,
     pin_begin,
+    pin_contexts,
     pin_end,
     pin_mark,
     pin_policy,
@@ -385,8 +382,7 @@ class PlanExecutor:
             # NOTE [ Running pinned values ]: one storage per checkpoint call
             caching = cached = contextlib.nullcontext()
             if pinned and depth == 0:
-                caching, cached = create_selective_checkpoint_contexts(pin_policy(key))
-                cached = across_backwards(cached)  # NOTE [ Pinned values and a second backward ]
+                caching, cached = pin_contexts(pin_policy(key))
             elif pinned:
                 caching, cached = nested_pin_contexts(key)
             frame = PinParent() if parent else None
